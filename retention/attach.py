@@ -1,0 +1,299 @@
+"""Attach retention gates to a frozen Hugging Face model through transformers' extension points.
+
+No modeling file is copied. Two public hooks carry the method:
+
+* a forward pre-hook on every decoder ``self_attn`` module computes ``log_beta`` ``(B, H_kv, T)`` from
+  the attention input (the hidden state after the layer's input norm), only in student mode;
+* an attention function registered in transformers' ``AttentionInterface`` (and its mask function in
+  ``AttentionMaskInterface``) runs either the model's own attention (teacher: gates bypassed, output
+  identical to the unpatched model) or retention-gated attention (student).
+
+One copy of the base weights serves both modes; only gate parameters require grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .gates import GateConfig, RetentionGates
+from .ops.retention_attention import retention_attention
+
+# model_type of the top-level config -> model_type of its text decoder
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_vl": "qwen3_vl_text",
+}
+MODES = ("teacher", "student")
+
+
+class UnsupportedModelError(ValueError):
+    """The base model's architecture has no retention-gate support."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under PEFT / DDP / DeepSpeed wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP, DeepSpeed
+            model = model.module
+        elif hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+    return model
+
+
+def text_config_of(model: nn.Module):
+    """Config of the text decoder (the model's own config for text-only models)."""
+    base = unwrap(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"retention gates do not support model_type {model_type!r} ({type(base).__name__}); "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder's self-attention modules, ordered by ``layer_idx``."""
+    text_cfg = text_config_of(model)
+    found = {}
+    for name, module in unwrap(model).named_modules():
+        if name.endswith("self_attn") and getattr(module, "config", None) is text_cfg and hasattr(module, "layer_idx"):
+            found[module.layer_idx] = module
+    if sorted(found) != list(range(text_cfg.num_hidden_layers)):
+        raise UnsupportedModelError(
+            f"found attention modules for layers {sorted(found)} but the config has "
+            f"{text_cfg.num_hidden_layers} layers; is this a supported decoder?"
+        )
+    return [found[i] for i in range(text_cfg.num_hidden_layers)]
+
+
+@dataclass
+class _LayerState:
+    """What the attention function of one layer needs; kept off the module's parameter tree."""
+
+    layer: int
+    attachment: "RetentionAttachment"
+    base_fn: Callable
+    log_beta: torch.Tensor | None = None  # (B, H_kv, T) of the current forward
+    history: torch.Tensor | None = None  # (B, H_kv, T_past + T) when decoding with a cache
+
+
+def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
+    """Document boundaries over the flattened batch: explicit ``cu_seq_lens_k`` or restarts of position_ids."""
+    cu = kwargs.get("cu_seq_lens_k", kwargs.get("cu_seq_lens_q"))
+    if cu is not None:
+        return cu
+    pos = kwargs.get("position_ids")
+    if pos is None or pos.ndim != 2 or pos.shape != (batch, seqlen):
+        return None
+    restart = torch.ones_like(pos, dtype=torch.bool)
+    restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(restart[:, 1:].any()):
+        return None
+    starts = restart.flatten().nonzero().flatten()
+    end = torch.tensor([batch * seqlen], device=pos.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def retention_attention_function(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` ``(B, Hq, Tq, D)``, ``key/value`` ``(B, Hkv, Tk, D)``.
+
+    Teacher mode calls the model's own attention. Student mode runs retention-gated attention on an
+    unpadded batch (plain or packed with ``position_ids`` restarts / ``cu_seq_lens_k``); padding masks
+    are not supported there (pack instead).
+    """
+    state: _LayerState = module._retention_state
+    if state.attachment.mode == "teacher":
+        return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    log_beta = state.log_beta
+    Tq, Tk = query.shape[2], key.shape[2]
+    if Tk == Tq:
+        state.history = log_beta
+    else:  # decoding with a cache: past log_beta were kept by earlier calls
+        past = state.history
+        state.history = log_beta if past is None else torch.cat([past, log_beta], dim=-1)
+        if state.history.shape[-1] != Tk:
+            raise RuntimeError(
+                f"student-mode cache holds {Tk} keys but {state.history.shape[-1]} gate scores; "
+                "start generation from an empty cache after switching to student mode"
+            )
+    cu = _cu_seqlens(kwargs, query.shape[0], Tq) if Tq == Tk else None
+    out = retention_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        state.history,
+        scale=scaling,
+        cu_seqlens=cu,
+    )
+    return out, None
+
+
+def _register(base: str) -> str:
+    """Register ``retention_<base>`` with transformers (attention and mask functions); return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = f"retention_{base}"
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        raise UnsupportedModelError(f"attention implementation {base!r} cannot be wrapped; use 'sdpa' or 'eager'")
+    AttentionInterface.register(name, retention_attention_function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
+    return name
+
+
+def _base_function(module: nn.Module, base: str) -> Callable:
+    from transformers import AttentionInterface
+
+    if base == "eager":  # eager lives in the modeling file, not in the registry
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return AttentionInterface._global_mapping[base]
+
+
+@dataclass
+class RetentionAttachment:
+    """Handle returned by :func:`attach_gates`: switch modes, read the last gate scores, detach."""
+
+    model: nn.Module
+    gates: RetentionGates
+    modules: list[nn.Module]
+    base_impl: str
+    mode: str = "student"
+    _hooks: list[Any] = field(default_factory=list)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+
+    @contextlib.contextmanager
+    def use_mode(self, mode: str) -> Iterator["RetentionAttachment"]:
+        previous = self.mode
+        self.set_mode(mode)
+        try:
+            yield self
+        finally:
+            self.mode = previous
+
+    def teacher(self) -> contextlib.AbstractContextManager:
+        """Context: gates bypassed; the model computes exactly what it computed before attaching."""
+        return self.use_mode("teacher")
+
+    def student(self) -> contextlib.AbstractContextManager:
+        """Context: retention-gated attention."""
+        return self.use_mode("student")
+
+    def log_betas(self) -> list[torch.Tensor]:
+        """Per layer ``(B, H_kv, T)`` float32 from the last student forward."""
+        out = [m._retention_state.log_beta for m in self.modules]
+        if any(x is None for x in out):
+            raise RuntimeError("no gate scores yet: run a forward pass in student mode first")
+        return out
+
+    def reset(self) -> None:
+        """Forget gate scores kept for decoding with a cache."""
+        for m in self.modules:
+            m._retention_state.log_beta = None
+            m._retention_state.history = None
+
+    def detach(self) -> nn.Module:
+        """Remove hooks, gates and the attention override; return the plain model."""
+        for h in self._hooks:
+            h.remove()
+        for m in self.modules:
+            del m._retention_state
+            m.config._attn_implementation_internal = self.base_impl
+        base = unwrap(self.model)
+        if getattr(base, "retention_gates", None) is self.gates:
+            del base.retention_gates
+        if getattr(base, "retention", None) is self:
+            del base.retention
+        return self.model
+
+
+def attach_gates(
+    model: nn.Module,
+    gates: RetentionGates | GateConfig | None = None,
+    *,
+    freeze_base: bool = True,
+    mode: str = "student",
+    **gate_options: Any,
+) -> RetentionAttachment:
+    """Attach retention gates to ``model`` (Llama, Qwen2/2.5, Qwen3, Qwen3-VL) in place.
+
+    ``gates`` may be built gates, a :class:`GateConfig`, or ``None`` (built from the model with
+    ``gate_options``, e.g. ``variant="trimkv"``). The gates become the submodule ``retention_gates`` of
+    the transformers model so optimizers, DDP and DeepSpeed see them; with ``freeze_base`` every other
+    parameter stops requiring grad. Returns the handle, also stored as ``model.retention``.
+    """
+    base = unwrap(model)
+    modules = attention_modules(model)  # validates the architecture first
+    if getattr(base, "retention", None) is not None:
+        raise RuntimeError("this model already has retention gates attached; call model.retention.detach() first")
+    if gates is None or isinstance(gates, GateConfig):
+        config = gates if isinstance(gates, GateConfig) else GateConfig.for_model(model, **gate_options)
+        gates = RetentionGates(config)
+    elif gate_options:
+        raise ValueError("gate options are only used when building new gates; got built gates too")
+    check_gates_match(model, gates.config)
+
+    param = next(base.parameters())
+    gates.to(device=param.device)
+    if freeze_base:
+        for p in base.parameters():
+            p.requires_grad_(False)
+    base.retention_gates = gates
+    for p in gates.parameters():
+        p.requires_grad_(True)
+
+    base_impl = modules[0].config._attn_implementation or "eager"
+    name = _register(base_impl)
+    attachment = RetentionAttachment(model=model, gates=gates, modules=modules, base_impl=base_impl)
+    attachment.set_mode(mode)
+    for m in modules:
+        m._retention_state = _LayerState(layer=m.layer_idx, attachment=attachment, base_fn=_base_function(m, base_impl))
+        attachment._hooks.append(m.register_forward_pre_hook(_gate_hook, with_kwargs=True))
+    modules[0].config._attn_implementation_internal = name
+    object.__setattr__(base, "retention", attachment)
+    return attachment
+
+
+def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    state: _LayerState = module._retention_state
+    if state.attachment.mode != "student":
+        return
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    state.log_beta = state.attachment.gates(state.layer, x)
+
+
+def check_gates_match(model: nn.Module, config: GateConfig) -> None:
+    """Raise a clear error when gates were built for another base model."""
+    cfg = text_config_of(model)
+    want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
+    have = (config.num_layers, config.num_kv_heads, config.hidden_size)
+    if want != have:
+        raise ValueError(
+            "gates do not match this model: gates have (layers, kv_heads, hidden) = "
+            f"{have}, the model has {want}; use gates trained for this base model "
+            f"({config.base_model or 'unknown base'})"
+        )

@@ -1,0 +1,177 @@
+"""Retention gates: one small scorer per (layer, KV head), read out on one global scale.
+
+For layer ``l``, KV head ``h`` and token ``i`` with attention input ``x_i`` (the hidden state after the
+layer's input norm) a gate predicts
+
+    z = w . phi_{l,h}(x_i) + b,        log_beta = logsigmoid(z)  (<= 0)
+
+``phi_{l,h}`` is a small head-specific MLP and the readout ``(w, b)`` is one tensor shared by every layer
+and head: that tie puts all retention scores on one scale, so eviction can rank entries globally.
+
+Ablation variants (``GateConfig.variant``):
+
+``global``  per-head MLP ``phi_{l,h}``; one readout row shared by all layers and heads (ours).
+``seed``    the seed authors' released variant: an MLP per layer shared by its heads, then a readout
+            tied across layers with one row per KV head.
+``trimkv``  nothing tied (TRIM-KV): an MLP per layer, a readout row per (layer, head).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARIANTS = ("global", "seed", "trimkv")
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
+
+
+@dataclass
+class GateConfig:
+    """Shape and options of a set of retention gates.
+
+    ``num_layers``, ``num_kv_heads`` and ``hidden_size`` describe the base model and are filled in by
+    :meth:`for_model`; ``gate_hidden`` is the width of each gate MLP.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    hidden_size: int
+    variant: str = "global"
+    gate_hidden: int = 64
+    activation: str = "silu"
+    # logsigmoid(18) = -1.5e-8: beta starts at 1 to fp32 precision, so the student starts as the teacher.
+    bias_init: float = 18.0
+    base_model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "hidden_size", "gate_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GateConfig.{name} must be a positive integer, got {value!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"GateConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"GateConfig.activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        if not math.isfinite(float(self.bias_init)):
+            raise ValueError(f"GateConfig.bias_init must be finite, got {self.bias_init!r}")
+
+    @classmethod
+    def for_model(cls, model: nn.Module, **options: Any) -> "GateConfig":
+        """Read the layer count, KV heads and hidden size off a (supported) HF model."""
+        from .attach import text_config_of  # local import: attach imports this module
+
+        cfg = text_config_of(model)
+        name = getattr(getattr(model, "config", cfg), "_name_or_path", None) or None
+        options.setdefault("base_model", name)
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            hidden_size=cfg.hidden_size,
+            **options,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GateConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown GateConfig keys {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+class RetentionGates(nn.Module):
+    """All retention gates of one model.
+
+    Parameters are stacked over layers (and heads) so a layer's heads are scored in one batched op.
+
+    ``W1``: ``(L, E, D, r)`` with ``E = num_kv_heads`` (per-head MLP) or ``1`` (per-layer MLP);
+    ``b1``: ``(L, E, r)``; readout ``w``: ``(R, r)`` and ``b``: ``(R,)`` with ``R`` = 1 (global),
+    ``H`` (seed) or ``L * H`` (trimkv).
+    """
+
+    def __init__(self, config: GateConfig) -> None:
+        super().__init__()
+        self.config = config
+        L, H, D, r = config.num_layers, config.num_kv_heads, config.hidden_size, config.gate_hidden
+        E = H if config.variant == "global" else 1
+        R = {"global": 1, "seed": H, "trimkv": L * H}[config.variant]
+        self.W1 = nn.Parameter(torch.empty(L, E, D, r))
+        self.b1 = nn.Parameter(torch.zeros(L, E, r))
+        self.w = nn.Parameter(torch.empty(R, r))
+        self.b = nn.Parameter(torch.empty(R))
+        self._act = ACTIVATIONS[config.activation]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        D, r = self.config.hidden_size, self.config.gate_hidden
+        with torch.no_grad():
+            nn.init.normal_(self.W1, std=D**-0.5)
+            self.b1.zero_()
+            nn.init.normal_(self.w, std=r**-0.5)
+            self.b.fill_(self.config.bias_init)
+
+    def readout(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Readout rows used by ``layer``: ``w`` ``(H, r)`` and ``b`` ``(H,)``."""
+        H = self.config.num_kv_heads
+        if self.config.variant == "global":
+            return self.w.expand(H, -1), self.b.expand(H)
+        if self.config.variant == "seed":
+            return self.w, self.b
+        return self.w[layer * H : (layer + 1) * H], self.b[layer * H : (layer + 1) * H]
+
+    def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid scores ``z``: ``x`` ``(B, T, D)`` -> ``(B, H, T)`` float32."""
+        x = x.to(torch.float32)
+        phi = torch.einsum("btd,edr->betr", x, self.W1[layer]) + self.b1[layer][None, :, None, :]
+        phi = self._act(phi)  # (B, E, T, r)
+        w, b = self.readout(layer)
+        # per-head MLP: head h reads its own embedding; per-layer MLP: every head reads the shared one
+        eq = "bhtr,hr->bht" if phi.shape[1] > 1 else "betr,hr->bht"
+        return torch.einsum(eq, phi, w) + b[None, :, None]
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``log_beta`` for one layer: ``x`` ``(B, T, D)`` -> ``(B, num_kv_heads, T)`` float32, <= 0."""
+        if x.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"gate input has hidden size {x.shape[-1]}, gates were built for {self.config.hidden_size}"
+            )
+        return F.logsigmoid(self.logits(layer, x))
+
+    # -- persistence -------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename)."""
+        from .io import atomic_directory, save_state
+
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            save_state(self.state_dict(), tmp / "gates.safetensors")
+            payload = {"gate_config": self.config.to_dict(), **(metadata or {})}
+            (tmp / "config.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "RetentionGates":
+        """Load gates written by :meth:`save_pretrained` (safetensors only)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file, weights = path / "config.json", path / "gates.safetensors"
+        for f in (cfg_file, weights):
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors")
+        gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
+        gates.load_state_dict(load_file(str(weights)))
+        return gates

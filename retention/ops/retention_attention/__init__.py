@@ -1,0 +1,54 @@
+"""Retention-gated attention: one dispatch point over the reference and the Triton kernel.
+
+CUDA tensors take the Triton kernel (when it is available); CPU tensors take the blocked PyTorch
+reference. ``RETENTION_FORCE_TRITON=1`` (with ``TRITON_INTERPRET=1``) forces Triton on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import retention_attention_naive, retention_attention_ref
+
+__all__ = ["retention_attention", "retention_attention_ref", "retention_attention_naive", "triton_available"]
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel module imports (it is added by the kernels work)."""
+    try:
+        from . import triton_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(q: torch.Tensor, backend: str) -> bool:
+    import os
+
+    if backend == "reference":
+        return False
+    if backend == "triton":
+        return True
+    return (q.is_cuda or os.environ.get("RETENTION_FORCE_TRITON") == "1") and triton_available()
+
+
+def retention_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Retention-gated attention ``(B, Tq, Hq, D)``; see :mod:`.reference` for the math and shapes.
+
+    ``backend``: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or ``"reference"``.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if _use_triton(q, backend):
+        from .triton_kernel import retention_attention_triton
+
+        return retention_attention_triton(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
+    return retention_attention_ref(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
