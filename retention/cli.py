@@ -29,9 +29,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# Modules that add subcommands: each defines ``register(subparsers)`` and sets ``func`` on its parsers.
+COMMAND_MODULES = ("retention.chat", "retention.hub", "eval.cli")
+
+
+def _command_modules():
+    import importlib
+    import importlib.util
+
+    for name in COMMAND_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # parent package absent
+            found = False
+        if found:
+            yield importlib.import_module(name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retention", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for module in _command_modules():
+        module.register(sub)
     demo = sub.add_parser("demo", help="load the embedded model, attach gates, generate in both modes")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--prompt", default="What is the capital of France?")
