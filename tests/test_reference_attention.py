@@ -1,0 +1,117 @@
+"""The blocked PyTorch reference of retention-gated attention against brute force (float64 inputs).
+
+The reference computes in fp32 internally, so against a float64 brute force the errors are fp32
+round-off: ~1e-6 relative; tolerances 1e-5 leave room for sums over a few hundred keys.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import retention.ops.retention_attention.reference as ref
+from retention.ops.retention_attention import retention_attention, retention_attention_naive, retention_attention_ref
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def inputs(B, Tq, Tk, Hq, Hkv, D=16, lb_scale=0.5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, Hq, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Tk, Hkv, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Tk, Hkv, D, generator=g, dtype=torch.float64, requires_grad=True)
+    lb = (-torch.rand(B, Hkv, Tk, generator=g, dtype=torch.float64) * lb_scale).requires_grad_()
+    return q, k, v, lb
+
+
+CASES = {
+    "mha": (2, 33, 33, 2, 2, None),
+    "gqa3": (2, 40, 40, 6, 2, None),
+    "gqa4-packed": (1, 50, 50, 4, 1, [0, 10, 11, 30, 50]),
+    "batch-packed": (2, 40, 40, 3, 1, [0, 13, 40, 55, 80]),
+    "decode": (2, 5, 20, 4, 1, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block", [16, 1 << 24])
+def test_reference_matches_brute_force_with_gradients(case, block, monkeypatch):
+    B, Tq, Tk, Hq, Hkv, cu = CASES[case]
+    monkeypatch.setattr(ref, "_BLOCK_ELEMENTS", block * B * Hq * Tk)  # force several query blocks
+    cu = None if cu is None else torch.tensor(cu)
+    q, k, v, lb = inputs(B, Tq, Tk, Hq, Hkv)
+    out, lse = retention_attention_ref(q, k, v, lb, cu_seqlens=cu)
+    out_n, lse_n = retention_attention_naive(q, k, v, lb, cu_seqlens=cu)
+    torch.testing.assert_close(out, out_n, **TOL)
+    torch.testing.assert_close(lse.double(), lse_n, **TOL)  # the LSE is always fp32
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v, lb])
+    grads_n = torch.autograd.grad((out_n * dout).sum(), [q, k, v, lb])
+    for name, a, b in zip("q k v log_beta".split(), grads, grads_n):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"d{name}")
+
+
+def test_zero_log_beta_is_causal_softmax_attention():
+    q, k, v, _ = inputs(2, 24, 24, 4, 2)
+    lb = torch.zeros(2, 2, 24, dtype=torch.float64)
+    out = retention_attention(q, k, v, lb)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_packed_documents_equal_running_each_alone():
+    cu = [0, 7, 19, 32]
+    q, k, v, lb = inputs(1, 32, 32, 4, 2)
+    packed = retention_attention(q, k, v, lb, cu_seqlens=torch.tensor(cu))
+    for s, e in zip(cu[:-1], cu[1:]):
+        alone = retention_attention(q[:, s:e], k[:, s:e], v[:, s:e], lb[..., s:e])
+        torch.testing.assert_close(packed[:, s:e], alone, **TOL)
+
+
+def test_strong_decay_attends_to_the_diagonal():
+    q, k, v, _ = inputs(1, 10, 10, 2, 2)
+    lb = torch.full((1, 2, 10), -80.0, dtype=torch.float64)
+    out = retention_attention(q, k, v, lb)
+    torch.testing.assert_close(out, v.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_long_sequence_runs_in_bounded_blocks(monkeypatch):
+    seen = []
+    real = ref._Blocks.bias_and_mask
+
+    def spy(self, t0, t1, k0, k1, lb):
+        seen.append((t1 - t0) * (k1 - k0))
+        return real(self, t0, t1, k0, k1, lb)
+
+    monkeypatch.setattr(ref._Blocks, "bias_and_mask", spy)
+    monkeypatch.setattr(ref, "_BLOCK_ELEMENTS", 1 << 20)
+    T = 3000
+    q = torch.randn(1, T, 2, 8)
+    k = torch.randn(1, T, 1, 8)
+    lb = -torch.rand(1, 1, T)
+    out = retention_attention(q, k, k, lb)
+    assert out.shape == (1, T, 2, 8) and torch.isfinite(out).all()
+    assert len(seen) > 1 and max(seen) * 2 <= 1 << 20  # (B * Hq) * block elements: never T x T
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cu_seqlens=torch.tensor([0, 5, 9])), "end at batch \\* seqlen"),
+        (dict(backend="cuda"), "backend must be"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, match):
+    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    with pytest.raises(ValueError, match=match):
+        retention_attention(q, k, v, lb, **kwargs)
+
+
+def test_shape_errors():
+    q, k, v, lb = inputs(1, 8, 8, 3, 2)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        retention_attention(q, k, v, lb)
+    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    with pytest.raises(ValueError, match="log_beta must be"):
+        retention_attention(q, k, v, lb[..., :4])
