@@ -6,7 +6,10 @@ No modeling file is copied. Two public hooks carry the method:
   the attention input (the hidden state after the layer's input norm), only in student mode;
 * an attention function registered in transformers' ``AttentionInterface`` (and its mask function in
   ``AttentionMaskInterface``) runs either the model's own attention (teacher: gates bypassed, output
-  identical to the unpatched model) or retention-gated attention (student).
+  identical to the unpatched model) or retention-gated attention (student);
+* ``"score"`` mode (inference): the pre-hook computes ``log_beta`` of the new tokens and hands it to a
+  retention cache (:class:`retention.cache.RetentionCache`), whose kept entries the attention function
+  then attends over with standard attention.
 
 One copy of the base weights serves both modes; only gate parameters require grad.
 """
@@ -31,7 +34,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen3_vl": "qwen3_vl_text",
 }
-MODES = ("teacher", "student")
+MODES = ("teacher", "student", "score")
 
 
 class UnsupportedModelError(ValueError):
@@ -87,6 +90,7 @@ class _LayerState:
     base_fn: Callable
     log_beta: torch.Tensor | None = None  # (B, H_kv, T) of the current forward
     history: torch.Tensor | None = None  # (B, H_kv, T_past + T) when decoding with a cache
+    cache: Any = None  # score mode: the retention cache of the current forward (retention.cache)
 
 
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
@@ -125,6 +129,13 @@ def retention_attention_function(
     state: _LayerState = module._retention_state
     if state.attachment.mode == "teacher":
         return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if state.attachment.mode == "score":
+        # inference: standard attention over the kept entries of a retention cache (the model's own
+        # attention when the cache is an ordinary one)
+        cache, state.cache = state.cache, None
+        if cache is None:
+            return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return cache.retention_attend(state.layer, query, scaling), None
     log_beta = state.log_beta
     Tq, Tk = query.shape[2], key.shape[2]
     if Tk == Tq:
@@ -215,6 +226,7 @@ class RetentionAttachment:
         for m in self.modules:
             m._retention_state.log_beta = None
             m._retention_state.history = None
+            m._retention_state.cache = None
 
     def detach(self) -> nn.Module:
         """Remove hooks, gates and the attention override; return the plain model."""
@@ -280,10 +292,17 @@ def attach_gates(
 
 def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state: _LayerState = module._retention_state
-    if state.attachment.mode != "student":
+    mode = state.attachment.mode
+    if mode == "teacher":
         return
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     state.log_beta = state.attachment.gates(state.layer, x)
+    if mode == "score":
+        # a retention cache (anything with this method) takes each new token's log_beta with its K/V
+        cache = kwargs.get("past_key_values")
+        state.cache = cache if hasattr(cache, "retention_pre_attention") else None
+        if state.cache is not None:
+            state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
 
 
 def check_gates_match(model: nn.Module, config: GateConfig) -> None:

@@ -176,4 +176,4 @@ def test_student_generation_with_cache_matches_full_recompute():
 def test_mode_validation():
     att = attach_gates(tiny_llama())
     with pytest.raises(ValueError, match="mode must be one of"):
-        att.set_mode("score")
+        att.set_mode("bogus")

@@ -1,0 +1,335 @@
+"""``RetentionCache``: a transformers ``Cache`` backed by the paged store, with learned global eviction.
+
+Use with a model whose gates are attached in ``"score"`` mode::
+
+    attachment = attach_gates(model, gates, mode="score")
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, tokens=512))
+    out = model.generate(**inputs, past_key_values=cache, prefill_chunk_size=256)
+
+Per forward and layer: the attachment's pre-hook computes ``log_beta`` for the new tokens (from the same
+hidden state the keys come from) and hands it, with the padding mask, to the cache; ``update`` appends
+key, value, log_beta and true position to the layer's paged streams; the attention function asks the
+cache to attend over the kept entries. Eviction runs at the start of a forward (layer 0), before new
+entries are appended, so a chunked prefill never holds more than ``budget + slack + one chunk``.
+
+``get_seq_length`` and ``get_mask_sizes`` count every token seen, not the entries kept, so RoPE and
+M-RoPE positions stay true positions after eviction.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attach import text_config_of, unwrap
+from ..policies.base import EntryView, EvictionPolicy
+from ..policies.global_gates import GlobalGatesPolicy
+from .attention import padded_attention
+from .paged import PagedKVStore
+from .select import rank_in_groups, select_keep
+
+
+class CacheBudgetError(ValueError):
+    """The budget cannot hold what the options require (protected window, per-head minimum, a turn)."""
+
+
+class _RetentionLayer(CacheLayerMixin):
+    """Per-layer face of :class:`RetentionCache` for transformers; the data lives in the shared store."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, cache: "RetentionCache", layer: int) -> None:
+        super().__init__()
+        self.cache, self.layer = cache, layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.cache.update(key_states, value_states, self.layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache._seen[self.layer] + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache._seen[self.layer]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+
+
+def _new_token_valid(mask: torch.Tensor | None, batch: int, T: int) -> torch.Tensor | None:
+    """``(B, T)`` bool: which new tokens are real (not padding), read off the layer's attention mask.
+
+    A padding token is a key no query may attend to: its column is masked in every row.
+    """
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.ndim == 2:  # flash-attention style 2D padding mask
+        return mask[:, -T:].bool()
+    cols = mask[:, 0, :, -T:]
+    allowed = cols if cols.dtype == torch.bool else cols == 0
+    return allowed.any(1).expand(batch, T)
+
+
+class RetentionCache(Cache):
+    """Paged KV cache with global top-B eviction scored by an :class:`EvictionPolicy`.
+
+    ``budget``: entries kept per sequence (one entry = one token in one KV head of one layer), an int,
+    a sequence of ints (one per batch row) or ``None`` (unlimited: never evicts; then generation is
+    token-for-token the same as with ``DynamicCache``). :meth:`budget_for` converts a token count.
+    ``slack``: eviction starts once a sequence holds more than ``budget + slack`` entries and cuts
+    back to ``budget`` (default: one page per stream). ``protected_window``: the newest tokens are
+    always kept in every head. ``min_per_head``: each (layer, KV head) keeps at least this many.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        budget: int | Sequence[int] | None = None,
+        policy: EvictionPolicy | None = None,
+        *,
+        slack: int | None = None,
+        page_size: int = 16,
+        protected_window: int = 0,
+        min_per_head: int = 0,
+        initial_pages: int | None = None,
+    ) -> None:
+        cfg = text_config_of(model)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        super().__init__(layers=[_RetentionLayer(self, i) for i in range(self.num_layers)])
+        attachment = getattr(unwrap(model), "retention", None)
+        if attachment is None:
+            raise RuntimeError(
+                "RetentionCache needs retention gates attached to the model: "
+                "attach_gates(model, gates, mode='score') (retention.attach) before generating"
+            )
+        self.attachment = attachment
+        self.policy = policy if policy is not None else GlobalGatesPolicy()
+        self.policy.validate()
+        self.page_size, self.protected_window, self.min_per_head = page_size, protected_window, min_per_head
+        self.streams_per_seq = self.num_layers * self.num_kv_heads
+        self.slack = self.streams_per_seq * page_size if slack is None else slack
+        self.initial_pages = initial_pages
+        self.budget = budget
+        self._check_budget(budget)
+        self.store: PagedKVStore | None = None
+        self._seen = [0] * self.num_layers
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._views: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._last_query_len = 0
+        self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped
+        self.evictions = 0
+        self.peak_entries = 0
+
+    # -- budget ------------------------------------------------------------------------------------
+    @staticmethod
+    def budget_for(model: torch.nn.Module, tokens: int) -> int:
+        """Entries that hold ``tokens`` tokens in every layer and KV head (``tokens * L * H_kv``)."""
+        cfg = text_config_of(model)
+        return int(tokens) * cfg.num_hidden_layers * cfg.num_key_value_heads
+
+    def _check_budget(self, budget: int | Sequence[int] | None) -> None:
+        if budget is None:
+            return
+        values = [budget] if isinstance(budget, int) else list(budget)
+        n = self.streams_per_seq
+        need = (self.protected_window + self.min_per_head) * n
+        if self.policy.budget_scope == "head" and self.policy.head_budgets is not None:
+            hb = self.policy.head_budgets
+            if tuple(hb.shape) != (self.num_layers, self.num_kv_heads):
+                raise CacheBudgetError(f"head_budgets must be (layers, kv_heads) = {(self.num_layers, self.num_kv_heads)}, got {tuple(hb.shape)}")
+            values = [int(hb.sum())]
+        for b in values:
+            if b < max(need, 1):
+                raise CacheBudgetError(
+                    f"budget of {b} entries cannot hold the protected window ({self.protected_window} tokens) and "
+                    f"per-head minimum ({self.min_per_head}) in all {n} (layer, KV head) streams: "
+                    f"use a budget >= {max(need, 1)} entries or smaller options"
+                )
+
+    def _budgets(self, batch: int) -> torch.Tensor:
+        if isinstance(self.budget, int):
+            return torch.full((batch,), self.budget, dtype=torch.long)
+        if len(self.budget) != batch:
+            raise CacheBudgetError(f"{len(self.budget)} budgets given for a batch of {batch} sequences")
+        return torch.tensor(list(self.budget), dtype=torch.long)
+
+    # -- transformers Cache API --------------------------------------------------------------------
+    def retention_pre_attention(self, layer: int, log_beta: torch.Tensor, attention_mask: Any) -> None:
+        """Called by the attachment's pre-hook: gate scores ``(B, H, T)`` of the new tokens and the layer's mask."""
+        B, _, T = log_beta.shape
+        self._pending[layer] = (log_beta, _new_token_valid(attention_mask, B, T))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Append ``key/value_states`` ``(B, H, T, D)``; return the layer's kept entries ``(B, H, Lmax, D)``."""
+        B, H, T, D = key_states.shape
+        pending = self._pending.pop(layer_idx, None)
+        if pending is None:
+            raise RuntimeError(
+                "RetentionCache got keys without gate scores: the retention attachment must be in 'score' "
+                f"mode while generating (attachment mode is {self.attachment.mode!r}); "
+                "call model.retention.set_mode('score') or use `with model.retention.use_mode('score'):`"
+            )
+        log_beta, token_valid = pending
+        if self.store is None:
+            self.store = PagedKVStore(
+                B, self.num_layers, H, D, self.page_size, key_states.dtype, key_states.device, self.initial_pages
+            )
+            for layer in self.layers:
+                layer.is_initialized = True
+            self._pad_entries = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
+        elif self.store.batch != B:
+            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}; use a new cache")
+        if layer_idx == 0:
+            self._maybe_evict(T)
+            self._last_query_len = T
+        t0 = self._seen[layer_idx]
+        pos = (t0 + torch.arange(T, device=key_states.device)).expand(B, T).clone()
+        if token_valid is not None:
+            pos[~token_valid.to(pos.device)] = -1
+            self._pad_entries += (pos < 0).sum(1).to(self._pad_entries.device) * H
+        rows = self.store.streams(layer_idx)
+        self.store.append(
+            rows,
+            key_states.reshape(B * H, T, D),
+            value_states.reshape(B * H, T, D),
+            log_beta.reshape(B * H, T),
+            pos[:, None, :].expand(B, H, T).reshape(B * H, T),
+        )
+        self._seen[layer_idx] += T
+        if layer_idx == self.num_layers - 1:
+            self.peak_entries = max(self.peak_entries, int(self.store.lengths.sum()))
+        view = self.store.gather_layer(layer_idx)
+        self._views[layer_idx] = (view, pos)
+        return view.keys, view.values
+
+    def retention_attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Attention of ``query`` ``(B, Hq, Q, D)`` over the layer's kept entries -> ``(B, Q, Hq, D)``."""
+        view, qpos = self._views.pop(layer)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if self.policy.needs_queries:
+            self.policy.observe(layer, query, view.keys, view.valid)
+        return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (not entries kept): positions after eviction stay true positions."""
+        return self._seen[layer_idx]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._seen[layer_idx] + query_length, 0
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+        self._seen = [0] * self.num_layers
+        self._pending.clear()
+        self._views.clear()
+        self._last_query_len = 0
+        if self._pad_entries is not None:
+            self._pad_entries.zero_()
+        self.policy.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("RetentionCache does not support beam search (num_beams > 1); use sampling or greedy")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("RetentionCache cannot crop (assisted / speculative decoding); evicted tokens are gone")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1 and self.store is not None:
+            raise NotImplementedError("RetentionCache cannot repeat a filled cache; start generate from an empty one")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(indices.to(self.store.lengths.device))
+            self._pad_entries = self._pad_entries[indices.to(self._pad_entries.device)]
+            if not isinstance(self.budget, int) and self.budget is not None:
+                self.budget = [self.budget[i] for i in indices.tolist()]
+
+    # -- eviction ----------------------------------------------------------------------------------
+    def _maybe_evict(self, query_len: int) -> None:
+        if self.budget is None or self.store is None:
+            return
+        if self.policy.mode == "one_shot" and not (self._last_query_len > 1 and query_len == 1):
+            return  # one-shot policies compress once, when a prefill has ended
+        budgets = self._budgets(self.store.batch).to(self.store.lengths.device)
+        if self.policy.head_budgets is not None:
+            budgets = budgets.clamp_max(int(self.policy.head_budgets.sum()))
+        # padding entries do not count: a padded row evicts exactly when it would alone
+        totals = self.store.lengths.view(self.store.batch, -1).sum(1) - self._pad_entries
+        slack = 0 if self.policy.mode == "one_shot" else self.slack
+        over = (totals > budgets + slack).nonzero().flatten()
+        if over.numel():
+            self.evict(over, budgets[over])
+
+    def evict(self, seqs: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Cut sequences ``seqs`` ``(n,)`` down to ``budgets`` ``(n,)`` entries by the policy's ranking."""
+        store, n, L, H = self.store, self.streams_per_seq, self.num_layers, self.num_kv_heads
+        dev = store.lengths.device
+        rows = (seqs[:, None] * n + torch.arange(n, device=dev)[None]).flatten()
+        view = store.gather(rows, with_kv=False)
+        local = torch.arange(len(seqs), device=dev).repeat_interleave(n)
+        layer = torch.arange(L, device=dev).repeat_interleave(H).repeat(len(seqs))
+        head = torch.arange(H, device=dev).repeat(L * len(seqs))
+        step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
+        entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head)
+        score = self.policy.score(entries)
+        valid = view.valid & (view.pos >= 0)  # padding tokens are dropped at the first eviction
+        forced = torch.zeros_like(valid)
+        if self.protected_window:
+            forced |= view.pos >= self._seen[0] - self.protected_window
+        if self.min_per_head:
+            forced |= rank_in_groups(score, view.pos, valid, torch.arange(len(rows), device=dev)) < self.min_per_head
+        scope = self.policy.budget_scope
+        if scope == "global":
+            group, budget = local, budgets
+        elif scope == "layer":
+            group, budget = local * L + layer, (budgets // L).repeat_interleave(L)
+        else:
+            group = torch.arange(len(rows), device=dev)
+            if self.policy.head_budgets is not None:
+                budget = self.policy.head_budgets.to(dev, torch.long).flatten().repeat(len(seqs))
+            else:
+                budget = (budgets // n).repeat_interleave(n)
+        keep = select_keep(score, view.pos, valid, group, budget, forced)
+        store.compact(rows, keep)
+        self._pad_entries[seqs] = 0
+        self.evictions += 1
+
+    # -- reports -----------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        """Entries kept per (sequence, layer, head), KV bytes in use vs a full cache, page slack."""
+        if self.store is None:
+            return {"tokens_seen": 0, "kept_entries": 0, "kv_bytes": 0, "full_cache_bytes": 0}
+        s = self.store
+        elem = s.pool.keys.element_size()
+        entry_bytes = 2 * self.head_dim * elem
+        kept = int(s.lengths.sum())
+        pages = s.pool.num_used
+        full_entries = self._seen[0] * self.streams_per_seq * s.batch
+        return {
+            "tokens_seen": self._seen[0],
+            "entries_per_head": s.entries_per_head(),
+            "kept_entries": kept,
+            "full_cache_entries": full_entries,
+            "kv_bytes": kept * entry_bytes,
+            "full_cache_bytes": full_entries * entry_bytes,
+            "kv_fraction": kept / full_entries if full_entries else 1.0,
+            "pages_in_use": pages,
+            "page_bytes_in_use": pages * s.pool.page_bytes(),
+            "page_slack_entries": pages * s.page_size - kept,
+            "metadata_bytes": pages * s.page_size * (4 + 8),  # log_beta float32 + position int64
+            "pool_capacity_bytes": s.pool.capacity * s.pool.page_bytes(),
+            "peak_entries": self.peak_entries,
+            "evictions": self.evictions,
+        }

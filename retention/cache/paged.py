@@ -1,0 +1,201 @@
+"""Paged KV store: one block table and one length per (sequence, layer, KV head) stream.
+
+Stream ``s = (b * L + l) * H + h`` for sequence ``b``, layer ``l`` and KV head ``h``. Entries of a
+stream sit in its pages in append order (so in position order); eviction keeps a subset, compacts it
+to the front of the stream's pages (order preserved) and returns the emptied pages to the pool: memory
+is freed, not masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pool import PagePool
+
+
+@dataclass
+class PaddedView:
+    """A layer's entries gathered into a padded layout.
+
+    ``keys/values`` ``(B, H, Lmax, D)``, ``log_beta`` ``(B, H, Lmax)`` float32, ``pos`` ``(B, H, Lmax)``
+    int64 (-1 for padding entries of left-padded batches), ``valid`` ``(B, H, Lmax)`` bool
+    (slot < length of its stream).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    log_beta: torch.Tensor
+    pos: torch.Tensor
+    valid: torch.Tensor
+
+
+def _cdiv(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+class PagedKVStore:
+    """KV entries of ``batch`` sequences x ``num_layers`` x ``num_kv_heads`` streams in one :class:`PagePool`."""
+
+    def __init__(
+        self,
+        batch: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        initial_pages: int | None = None,
+    ) -> None:
+        self.batch, self.num_layers, self.num_kv_heads = batch, num_layers, num_kv_heads
+        self.num_streams = batch * num_layers * num_kv_heads
+        self.page_size = page_size
+        self.pool = PagePool(head_dim, page_size, initial_pages or max(self.num_streams, 1), dtype, device)
+        dev = self.pool.device
+        self.block_table = torch.full((self.num_streams, 1), -1, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(self.num_streams, dtype=torch.long, device=dev)
+
+    # -- indexing ----------------------------------------------------------------------------------
+    def streams(self, layer: int, batch_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Stream ids of ``layer`` ordered (b, h): ``(B * H,)``."""
+        L, H = self.num_layers, self.num_kv_heads
+        b = torch.arange(self.batch, device=self.pool.device) if batch_index is None else batch_index
+        return ((b[:, None] * L + layer) * H + torch.arange(H, device=self.pool.device)[None]).flatten()
+
+    def sequence_streams(self, b: int) -> torch.Tensor:
+        """All streams of sequence ``b`` ordered (layer, head): ``(L * H,)``."""
+        n = self.num_layers * self.num_kv_heads
+        return torch.arange(b * n, (b + 1) * n, device=self.pool.device)
+
+    def _ensure_columns(self, pages: int) -> None:
+        if pages > self.block_table.shape[1]:
+            new = max(pages, 2 * self.block_table.shape[1])
+            pad = torch.full((self.num_streams, new - self.block_table.shape[1]), -1, dtype=torch.long, device=self.block_table.device)
+            self.block_table = torch.cat([self.block_table, pad], dim=1)
+
+    def _slots(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids and offsets of entry ``idx`` ``(R, n)`` of streams ``rows`` ``(R,)``."""
+        return self.block_table[rows[:, None], idx // self.page_size], idx % self.page_size
+
+    # -- append / gather ---------------------------------------------------------------------------
+    def append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append ``T`` entries to each stream in ``rows`` ``(R,)``.
+
+        ``keys/values`` ``(R, T, D)``, ``log_beta`` ``(R, T)``, ``pos`` ``(R, T)`` int64.
+        """
+        R, T = keys.shape[0], keys.shape[1]
+        if T == 0:
+            return
+        old = self.lengths[rows]
+        new = old + T
+        old_np, new_np = _cdiv(old, self.page_size), _cdiv(new, self.page_size)
+        need = new_np - old_np  # (R,) pages each stream needs
+        self._ensure_columns(int(new_np.max()))
+        n_new = int(need.sum())
+        if n_new:
+            owner = rows.repeat_interleave(need)
+            # column of each new page: old_np[r] + 0..need[r]-1
+            first = torch.cumsum(need, 0) - need
+            col = old_np.repeat_interleave(need) + torch.arange(n_new, device=rows.device) - first.repeat_interleave(need)
+            self.block_table[owner, col] = self.pool.alloc(owner)
+        idx = old[:, None] + torch.arange(T, device=rows.device)[None]
+        page, off = self._slots(rows, idx)
+        page, off = page.flatten(), off.flatten()
+        p = self.pool
+        p.keys[page, off] = keys.reshape(R * T, -1).to(p.dtype)
+        p.values[page, off] = values.reshape(R * T, -1).to(p.dtype)
+        p.log_beta[page, off] = log_beta.reshape(-1).to(torch.float32)
+        p.pos[page, off] = pos.reshape(-1)
+        self.lengths[rows] = new
+
+    def gather(self, rows: torch.Tensor, with_kv: bool = True) -> PaddedView:
+        """Entries of ``rows`` ``(R,)`` padded to the longest: tensors shaped ``(R, Lmax[, D])``."""
+        lengths = self.lengths[rows]
+        n_pages = max(int(_cdiv(lengths.max(), self.page_size)) if rows.numel() else 0, 1)
+        pages = self.block_table[rows, :n_pages].clamp_min(0)  # (R, np); unused columns masked below
+        Lmax = n_pages * self.page_size
+        valid = torch.arange(Lmax, device=rows.device)[None] < lengths[:, None]
+        p = self.pool
+        kv = (p.keys[pages].reshape(len(rows), Lmax, -1), p.values[pages].reshape(len(rows), Lmax, -1)) if with_kv else (None, None)
+        return PaddedView(kv[0], kv[1], p.log_beta[pages].reshape(len(rows), Lmax), p.pos[pages].reshape(len(rows), Lmax), valid)
+
+    def gather_layer(self, layer: int) -> PaddedView:
+        """A layer's entries as ``(B, H, Lmax, ...)`` (see :class:`PaddedView`)."""
+        v = self.gather(self.streams(layer))
+        B, H = self.batch, self.num_kv_heads
+
+        def shape(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(B, H, *t.shape[1:])
+
+        return PaddedView(shape(v.keys), shape(v.values), shape(v.log_beta), shape(v.pos), shape(v.valid))
+
+    # -- eviction ----------------------------------------------------------------------------------
+    def compact(self, rows: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep the entries ``keep`` ``(R, Lpad)`` (bool, over the padded layout of :meth:`gather`) of
+        streams ``rows`` ``(R,)``; move them to the front in order and free the emptied pages."""
+        lengths = self.lengths[rows]
+        Lpad = keep.shape[1]
+        keep = keep & (torch.arange(Lpad, device=keep.device)[None] < lengths[:, None])
+        new_len = keep.sum(1)
+        r, src = keep.nonzero(as_tuple=True)
+        dst = (torch.cumsum(keep, 1) - 1)[r, src]
+        moved = src != dst
+        if bool(moved.any()):
+            r, src, dst = r[moved], src[moved], dst[moved]
+            sp, so = self.block_table[rows[r], src // self.page_size], src % self.page_size
+            dp, do = self.block_table[rows[r], dst // self.page_size], dst % self.page_size
+            p = self.pool
+            for t in (p.keys, p.values, p.log_beta, p.pos):
+                t[dp, do] = t[sp, so]  # advanced-index read makes a copy first, so overlap is safe
+        old_np, new_np = _cdiv(lengths, self.page_size), _cdiv(new_len, self.page_size)
+        cols = torch.arange(self.block_table.shape[1], device=rows.device)[None]
+        drop = (cols >= new_np[:, None]) & (cols < old_np[:, None])
+        table = self.block_table[rows]
+        self.pool.free(table[drop])
+        table[drop] = -1
+        self.block_table[rows] = table
+        self.lengths[rows] = new_len
+
+    def clear(self) -> None:
+        """Free every page (the pool keeps its capacity)."""
+        used = self.block_table[self.block_table >= 0]
+        self.pool.free(used)
+        self.block_table.fill_(-1)
+        self.lengths.zero_()
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep only sequences ``indices`` (in that order); free the pages of the others."""
+        n = self.num_layers * self.num_kv_heads
+        keep_rows = (indices[:, None] * n + torch.arange(n, device=indices.device)[None]).flatten()
+        gone = torch.ones(self.num_streams, dtype=torch.bool, device=indices.device)
+        gone[keep_rows] = False
+        dropped = self.block_table[gone]
+        self.pool.free(dropped[dropped >= 0])
+        self.block_table, self.lengths = self.block_table[keep_rows], self.lengths[keep_rows]
+        self.batch, self.num_streams = len(indices), len(keep_rows)
+        owned = self.block_table >= 0  # page owners follow the renumbered streams
+        self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=indices.device)[:, None].expand_as(self.block_table)[owned]
+
+    # -- reports -----------------------------------------------------------------------------------
+    def entries_per_head(self) -> torch.Tensor:
+        """Kept entries ``(batch, layers, kv_heads)``."""
+        return self.lengths.reshape(self.batch, self.num_layers, self.num_kv_heads).clone()
+
+    def check(self) -> None:
+        """Raise if pages and block tables disagree (for tests and debugging)."""
+        self.pool.check()
+        n_pages = _cdiv(self.lengths, self.page_size)
+        cols = torch.arange(self.block_table.shape[1], device=self.lengths.device)[None]
+        used = cols < n_pages[:, None]
+        if bool((self.block_table[used] < 0).any()) or bool((self.block_table[~used] >= 0).any()):
+            raise AssertionError("block table does not match the stream lengths")
+        pages = self.block_table[used]
+        if pages.unique().numel() != pages.numel():
+            raise AssertionError("a page is in two block-table slots")
+        owners = torch.arange(self.num_streams, device=pages.device)[:, None].expand_as(self.block_table)[used]
+        if not torch.equal(self.pool.owner[pages], owners):
+            raise AssertionError("a page is owned by another stream than the one whose table lists it")
+        if self.pool.num_used != pages.numel():
+            raise AssertionError(f"{self.pool.num_used} pages owned but {pages.numel()} listed in block tables (leak)")

@@ -1,0 +1,306 @@
+"""Long multimodal dialogue with one retention cache across turns.
+
+``RetentionChat`` keeps the model, its tokenizer or processor, the gates and a single
+:class:`~retention.cache.RetentionCache` for the whole conversation. Each :meth:`~RetentionChat.send`
+feeds only the new part of the conversation (the chat template's closing of the last reply and the
+new user turn); the cache evicts down to its budget during prefill (chunked) and decoding, so memory
+stays bounded however long the dialogue gets. Also the ``retention chat`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .attach import attach_gates, check_gates_match, text_config_of, unwrap
+from .gates import RetentionGates
+from .models import is_multimodal
+from .policies.base import EvictionPolicy
+
+
+class ChatInputError(ValueError):
+    """A turn cannot be processed as given; the message names the problem and the fix."""
+
+
+class ChatSetupError(ValueError):
+    """Model, gates and options do not fit together; the message names the fix."""
+
+
+def _load_gates(gates: RetentionGates | str | Path | None) -> RetentionGates | None:
+    if gates is None or isinstance(gates, RetentionGates):
+        return gates
+    return RetentionGates.from_pretrained(gates)
+
+
+class RetentionChat:
+    """A chat session over one bounded KV cache.
+
+    ``budget_tokens``: KV kept per sequence, in tokens per (layer, KV head) on average (the cache
+    budget is ``budget_tokens * L * H_kv`` entries, shared globally); ``None`` keeps everything.
+    ``gates``: trained gates, a checkpoint folder, or ``None`` for untrained gates (with a warning)
+    unless the model already has gates attached. ``chunk_size``: prefill chunk in tokens.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        processor: Any,
+        gates: RetentionGates | str | Path | None = None,
+        *,
+        budget_tokens: int | None = None,
+        policy: EvictionPolicy | None = None,
+        chunk_size: int = 256,
+        max_new_tokens: int = 256,
+        system: str | None = None,
+        protected_window: int = 0,
+        page_size: int = 16,
+        **generation_kwargs: Any,
+    ) -> None:
+        from .cache import RetentionCache
+
+        self.model, self.processor = model, processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.multimodal = is_multimodal(unwrap(model).config)
+        gates = _load_gates(gates)
+        attachment = getattr(unwrap(model), "retention", None)
+        if gates is not None:
+            try:
+                check_gates_match(model, gates.config)
+            except ValueError as e:
+                raise ChatSetupError(f"{e}. Pass --gates for {text_config_of(model)._name_or_path or 'this model'} or omit it") from None
+            if attachment is not None and attachment.gates is not gates:
+                attachment.detach()
+                attachment = None
+        if attachment is None:
+            if gates is None:
+                warnings.warn(
+                    "no gates given: using untrained retention gates (beta ~ 1 everywhere, so eviction is "
+                    "by recency only); pass trained gates for learned eviction",
+                    stacklevel=2,
+                )
+            attachment = attach_gates(model, gates)
+        attachment.set_mode("score")
+        self.attachment = attachment
+        self.budget_tokens = budget_tokens
+        budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
+        self.cache = RetentionCache(model, budget, policy, page_size=page_size, protected_window=protected_window)
+        self.chunk_size, self.max_new_tokens, self.system = chunk_size, max_new_tokens, system
+        self.generation_kwargs = {"do_sample": False, **generation_kwargs}
+        self.reset()
+
+    # -- session state -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new conversation (the cache's pages go back to its pool)."""
+        self.cache.reset()
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
+        self.ids = torch.empty(1, 0, dtype=torch.long)
+        self._last_reply_ended = False
+        if self.multimodal:
+            unwrap(self.model).model.rope_deltas = None
+
+    def memory(self) -> dict[str, Any]:
+        """The cache's memory report (see :meth:`RetentionCache.memory_report`)."""
+        return self.cache.memory_report()
+
+    # -- one turn ----------------------------------------------------------------------------------
+    def send(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> str:
+        """Add a user turn (with images for vision-language models), generate and return the reply."""
+        return "".join(self.stream(text, images, **generation_kwargs))
+
+    def stream(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> Iterator[str]:
+        """Like :meth:`send`, yielding the reply as it is generated."""
+        from transformers import TextIteratorStreamer
+
+        images = list(images or [])
+        turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
+        full = torch.cat([self.ids, turn["input_ids"]], dim=1)
+        if "pixel_values" in turn:
+            self._prefill_multimodal(turn)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        kwargs = {**self.generation_kwargs, **generation_kwargs}
+        kwargs.setdefault("max_new_tokens", self.max_new_tokens)
+        uncached = full.shape[1] - self.cache.get_seq_length()
+        if uncached > self.chunk_size:
+            kwargs["prefill_chunk_size"] = self.chunk_size
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    result["out"] = self.model.generate(
+                        input_ids=full,
+                        attention_mask=torch.ones_like(full),
+                        past_key_values=self.cache,
+                        streamer=streamer,
+                        pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                        **kwargs,
+                    )
+            except BaseException as e:  # re-raised in the caller's thread
+                result["error"] = e
+                streamer.end()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        yield from streamer
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        out = result["out"]
+        reply_ids = out[0, full.shape[1] :]
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) | {kwargs.get("eos_token_id")} - {None}
+        self._last_reply_ended = bool(len(reply_ids)) and int(reply_ids[-1]) in eos
+        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        self.ids = out
+        self.messages += [turn["message"], {"role": "assistant", "content": reply}]
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode_turn(self, text: str, images: list[Any]) -> dict[str, Any]:
+        if images and not self.multimodal:
+            raise ChatInputError(
+                f"{len(images)} image(s) given but {type(unwrap(self.model)).__name__} is a text-only model: "
+                "send text only, or load a vision-language model (e.g. Qwen3-VL)"
+            )
+        if self.multimodal:
+            content: Any = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        else:
+            content = text
+        message = {"role": "user", "content": content}
+        new_full = self._render(self.messages + [message], generation_prompt=True)
+        if len(self.ids[0]) == 0:
+            delta = new_full
+        else:
+            history = self._render(self.messages, generation_prompt=False)
+            if not new_full.startswith(history):
+                raise ChatSetupError("the chat template re-renders earlier turns, so turns cannot be fed incrementally")
+            delta = self._closer(history) + new_full[len(history) :]
+        if self.multimodal:
+            enc = self.processor(text=[delta], images=images or None, return_tensors="pt")
+        else:
+            enc = self.tokenizer(delta, add_special_tokens=False, return_tensors="pt")
+        n = enc["input_ids"].shape[1]
+        if self.budget_tokens is not None and n > self.budget_tokens:
+            raise ChatInputError(
+                f"this turn is {n} tokens but the cache budget holds {self.budget_tokens} tokens per head: "
+                f"raise the budget to at least {n} (--budget {n}) or send a shorter message / smaller images"
+            )
+        return {**dict(enc), "message": message}
+
+    def _closer(self, history: str) -> str:
+        """What the template puts after the last reply that the cache does not hold yet."""
+        reply = self.messages[-1]["content"].strip()
+        end = history.rfind(reply) + len(reply) if reply else len(history)
+        closer = history[end:]
+        if self._last_reply_ended:  # the stop token was generated; generate feeds it with the next turn
+            stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
+            if closer.startswith(stop):
+                closer = closer[len(stop) :]
+            else:
+                closer = ""
+        return closer
+
+    def _prefill_multimodal(self, turn: dict[str, Any]) -> None:
+        """Feed a turn holding images (all but its last token) with M-RoPE positions continued from the cache.
+
+        generate() cannot do this part: its position logic expects every image of the conversation
+        in one call. The turn's images are encoded in one forward (an image is never split).
+        """
+        base = unwrap(self.model)
+        ids = turn["input_ids"]
+        past = self.cache.get_seq_length()
+        mm = turn.get("mm_token_type_ids")
+        if mm is None:
+            mm = (ids == base.config.image_token_id).int()
+        pos3, _ = base.model.get_rope_index(
+            ids, image_grid_thw=turn["image_grid_thw"], attention_mask=torch.ones_like(ids), mm_token_type_ids=mm
+        )
+        prev = base.model.rope_deltas
+        offset = past + (int(prev.flatten()[0]) if prev is not None else 0)
+        pos3 = pos3 + offset
+        T = ids.shape[1]
+        text = torch.arange(past, past + T)[None, None]
+        positions = torch.cat([text, pos3], dim=0)[..., : T - 1]
+        with torch.no_grad():
+            self.model(
+                input_ids=torch.cat([self.ids, ids], 1)[:, past : past + T - 1],
+                attention_mask=torch.ones(1, past + T - 1, dtype=torch.long),
+                pixel_values=turn["pixel_values"],
+                image_grid_thw=turn["image_grid_thw"],
+                mm_token_type_ids=mm[:, : T - 1],
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        # generate() places the last token at text index past + T - 1 plus rope_deltas
+        base.model.rope_deltas = torch.tensor([[int(pos3[0, 0, -1]) - (past + T - 1)]])
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _chat_command(args: argparse.Namespace) -> int:
+    from .models import load_model
+
+    model, processor = load_model(args.model)
+    try:
+        chat = RetentionChat(
+            model, processor, args.gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
+            max_new_tokens=args.max_new_tokens, system=args.system,
+        )
+    except (ChatSetupError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("retention chat: /image PATH attaches an image to the next message, /memory, /reset, /quit")
+    pending: list[Any] = []
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            break
+        if line == "/reset":
+            chat.reset()
+            continue
+        if line == "/memory":
+            r = chat.memory()
+            print({k: v for k, v in r.items() if k != "entries_per_head"})
+            continue
+        if line.startswith("/image "):
+            from PIL import Image
+
+            try:
+                pending.append(Image.open(line[7:].strip()).convert("RGB"))
+            except OSError as e:
+                print(f"error: cannot open image: {e}", file=sys.stderr)
+            continue
+        try:
+            for piece in chat.stream(line, pending):
+                print(piece, end="", flush=True)
+            print()
+            r = chat.memory()
+            print(f"[kv {r['kv_bytes'] / 2**20:.2f} MiB of {r['full_cache_bytes'] / 2**20:.2f} MiB full; {r['tokens_seen']} tokens seen]")
+        except (ChatInputError, ChatSetupError) as e:
+            print(f"error: {e}", file=sys.stderr)
+        pending = []
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``retention chat`` to the CLI."""
+    p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
+    p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
+    p.add_argument("--gates", default=None, help="gate checkpoint folder (untrained gates if absent)")
+    p.add_argument("--budget", type=int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=_chat_command)

@@ -1,0 +1,71 @@
+"""The eviction-policy interface shared by learned gates and training-free baselines.
+
+A policy only *scores* cache entries; the cache owns selection (top-B per budget group), compaction
+and page bookkeeping, so every policy competes on equal terms. A new baseline (SnapKV, H2O, ...) is one
+file with a subclass of :class:`EvictionPolicy` that sets
+
+* ``budget_scope``: ``"global"`` (one budget per sequence over all layers and heads), ``"layer"``
+  (budget / L per layer) or ``"head"`` (budget / (L * H) per KV head, or ``head_budgets``);
+* ``mode``: ``"streaming"`` (evict whenever the cache passes budget + slack) or ``"one_shot"``
+  (compress once when a prefill ends, e.g. SnapKV; the cache then grows during decoding);
+* ``needs_queries``: True to get :meth:`observe` calls with each layer's queries (observation-window
+  attention for attention-based policies);
+
+and implements :meth:`score`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BUDGET_SCOPES = ("global", "layer", "head")
+MODES = ("streaming", "one_shot")
+
+
+@dataclass
+class EntryView:
+    """Cache entries of the streams being scored, padded per stream.
+
+    ``log_beta`` ``(R, Lpad)`` float32, ``pos`` ``(R, Lpad)`` int64 (true position; -1 marks padding
+    tokens of left-padded batches), ``valid`` ``(R, Lpad)`` bool, ``step`` ``(R,)`` int64: position of
+    the newest token of the stream's sequence; ``seq``, ``layer``, ``head`` ``(R,)`` identify each stream.
+    """
+
+    log_beta: torch.Tensor
+    pos: torch.Tensor
+    valid: torch.Tensor
+    step: torch.Tensor
+    seq: torch.Tensor
+    layer: torch.Tensor
+    head: torch.Tensor
+
+
+class EvictionPolicy:
+    """Base class: turn cache contents into retention scores (higher = keep)."""
+
+    name: str = "base"
+    budget_scope: str = "global"
+    mode: str = "streaming"
+    needs_queries: bool = False
+    head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
+
+    def validate(self) -> None:
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.head_budgets is not None and self.budget_scope != "head":
+            raise ValueError("head_budgets needs budget_scope='head'")
+
+    def score(self, entries: EntryView) -> torch.Tensor:
+        """Scores ``(R, Lpad)`` float32 for ``entries`` (values at invalid slots are ignored)."""
+        raise NotImplementedError
+
+    def observe(self, layer: int, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Called per layer and forward when ``needs_queries``: ``query`` ``(B, Hq, Q, D)``, ``keys``
+        ``(B, H, Lmax, D)``, ``valid`` ``(B, H, Lmax)``. Training-free policies keep statistics here."""
+
+    def reset(self) -> None:
+        """Forget per-sequence state (a new conversation starts)."""

@@ -1,0 +1,135 @@
+"""Paged KV store: append, gather, compaction, page reuse and pool growth; property-based pool checks."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retention.cache import PagedKVStore, PagePool
+
+
+def _fill(store: PagedKVStore, rows: torch.Tensor, T: int, start: int) -> None:
+    """Append T entries whose key[0] = stream id, key[1] = position, so content is traceable."""
+    R, D = len(rows), store.pool.head_dim
+    pos = (start + torch.arange(T)).expand(R, T)
+    keys = torch.zeros(R, T, D)
+    keys[..., 0] = rows[:, None].float()
+    keys[..., 1] = pos.float()
+    store.append(rows, keys, -keys, -(pos.float() / 100), pos.clone())
+
+
+def test_append_gather_roundtrip_and_page_count():
+    store = PagedKVStore(batch=2, num_layers=3, num_kv_heads=2, head_dim=4, page_size=4)
+    for step in range(3):
+        for layer in range(3):
+            _fill(store, store.streams(layer), 5, 5 * step)
+    store.check()
+    assert store.lengths.tolist() == [15] * 12
+    assert store.pool.num_used == 12 * 4  # ceil(15 / 4) pages per stream
+    view = store.gather_layer(1)
+    assert view.keys.shape == (2, 2, 16, 4)
+    assert view.valid.sum().item() == 4 * 15
+    rows = store.streams(1).view(2, 2)
+    assert torch.equal(view.keys[..., :15, 0], rows[..., None].float().expand(2, 2, 15))
+    assert torch.equal(view.pos[..., :15], torch.arange(15).expand(2, 2, 15))
+    assert torch.equal(view.values, -view.keys)
+
+
+def test_compact_keeps_order_positions_and_frees_pages():
+    store = PagedKVStore(batch=1, num_layers=1, num_kv_heads=2, head_dim=4, page_size=4)
+    rows = store.streams(0)
+    _fill(store, rows, 14, 0)
+    used_before = store.pool.num_used
+    view = store.gather(rows)
+    keep = torch.zeros_like(view.valid)
+    keep[0, [0, 3, 9, 13]] = True  # stream 0 keeps 4 entries (one page)
+    keep[1, :14:2] = True  # stream 1 keeps 7 (two pages)
+    store.compact(rows, keep)
+    store.check()
+    assert store.lengths.tolist() == [4, 7]
+    assert store.pool.num_used == used_before - 3 - 2  # 4 pages each -> 1 and 2
+    after = store.gather(rows)
+    assert after.pos[0, :4].tolist() == [0, 3, 9, 13]
+    assert after.keys[0, :4, 1].tolist() == [0.0, 3.0, 9.0, 13.0]  # content moved with its position
+    assert after.pos[1, :7].tolist() == list(range(0, 14, 2))
+    assert torch.allclose(after.log_beta[1, :7], -torch.arange(0, 14, 2).float() / 100)
+
+
+def test_pool_grows_and_reuses_freed_pages():
+    pool = PagePool(head_dim=2, page_size=2, capacity=2)
+    a = pool.alloc(torch.tensor([0, 0, 1]))
+    assert pool.capacity >= 3 and sorted(a.tolist()) == sorted(set(a.tolist()))
+    pool.keys[a[0]] = 7.0
+    pool.grow(10)
+    assert pool.capacity == 10 and bool((pool.keys[a[0]] == 7.0).all())  # ids and data survive growth
+    pool.free(a[:2])
+    b = pool.alloc(torch.tensor([3, 3]))
+    assert set(b.tolist()) == set(a[:2].tolist())  # freed pages come back first
+    pool.check()
+
+
+def test_double_free_raises():
+    pool = PagePool(head_dim=2, page_size=2, capacity=4)
+    p = pool.alloc(torch.tensor([0]))
+    pool.free(p)
+    try:
+        pool.free(p)
+    except RuntimeError as e:
+        assert "double free" in str(e)
+    else:
+        raise AssertionError("double free not detected")
+
+
+def test_select_batch_frees_dropped_sequences():
+    store = PagedKVStore(batch=3, num_layers=2, num_kv_heads=1, head_dim=4, page_size=2)
+    for layer in range(2):
+        _fill(store, store.streams(layer), 3, 0)
+    store.select_batch(torch.tensor([2, 0]))
+    store.check()
+    assert store.batch == 2 and store.pool.num_used == 4 * 2
+    assert store.gather_layer(0).keys[0, 0, 0, 0].item() == 4.0  # old sequence 2, layer 0 stream id
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["append", "evict"]), st.integers(0, 5), st.integers(0, 2**31 - 1)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, page_size=st.integers(1, 5), batch=st.integers(1, 3))
+def test_random_append_evict_never_leaks_or_mixes(ops, page_size, batch):
+    """Random appends and evictions: no leak, no double free, every entry stays in its own stream."""
+    store = PagedKVStore(batch=batch, num_layers=2, num_kv_heads=2, head_dim=3, page_size=page_size, initial_pages=1)
+    expected = [[] for _ in range(store.num_streams)]  # positions per stream, in order
+    step = 0
+    for op, n, seed in ops:
+        g = torch.Generator().manual_seed(seed)
+        if op == "append":
+            layer = seed % 2
+            rows = store.streams(layer)
+            _fill(store, rows, n, step)
+            for r in rows.tolist():
+                expected[r] += list(range(step, step + n))
+            step += n
+        else:
+            rows = torch.randperm(store.num_streams, generator=g)[: n + 1]
+            view = store.gather(rows, with_kv=False)
+            keep = torch.rand(view.valid.shape, generator=g) < 0.5
+            store.compact(rows, keep)
+            for i, r in enumerate(rows.tolist()):
+                expected[r] = [p for j, p in enumerate(expected[r]) if keep[i, j]]
+        store.check()
+        assert store.lengths.tolist() == [len(e) for e in expected]
+    rows = torch.arange(store.num_streams)
+    view = store.gather(rows)
+    for r in range(store.num_streams):
+        n = len(expected[r])
+        assert view.pos[r, :n].tolist() == expected[r]
+        assert bool((view.keys[r, :n, 0] == r).all()), "an entry moved into another stream"
+        assert view.keys[r, :n, 1].tolist() == [float(p) for p in expected[r]]
+    store.clear()
+    store.check()
+    assert store.pool.num_used == 0
