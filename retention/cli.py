@@ -7,26 +7,58 @@ import sys
 import time
 
 
+DEMO_PROMPT = (
+    "Read the notes and answer the question.\n"
+    + "Notes: the meeting moved to Thursday. The blue folder holds the contracts. "
+    + "The weather was mild and the office was quiet for most of the afternoon. " * 12
+    + "\nQuestion: which folder holds the contracts?"
+)
+
+
 def _demo(args: argparse.Namespace) -> int:
+    """Generate with a full cache and with global top-B eviction; print answers and KV memory."""
     import torch
 
     from . import attach_gates, load_model
+    from .cache import RetentionCache
+    from .hub import load_gates
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
-    attachment = attach_gates(model)
-    n_gate = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"attached {attachment.gates.config.variant} retention gates: {n_gate:,} trainable parameters")
+    if args.gates:
+        gates = load_gates(args.gates, model=model)
+        print(f"gates: {args.gates} ({gates.config.variant})")
+    else:
+        gates = None
+        print("gates: untrained (beta = 1 everywhere); pass --gates DIR for trained ones")
+    attachment = attach_gates(model, gates, mode="score")
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     n_prompt = inputs["input_ids"].shape[1]
-    for mode in ("teacher", "student"):
+    print(f"prompt: {n_prompt} tokens")
+    print(f"{'cache':<22} {'KV entries kept':>16} {'KV MiB':>8}  answer")
+    for budget_tokens in (None, args.budget_tokens):
+        budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
+        cache = RetentionCache(model, budget=budget)
         attachment.reset()
-        with attachment.use_mode(mode), torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-        print(f"[{mode}] {tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True)!r}")
+        with torch.no_grad():
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
+        report = cache.memory_report()
+        name = "full" if budget is None else f"global top-B, B={budget}"
+        answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip().replace("\n", " ")
+        print(f"{name:<22} {report['kept_entries']:>16,} {report['kv_bytes'] / 2**20:>8.2f}  {answer!r}")
     return 0
+
+
+def build_demo_parser(sub) -> None:
+    demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo")
+    demo.add_argument("--budget-tokens", type=int, default=64, help="budget as tokens per KV head (x layers x KV heads)")
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.set_defaults(func=_demo)
 
 
 # Modules that add subcommands: each defines ``register(subparsers)`` and sets ``func`` on its parsers.
@@ -49,13 +81,9 @@ def _command_modules():
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retention", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    build_demo_parser(sub)
     for module in _command_modules():
         module.register(sub)
-    demo = sub.add_parser("demo", help="load the embedded model, attach gates, generate in both modes")
-    demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--prompt", default="What is the capital of France?")
-    demo.add_argument("--max-new-tokens", type=int, default=24)
-    demo.set_defaults(func=_demo)
     return parser
 
 

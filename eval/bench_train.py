@@ -1,0 +1,166 @@
+"""Cost of one distillation step against its floor, measured side by side in one run.
+
+step:  teacher forward (gates bypassed) + student forward and backward with retention gates,
+       chunked KL + capacity loss (what ``train.py`` runs).
+floor: teacher forward + student forward and backward of the same model with plain SDPA and no
+       gates (gradients flow to the input embeddings so the backward crosses every layer, as the
+       gates' gradients do), the same chunked KL.
+
+Timings alternate between the two (median of ``--reps``); peak memory is each variant's own process
+(resident-set growth sampled during the step on CPU, ``torch.cuda.max_memory_allocated`` above the
+weights on GPU). Prints the ratios.
+
+    python eval/bench_train.py --seq-len 512 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build(model_name: str, device: str):
+    import torch
+
+    from retention import attach_gates, load_model
+    from retention.losses import capacity_loss, distillation_kl
+
+    model, _ = load_model(model_name, device=device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    decoder, head = model.model, model.get_output_embeddings()
+
+    def floor_step(ids, pos):
+        with torch.no_grad():
+            h_t = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        emb = decoder.embed_tokens(ids).detach().requires_grad_(True)
+        h_s = decoder(inputs_embeds=emb, position_ids=pos, use_cache=False).last_hidden_state
+        distillation_kl(h_s, h_t, head).backward()
+
+    att = attach_gates(model, bias_init=6.0)
+    att.set_mode("teacher")
+
+    def gated_step(ids, pos):
+        with torch.no_grad(), att.teacher():
+            h_t = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        with att.student():
+            h_s = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        kl = distillation_kl(h_s, h_t, head)
+        cap, _ = capacity_loss(att.log_betas(), budget=ids.shape[1] * 4.0)
+        (kl + cap).backward()
+        att.gates.zero_grad(set_to_none=True)
+
+    return model, {"floor": floor_step, "step": gated_step}
+
+
+def inputs(model, seq_len: int, batch: int, device: str):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g).to(device)
+    pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    return ids, pos
+
+
+def peak_memory(args, which: str) -> float:
+    """Peak memory (MiB) of one step of ``which`` in a fresh process."""
+    cmd = [sys.executable, __file__, "--measure-peak", which, "--model", args.model, "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch), "--device", args.device]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_mib"]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _measure_peak(args) -> None:
+    import threading
+
+    import torch
+
+    model, steps = build(args.model, args.device)
+    ids, pos = inputs(model, args.seq_len, args.batch, args.device)
+    steps[args.measure_peak](ids, pos)  # warm-up: allocator caches and lazy inits are not the step's
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        steps[args.measure_peak](ids, pos)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:  # sample the resident set every 2 ms while the step runs
+        base, samples, done = _rss_mib(), [], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                samples.append(_rss_mib())
+                time.sleep(0.002)
+
+        th = threading.Thread(target=sample)
+        th.start()
+        steps[args.measure_peak](ids, pos)
+        done.set()
+        th.join()
+        peak = max(samples + [base]) - base
+    print(json.dumps({"peak_mib": peak}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
+    p.add_argument("--measure-peak", choices=["floor", "step"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.measure_peak:
+        _measure_peak(args)
+        return 0
+    model, steps = build(args.model, args.device)
+    ids, pos = inputs(model, args.seq_len, args.batch, args.device)
+    times = {k: [] for k in steps}
+    for k in steps:  # warm-up
+        steps[k](ids, pos)
+    for _ in range(args.reps):
+        for k, fn in steps.items():
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn(ids, pos)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t)
+    tokens = args.batch * args.seq_len
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mem = {} if args.no_memory else {k: peak_memory(args, k) for k in steps}
+    print(f"model {args.model}, device {args.device}, batch {args.batch} x {args.seq_len} tokens, median of {args.reps}")
+    print(f"| {'variant':<6} | {'s/step':>7} | {'tokens/s':>9} | {'peak MiB':>9} |")
+    print(f"|{'-' * 8}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
+    for k in ("floor", "step"):
+        m = f"{mem[k]:9.0f}" if mem else "      n/a"
+        print(f"| {k:<6} | {med[k]:7.3f} | {tokens / med[k]:9.0f} | {m} |")
+    ratio = med["step"] / med["floor"]
+    print(f"time ratio step / floor: {ratio:.2f}x (goal <= 1.15x)")
+    if mem:
+        print(f"peak memory ratio step / floor: {mem['step'] / max(mem['floor'], 1e-9):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

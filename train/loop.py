@@ -1,0 +1,320 @@
+"""The training loop: distil a frozen model into its retention-gated self under a KV budget.
+
+Read top to bottom: set up (accelerate, model, gates, data, optimizer), then for each step a teacher
+pass (gates bypassed, no grad) and a student pass (retention-gated attention), loss = KL + capacity,
+an optimizer step on the gates only; checkpoints are atomic and resumable; the end exports the gates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from retention.attach import RetentionAttachment, attach_gates, text_config_of, unwrap
+from retention.gates import GateConfig
+from retention.hub import export_gates, load_gates, push_to_hub
+from retention.io import atomic_directory, save_state
+from retention.losses import beta_stats, capacity_loss, distillation_kl
+from retention.models import cache_dir, load_model
+
+from .config import Config
+from .data import PackedStream, build_data, collate
+
+
+class Distiller(nn.Module):
+    """One forward = teacher pass + student pass, so DDP / DeepSpeed see a single module call.
+
+    Returns final hidden states ``(B, T, D)`` of both passes and the student's ``log_beta`` per layer.
+    """
+
+    def __init__(self, model: nn.Module, attachment: RetentionAttachment) -> None:
+        super().__init__()
+        self.model = model
+        self.attachment = attachment
+
+    def forward(self, input_ids, position_ids, **extra):
+        decoder = unwrap(self.model).model  # the transformer without the LM head
+        kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        with torch.no_grad(), self.attachment.teacher():
+            h_teacher = decoder(**kw).last_hidden_state
+        with self.attachment.student():
+            h_student = decoder(**kw).last_hidden_state
+        return h_student, h_teacher, self.attachment.log_betas()
+
+
+def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
+    """The capacity target M for the configured form and a readable description of it."""
+    tc = text_config_of(model)
+    streams = tc.num_hidden_layers * tc.num_key_value_heads
+    b = cfg.budget
+    total = b.global_entries if b.global_entries is not None else b.tokens_per_head * streams
+    if cfg.loss.capacity_form == "per_head":
+        return total / streams, f"{total / streams:g} entries per KV head ({total} in all)"
+    return float(total), f"{total} entries in all ({total / streams:g} per KV head on average)"
+
+
+def lr_lambda(cfg: Config):
+    warm, total = cfg.train.warmup_steps, cfg.train.steps
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if cfg.train.schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list) -> None:
+    """Gates (safetensors), optimizer/scheduler/RNG/data position; never the frozen base weights."""
+    with atomic_directory(path) as tmp:
+        save_state(gates.state_dict(), tmp / "gates.safetensors")
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
+            tmp / "trainer_state.pt",
+        )
+        meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict()}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> Path:
+    if resume != "latest":
+        p = Path(resume)
+        if not (p / "state.json").is_file():
+            raise FileNotFoundError(f"--resume {resume}: no checkpoint there (state.json missing)")
+        return p
+    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not ckpts:
+        raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir / 'checkpoints'}")
+    return ckpts[-1]
+
+
+def _make_tracker(cfg: Config) -> str | None:
+    choice = cfg.train.tracker
+    if choice in (None, "none"):
+        return None
+    if choice == "auto":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            return None
+        return "tensorboard"
+    return choice
+
+
+def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None = None) -> dict[str, Any]:
+    """Run the configured training; returns a summary (losses, export path)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    out_dir = Path(cfg.train.output_dir)
+    mp = cfg.train.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(
+        mixed_precision=mp,
+        cpu=not torch.cuda.is_available(),  # multi-process CPU runs (torchrun) then use gloo
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        log_with=_make_tracker(cfg),
+        project_dir=str(out_dir),
+        step_scheduler_with_optimizer=False,  # one schedule step per optimizer step, whatever the world size
+    )
+    set_seed(cfg.train.seed)
+    main = accelerator.is_main_process
+
+    # -- model and gates --------------------------------------------------------------------------
+    model, processor = load_model(
+        cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
+    )
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if cfg.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules),
+        )
+    if cfg.gates.init_from:
+        gates = load_gates(cfg.gates.init_from, model=model)
+    else:
+        g = cfg.gates
+        gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init, activation=g.activation)
+    attachment = attach_gates(model, gates)
+    if cfg.lora.enabled:  # attach_gates froze the base; LoRA weights co-train with the gates
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.requires_grad_(True)
+    if cfg.model.gradient_checkpointing:
+        unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    budget, budget_text = budget_entries(cfg, model)
+    lm_head = unwrap(model).get_output_embeddings()
+
+    # -- data ---------------------------------------------------------------------------------------
+    train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
+    stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+
+    # -- optimizer: only trainable (gate, optional LoRA) parameters ----------------------------------
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    distiller = Distiller(model, attachment)
+    distiller, optimizer = accelerator.prepare(distiller, optimizer)
+
+    step, history = 0, []
+    if resume:
+        ckpt = find_checkpoint(out_dir, resume)
+        from safetensors.torch import load_file
+
+        attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        meta = json.loads((ckpt / "state.json").read_text())
+        step, history = meta["step"], meta["history"]
+        stream.load_state_dict(meta["data"])
+        _set_rng_state(state["rng"])
+        if main:
+            print(f"[retention] resumed from {ckpt} at step {step}")
+    if accelerator.trackers or _make_tracker(cfg):
+        accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
+    if main:
+        n = sum(p.numel() for p in params)
+        print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; budget {budget_text}; "
+              f"{len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
+
+    def global_mean(total: torch.Tensor, count: int) -> torch.Tensor:
+        """Sum over this rank / count over all ranks, times the world size (DDP averages gradients):
+        the gradient equals one process's pooled mean over the same global batch."""
+        n = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
+        return total * accelerator.num_processes / n.clamp_min(1)
+
+    def losses(batch: dict[str, torch.Tensor]):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        h_s, h_t, log_betas = distiller(batch["input_ids"], batch["position_ids"])
+        kl_sum, kl_n = distillation_kl(
+            h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum"
+        )
+        cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"], reduction="sum")
+        kl, cap = global_mean(kl_sum, kl_n), global_mean(cap_sum, cap_stats["capacity_terms"])
+        loss = kl + cfg.loss.capacity_weight * cap
+        if cfg.loss.ce_weight:
+            ce = nn.functional.cross_entropy(
+                lm_head(h_s[:, :-1]).flatten(0, 1).float(), batch["input_ids"][:, 1:].flatten(), reduction="none"
+            )
+            m = batch["loss_mask"][:, :-1].flatten().float()
+            loss = loss + cfg.loss.ce_weight * global_mean((ce * m).sum(), int(m.sum()))
+        return loss, kl, cap, cap_stats, log_betas
+
+    def evaluate() -> float:
+        if not eval_rows:
+            return float("nan")
+        vals = []
+        with torch.no_grad():
+            for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
+                vals.append(float(losses(collate(eval_rows[i : i + cfg.train.batch_size]))[1]))
+        return float(np.mean(vals))
+
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * accelerator.num_processes
+    bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
+    t_start = time.perf_counter()
+    start_step = step
+    while step < cfg.train.steps:
+        for _ in range(cfg.train.grad_accum):
+            with accelerator.accumulate(distiller):
+                loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.train.clip:
+                    accelerator.clip_grad_norm_(params, cfg.train.clip)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        bstats = beta_stats(log_betas)
+        # each rank holds its share of the global mean: the sum over ranks / world is that mean
+        loss, kl, cap = (accelerator.reduce(x.detach(), "mean") for x in (loss, kl, cap))
+        record = {
+            "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
+            "lr": scheduler.get_last_lr()[0], **cap_stats,
+            "beta_mean": float(np.mean(bstats["beta_mean"])),
+        }
+        history.append(record)
+        elapsed = time.perf_counter() - t_start
+        bar.set_postfix(kl=f"{record['kl']:.4f}", cap=f"{record['capacity']:.3f}",
+                        cache=f"{record['soft_cache_entries']:.0f}", tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
+        bar.update(1)
+        if accelerator.trackers:
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if main and step % cfg.train.log_every == 0:
+            per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
+            tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} "
+                       f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            record["eval_kl"] = evaluate()
+            if main:
+                tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}")
+        stopping = cfg.train.stop_after is not None and step >= cfg.train.stop_after
+        if main and (step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping):
+            save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step, history)
+            old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+            for p in old[: -cfg.train.keep_checkpoints]:
+                shutil.rmtree(p, ignore_errors=True)
+        if stopping and step < cfg.train.steps:
+            bar.close()
+            accelerator.wait_for_everyone()
+            if main:
+                print(f"[retention] stopped after step {step} as asked; continue with --resume")
+            accelerator.end_training()
+            return {"steps": step, "stopped_early": True, "history": history}
+    bar.close()
+
+    final_eval = evaluate()
+    summary: dict[str, Any] = {
+        "steps": step, "first_kl": history[0]["kl"] if history else None, "final_kl": history[-1]["kl"] if history else None,
+        "final_capacity": history[-1]["capacity"] if history else None, "held_out_kl": final_eval,
+        "tokens_per_step": tokens_per_step,
+    }
+    export_dir = Path(cfg.export.dir or out_dir / "final")
+    if main:
+        base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
+        export_gates(
+            attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
+            training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
+        )
+        (out_dir / "history.json").write_text(json.dumps(history, indent=1))
+        print(f"[retention] held-out KL {final_eval:.4f}; gates exported to {export_dir}")
+        repo = push_to_hub_repo or cfg.export.push_to_hub
+        if repo:
+            print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
+    accelerator.end_training()
+    summary["export_dir"] = str(export_dir)
+    summary["history"] = history
+    return summary
