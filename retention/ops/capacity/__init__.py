@@ -18,7 +18,10 @@ def capacity_sum(
     """``S_t = sum_{i<=t, same doc} beta_i^(t-i)`` for ``log_beta`` ``(B, N, T)``; ``(B, T)`` summed over N if ``reduce``."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" or (backend == "auto" and log_beta.is_cuda):
+    import os
+
+    forced = os.environ.get("RETENTION_FORCE_TRITON") == "1"
+    if backend == "triton" or (backend == "auto" and (log_beta.is_cuda or forced)):
         try:
             from .triton_kernel import capacity_sum_triton
         except ImportError:
