@@ -1,0 +1,208 @@
+"""Retention-gated attention kernels side by side: time and peak memory, printed as ratios.
+
+GPU (bf16, GQA 4, T = 2k..32k, d = 64/128), forward and forward+backward for
+  ours       the Triton retention kernel (decay bias, dlog_beta)
+  fa2        flash-attn 2 without bias: the speed ceiling (skipped when flash-attn is not installed)
+  sdpa+bias  PyTorch SDPA with the decay bias materialised as a (T, T) float mask per KV head
+  flex       torch.nn.attention.flex_attention with the same score_mod
+Ratios are to fa2 when it is installed, else to sdpa+bias. Goal: ours fwd+bwd within 1.3x of fa2.
+
+CPU (no CUDA): the blocked PyTorch reference against the Triton kernel in interpreter mode at small
+sizes (fp32), so the script itself is exercised in CI; GPU numbers cannot be measured there.
+
+    python eval/bench_kernels.py                      # GPU sweep, or the CPU check without a GPU
+    python eval/bench_kernels.py --seq 2048 4096 --dims 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _inputs(B, T, Hq, Hkv, D, dtype, device, grad=True):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)  # noqa: E731
+    q, k, v = mk(B, T, Hq, D), mk(B, T, Hkv, D), mk(B, T, Hkv, D)
+    lb = (-0.01 * torch.rand(B, Hkv, T, generator=g)).to(device).requires_grad_(grad)
+    return q, k, v, lb
+
+
+def _time(fn: Callable[[], None], reps: int, cuda: bool) -> float:
+    import torch
+
+    fn()  # warm-up (compilation, autotune)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _methods(q, k, v, lb):
+    """name -> callable returning the output (B, T, Hq, D); None where a method is unavailable."""
+    import torch
+    import torch.nn.functional as F
+
+    from retention.ops.retention_attention.triton_kernel import retention_attention_triton
+
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    out = {"ours": lambda: retention_attention_triton(q, k, v, lb)[0]}
+    try:
+        from flash_attn import flash_attn_func
+
+        out["fa2"] = lambda: flash_attn_func(q, k, v, causal=True)
+    except ImportError:
+        out["fa2"] = None
+
+    def sdpa_bias():
+        t = torch.arange(T, device=q.device)
+        dist = (t[:, None] - t[None, :]).float()
+        bias = (dist[None, None] * lb[:, :, None, :]).masked_fill(dist < 0, float("-inf"))  # (B, Hkv, T, T)
+        bias = bias.repeat_interleave(G, dim=1).to(q.dtype)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1),
+            attn_mask=bias,
+        ).transpose(1, 2)
+
+    out["sdpa+bias"] = sdpa_bias
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention)
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=q.device)
+
+        def score_mod(score, b, h, qi, ki):
+            return score + (qi - ki).to(torch.float32) * lb[b, h // G, ki]
+
+        out["flex"] = lambda: flex(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
+    except Exception:  # flex needs a recent torch and a GPU backend
+        out["flex"] = None
+    return out
+
+
+def _measure(fn, params, reps, cuda):
+    """Forward ms, forward+backward ms, peak MiB (GPU) of one method."""
+    import torch
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        o = fn()
+        o.float().sum().backward()
+        for p in params:
+            p.grad = None
+
+    f = _time(fwd, reps, cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    fb = _time(fwd_bwd, reps, cuda)
+    mem = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+    return f, fb, mem
+
+
+def gpu_sweep(args) -> None:
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}, bf16, batch {args.batch}, GQA {args.group} "
+          f"({args.kv_heads * args.group} query / {args.kv_heads} KV heads), median of {args.reps}")
+    print("| T | d | method | fwd ms | fwd+bwd ms | peak MiB | fwd ratio | fwd+bwd ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for D in args.dims:
+        for T in args.seq:
+            q, k, v, lb = _inputs(args.batch, T, args.kv_heads * args.group, args.kv_heads, D, torch.bfloat16, "cuda")
+            rows = {}
+            for name, fn in _methods(q, k, v, lb).items():
+                if fn is None:
+                    continue
+                try:
+                    rows[name] = _measure(fn, (q, k, v, lb), args.reps, True)
+                except torch.cuda.OutOfMemoryError:
+                    rows[name] = None
+                    torch.cuda.empty_cache()
+            base_name = "fa2" if rows.get("fa2") else "sdpa+bias"
+            base = rows.get(base_name)
+            for name in ("ours", "fa2", "sdpa+bias", "flex"):
+                r = rows.get(name)
+                if r is None:
+                    why = "out of memory" if name in rows else "n/a (not installed)" if name == "fa2" else "n/a"
+                    print(f"| {T} | {D} | {name} | {why} | | | | |")
+                    continue
+                fr = f"{r[0] / base[0]:.2f}x" if base else "n/a"
+                fbr = f"{r[1] / base[1]:.2f}x" if base else "n/a"
+                print(f"| {T} | {D} | {name} | {r[0]:.2f} | {r[1]:.2f} | {r[2]:.0f} | {fr} | {fbr} |")
+            print(f"(ratios to {base_name})")
+
+
+def cpu_check(args) -> None:
+    import torch
+
+    from retention.ops.retention_attention.reference import retention_attention_ref
+    from retention.ops.retention_attention.triton_kernel import retention_attention_triton
+
+    print("no CUDA device: GPU timings (flash-attn 2, SDPA with bias, flex_attention) cannot be measured here;")
+    print("running the blocked reference against the Triton kernel in interpreter mode (fp32) instead")
+    print("| T | d | method | fwd ms | fwd+bwd ms | max abs err vs ref | fwd ratio | fwd+bwd ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for D in args.dims:
+        for T in args.seq:
+            q, k, v, lb = _inputs(args.batch, T, args.kv_heads * args.group, args.kv_heads, D, torch.float32, "cpu")
+            fns = {
+                "reference": lambda: retention_attention_ref(q, k, v, lb)[0],
+                "triton-interp": lambda: retention_attention_triton(q, k, v, lb)[0],
+            }
+            res = {name: _measure(fn, (q, k, v, lb), args.reps, False) for name, fn in fns.items()}
+            with torch.no_grad():
+                err = (fns["triton-interp"]() - fns["reference"]()).abs().max().item()
+            base = res["reference"]
+            for name, r in res.items():
+                e = f"{err:.1e}" if name != "reference" else "0"
+                print(f"| {T} | {D} | {name} | {r[0]:.1f} | {r[1]:.1f} | {e} | {r[0] / base[0]:.2f}x | {r[1] / base[1]:.2f}x |")
+    print("(ratios to the reference; the interpreter runs kernels in numpy, so its speed says nothing about a GPU)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="head dims")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--reps", type=int, default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    args.seq = args.seq or ([2048, 4096, 8192, 16384, 32768] if cuda else [64, 128])
+    args.dims = args.dims or ([64, 128] if cuda else [64])
+    args.kv_heads = args.kv_heads or (8 if cuda else 1)
+    args.reps = args.reps or (10 if cuda else 1)
+    (gpu_sweep if cuda else cpu_check)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
