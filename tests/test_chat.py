@@ -1,0 +1,60 @@
+"""RetentionChat on the real SmolLM2: one cache across turns, bounded memory, clear errors."""
+
+import pytest
+import torch
+
+from retention import load_model
+from retention.chat import ChatInputError, ChatSetupError, RetentionChat
+from retention.gates import GateConfig, RetentionGates
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def test_first_reply_equals_plain_generate(smollm2):
+    model, tok = smollm2
+    with pytest.warns(UserWarning, match="untrained retention gates"):
+        chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
+    reply = chat.send("What is the capital of France?")
+    chat.model.retention.detach()
+    x = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**x, max_new_tokens=8, do_sample=False)
+    assert reply == tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_three_turns_stay_within_budget_and_errors_leave_the_session_usable(smollm2):
+    model, tok = smollm2
+    with pytest.warns(UserWarning):
+        chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=12)
+    streams = 30 * 3
+    seen = []
+    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
+        reply = "".join(chat.stream(turn))
+        assert isinstance(reply, str)
+        mem = chat.memory()
+        seen.append(mem["tokens_seen"])
+        assert mem["kept_entries"] <= 64 * streams + chat.cache.slack + 256 * streams
+        if mem["tokens_seen"] * streams > 64 * streams + chat.cache.slack:  # past budget + slack: evicted
+            assert mem["kv_bytes"] < mem["full_cache_bytes"]
+    assert seen == sorted(seen) and seen[-1] > 64
+    with pytest.raises(ChatInputError, match="text-only model"):
+        chat.send("look", images=["not an image"])
+    with pytest.raises(ChatInputError, match="raise the budget"):
+        chat.send("word " * 400)
+    before = chat.memory()["tokens_seen"]
+    chat.send("Thanks!")  # still usable after the errors
+    assert chat.memory()["tokens_seen"] > before
+    chat.model.retention.detach()
+
+
+def test_gates_for_another_model_are_a_setup_error(smollm2):
+    model, tok = smollm2
+    other = RetentionGates(GateConfig(num_layers=2, num_kv_heads=2, hidden_size=96))
+    with pytest.raises(ChatSetupError, match="gates do not match this model"):
+        RetentionChat(model, tok, other, budget_tokens=64)
