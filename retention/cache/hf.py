@@ -209,14 +209,38 @@ class RetentionCache(Cache):
         self._seen[layer_idx] += T
         if layer_idx == self.num_layers - 1:
             self.peak_entries = max(self.peak_entries, int(self.store.lengths.sum()))
+        if self._paged_decode(key_states, T):
+            # the Triton kernel reads the pages in place: no padded copy; attention ignores these
+            self._views[layer_idx] = (None, pos)
+            return key_states, value_states
         view = self.store.gather_layer(layer_idx)
         self._views[layer_idx] = (view, pos)
         return view.keys, view.values
+
+    def _paged_decode(self, key_states: torch.Tensor, T: int) -> bool:
+        """Single-token decoding on CUDA (or forced for tests) goes through the Triton paged kernel."""
+        import os
+
+        if T != 1 or self.policy.needs_queries or self.page_size & (self.page_size - 1):
+            return False
+        if not (key_states.is_cuda or os.environ.get("RETENTION_FORCE_TRITON") == "1"):
+            return False
+        return not bool(self._pad_entries.any())  # padding entries are masked by the padded path only
 
     def retention_attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention of ``query`` ``(B, Hq, Q, D)`` over the layer's kept entries -> ``(B, Q, Hq, D)``."""
         view, qpos = self._views.pop(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if view is None:  # paged decode: one query per stream, every kept entry is in its past
+            from .triton_decode import paged_decode_triton
+
+            B, Hq, _, D = query.shape
+            H = self.num_kv_heads
+            rows = self.store.streams(layer)
+            q = query.reshape(B, H, Hq // H, D).reshape(B * H, Hq // H, D)
+            pool = self.store.pool
+            out = paged_decode_triton(q, pool.keys, pool.values, self.store.block_table[rows], self.store.lengths[rows], scale)
+            return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view.keys, view.valid)
         return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale)

@@ -1,0 +1,101 @@
+"""Paged decode attention in Triton: one new query token per (sequence, KV head) stream.
+
+Each stream's kept entries live in pages of a shared pool, found through its block-table row; streams
+have different lengths (global eviction gives every head its own). Split-K over pages: program
+``(stream, split)`` walks its share of the stream's pages for all G query heads of the KV group at once
+(the keys are loaded once per group) and writes a partial softmax (max, sum, weighted values); the
+partials are merged in log-sum-exp form. :func:`retention.cache.attention.paged_decode_reference` is
+the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_split(
+    Q, KP, VP, BT, LEN, PO, PM, PL,
+    stride_bt, max_pages, pages_per_split, scale,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    length = tl.load(LEN + n)
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, BLOCK_D)
+    rp = tl.arange(0, PAGE)
+    mask_g = rg < G
+    mask_d = rd < D
+    q = tl.load(Q + n * G * D + rg[:, None] * D + rd[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    p_lo = split * pages_per_split
+    p_hi = tl.minimum(p_lo + pages_per_split, tl.cdiv(length, PAGE))
+    for pg in range(p_lo, p_hi):
+        page = tl.load(BT + n * stride_bt + pg)
+        slot = pg * PAGE + rp
+        mask_p = slot < length
+        kv_off = page * PAGE * D + rp[:, None] * D + rd[None, :]
+        kv_mask = mask_p[:, None] & mask_d[None, :]
+        k = tl.load(KP + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(VP + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # (G, PAGE)
+        s = tl.where(mask_p[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    base = (n * n_splits + split) * G
+    tl.store(PO + (base + rg)[:, None] * D + rd[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(PM + base + rg, m_i, mask=mask_g)
+    tl.store(PL + base + rg, l_i, mask=mask_g)
+
+
+def paged_decode_triton(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    pages_per_split: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`~retention.cache.attention.paged_decode_reference`: ``query`` ``(N, G, D)``,
+    pools ``(P, page_size, D)``, ``block_table`` ``(N, max_pages)``, ``lengths`` ``(N,)`` -> ``(N, G, D)``."""
+    N, G, D = query.shape
+    page = key_pool.shape[1]
+    if page & (page - 1):
+        raise ValueError(f"page size must be a power of two for the Triton decode kernel, got {page}")
+    max_pages = block_table.shape[1]
+    if pages_per_split is None:  # enough splits to fill the GPU when streams are few and long
+        pages_per_split = max(1, triton.cdiv(max_pages, 8))
+    n_splits = max(1, triton.cdiv(max_pages, pages_per_split))
+    q = query.contiguous()
+    bt = block_table.to(torch.int32).contiguous()
+    lens = lengths.to(torch.int32).contiguous()
+    po = torch.empty(N, n_splits, G, D, dtype=torch.float32, device=query.device)
+    pm = torch.empty(N, n_splits, G, dtype=torch.float32, device=query.device)
+    pl = torch.empty_like(pm)
+    _paged_decode_split[(N, n_splits)](
+        q, key_pool.contiguous(), value_pool.contiguous(), bt, lens, po, pm, pl,
+        bt.stride(0), max_pages, pages_per_split, scale,
+        G=G, BLOCK_G=max(2, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PAGE=page,
+        num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
+    )
+    # merge the splits: rescale each partial by exp(m_split - m_max)
+    m = pm.amax(1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(pm - m)  # (N, S, G); 0 for empty splits
+    denom = (pl * w).sum(1)
+    out = (po * w[..., None]).sum(1) / denom.clamp_min(1e-30)[..., None]
+    return torch.where((lens > 0)[:, None, None], out, torch.zeros_like(out)).to(query.dtype)
