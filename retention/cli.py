@@ -8,10 +8,12 @@ import time
 
 
 DEMO_PROMPT = (
-    "Read the notes and answer the question.\n"
-    + "Notes: the meeting moved to Thursday. The blue folder holds the contracts. "
-    + "The weather was mild and the office was quiet for most of the afternoon. " * 12
-    + "\nQuestion: which folder holds the contracts?"
+    "Read the notes, then answer the question.\nNotes:\n"
+    "The library opens at nine. The red bicycle belongs to Maria. The train to Lyon leaves from platform four. "
+    "Tom bought apples and bread at the market. The meeting was moved to Thursday afternoon. "
+    "The secret code for the office door is 4512. The cat sleeps on the blue sofa. "
+    "Anna is learning to play the violin. The bakery closes early on Sundays. It rained all weekend in the city.\n"
+    "Question: What is the secret code for the office door?"
 )
 
 
@@ -55,7 +57,7 @@ def build_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo")
-    demo.add_argument("--budget-tokens", type=int, default=64, help="budget as tokens per KV head (x layers x KV heads)")
+    demo.add_argument("--budget-tokens", type=int, default=48, help="budget as tokens per KV head (x layers x KV heads)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.set_defaults(func=_demo)
