@@ -59,7 +59,8 @@ VL_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=1
 
 
 @_seeded
-def tiny_qwen3_vl(attn_implementation="sdpa", **overrides):
+def tiny_qwen3_vl(attn_implementation="sdpa", tokens=None, **overrides):
+    """``tokens``: special token ids (image/video/vision_start/vision_end) when a real tokenizer is used."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **overrides}
@@ -75,7 +76,7 @@ def tiny_qwen3_vl(attn_implementation="sdpa", **overrides):
         num_position_embeddings=256,
         deepstack_visual_indexes=[1],
     )
-    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **VL_TOKENS)
+    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **(tokens or VL_TOKENS))
     cfg._attn_implementation = attn_implementation
     cfg.text_config._attn_implementation = attn_implementation
     cfg.vision_config._attn_implementation = attn_implementation

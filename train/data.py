@@ -106,9 +106,8 @@ def _hub_records(source: SourceConfig) -> Iterator[Any]:
 
 
 def iter_source(source: SourceConfig) -> Iterator[Any]:
-    """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat``."""
-    if source.kind == "multimodal":
-        raise DataError("multimodal sources are not supported by this trainer yet; use text or chat sources")
+    """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat`` and ``multimodal``
+    (multimodal content is a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": ...}``)."""
     if source.path == "sotu":
         it = _sotu_texts()
     elif source.path == "sharegpt":
@@ -220,6 +219,15 @@ def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]), "cu_seqlens": cu}
 
 
+def collate_any(rows: list) -> dict[str, torch.Tensor]:
+    """Packed text rows are collated; an encoded multimodal conversation is its own batch of one."""
+    if isinstance(rows[0], dict):
+        if len(rows) != 1:
+            raise DataError("multimodal conversations are not packed: use train.batch_size = 1 (more GPUs for more)")
+        return rows[0]
+    return collate(rows)
+
+
 class PackedStream:
     """Deterministic, resumable stream of packed batches.
 
@@ -244,7 +252,8 @@ class PackedStream:
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         start = self.position + self.rank * self.batch_size
-        batch = collate([self._row(start + j) for j in range(self.batch_size)])
+        rows = [self._row(start + j) for j in range(self.batch_size)]
+        batch = collate_any(rows)
         self.position += self.batch_size * self.world
         return batch
 
@@ -261,4 +270,79 @@ def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[l
     n_eval = int(len(rows) * cfg.eval_fraction)
     if cfg.eval_fraction > 0 and len(rows) > 1:
         n_eval = max(1, n_eval)
+    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]
+
+
+# -- multimodal conversations (Qwen3-VL) ----------------------------------------------------------
+
+def _load_image(ref: Any, root: Path | None):
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict) and ref.get("bytes") is not None:  # HF datasets Image feature
+        import io
+
+        return Image.open(io.BytesIO(ref["bytes"])).convert("RGB")
+    path = Path(ref["path"] if isinstance(ref, dict) else ref)
+    if not path.is_absolute() and root is not None:
+        path = root / path
+    return Image.open(path).convert("RGB")
+
+
+def assistant_mask(ids: list[int], tokenizer) -> list[bool]:
+    """Positions predicting a token of an assistant turn, for ChatML templates (Qwen, SmolLM)."""
+    start = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    inside = [False] * len(ids)
+    i = 0
+    while i < len(ids):
+        if ids[i : i + len(start)] == start:
+            j = i + len(start)
+            while j < len(ids) and ids[j] != end:
+                inside[j] = True
+                j += 1
+            if j < len(ids):
+                inside[j] = True  # the turn's end marker is predicted too
+            i = j
+        i += 1
+    return inside[1:] + [False]
+
+
+def encode_multimodal(processor, messages: list[dict[str, Any]], seq_len: int, root: Path | None = None) -> dict | None:
+    """One conversation through the model's processor: ids, mask and vision inputs; None if longer than seq_len."""
+    images = [
+        _load_image(c.get("image"), root)
+        for m in messages if isinstance(m["content"], list)
+        for c in m["content"] if c.get("type") == "image"
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    enc = processor(text=[text], images=images or None, return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    if len(ids) > seq_len:
+        return None
+    out = {k: v for k, v in enc.items() if k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+    out["input_ids"] = enc["input_ids"]
+    out["loss_mask"] = torch.tensor([assistant_mask(ids, processor.tokenizer)])
+    out["cu_seqlens"] = torch.tensor([0, len(ids)], dtype=torch.int32)
+    return out
+
+
+def build_multimodal(cfg: DataConfig, processor) -> tuple[list[dict], list[dict]]:
+    """Conversations encoded one per row (M-RoPE positions need whole conversations, so no packing)."""
+    if not hasattr(processor, "image_processor"):
+        raise DataError("multimodal sources need a vision-language model with a processor (e.g. Qwen3-VL)")
+    rows = []
+    for source in cfg.sources:
+        if source.kind != "multimodal":
+            raise DataError("a config mixes multimodal and text/chat sources; use one kind per run")
+        root = Path(source.path).parent if Path(source.path).is_file() else Path(source.path) if Path(source.path).is_dir() else None
+        for messages in iter_source(source):
+            enc = encode_multimodal(processor, messages, cfg.seq_len, root)
+            if enc is not None and bool(enc["loss_mask"].any()):
+                rows.append(enc)
+    if not rows:
+        raise DataError(f"no multimodal conversation fits data.seq_len = {cfg.seq_len}")
+    random.Random(cfg.seed).shuffle(rows)
+    n_eval = max(1, int(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 and len(rows) > 1 else 0
     return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]

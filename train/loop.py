@@ -28,7 +28,7 @@ from retention.losses import beta_stats, capacity_loss, distillation_kl
 from retention.models import cache_dir, load_model
 
 from .config import Config
-from .data import PackedStream, build_data, collate
+from .data import PackedStream, build_data, build_multimodal, collate_any
 
 
 class Distiller(nn.Module):
@@ -129,8 +129,14 @@ def _make_tracker(cfg: Config) -> str | None:
     return choice
 
 
-def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None = None) -> dict[str, Any]:
-    """Run the configured training; returns a summary (losses, export path)."""
+def train(
+    cfg: Config, resume: str | None = None, push_to_hub_repo: str | None = None, model_and_processor: tuple | None = None
+) -> dict[str, Any]:
+    """Run the configured training; returns a summary (losses, export path).
+
+    ``model_and_processor``: an already loaded ``(model, tokenizer or processor)`` to train instead of
+    loading ``cfg.model.name`` (which then only names the run).
+    """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -150,9 +156,12 @@ def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None =
     main = accelerator.is_main_process
 
     # -- model and gates --------------------------------------------------------------------------
-    model, processor = load_model(
-        cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
-    )
+    if model_and_processor is not None:
+        model, processor = model_and_processor
+    else:
+        model, processor = load_model(
+            cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
+        )
     tokenizer = getattr(processor, "tokenizer", processor)
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
@@ -178,7 +187,10 @@ def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None =
     lm_head = unwrap(model).get_output_embeddings()
 
     # -- data ---------------------------------------------------------------------------------------
-    train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
+    if any(s.kind == "multimodal" for s in cfg.data.sources):
+        train_rows, eval_rows = build_multimodal(cfg.data, processor)
+    else:
+        train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
     stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
 
     # -- optimizer: only trainable (gate, optional LoRA) parameters ----------------------------------
@@ -218,7 +230,9 @@ def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None =
 
     def losses(batch: dict[str, torch.Tensor]):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        h_s, h_t, log_betas = distiller(batch["input_ids"], batch["position_ids"])
+        vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
+        # packed text rows carry per-document positions; multimodal rows let the model build M-RoPE ones
+        h_s, h_t, log_betas = distiller(batch["input_ids"], batch.get("position_ids"), **vision)
         kl_sum, kl_n = distillation_kl(
             h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum"
         )
@@ -239,7 +253,7 @@ def train(cfg: Config, resume: str | None = None, push_to_hub_repo: str | None =
         vals = []
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
-                vals.append(float(losses(collate(eval_rows[i : i + cfg.train.batch_size]))[1]))
+                vals.append(float(losses(collate_any(eval_rows[i : i + cfg.train.batch_size]))[1]))
         return float(np.mean(vals))
 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * accelerator.num_processes

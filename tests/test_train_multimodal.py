@@ -1,0 +1,76 @@
+"""A tiny random Qwen3-VL trains on multimodal conversations with real photos, processor built offline."""
+
+import json
+
+import torch
+
+from retention.hub import load_gates
+from tiny_vl import photo_paths, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+from train.config import load_config
+from train.data import encode_multimodal
+from train.loop import train
+
+QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is this indoors or outdoors?"]
+ANSWERS = ["A person in a uniform, photographed in a studio.", "Mostly dark blue and grey tones.", "It looks like an indoor portrait."]
+
+
+def conversations(path, n=6):
+    photos = photo_paths()
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = [
+                {"role": "user", "content": [{"type": "image", "image": str(photos[i % len(photos)])},
+                                             {"type": "text", "text": QUESTIONS[i % 3]}]},
+                {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[i % 3]}]},
+                {"role": "user", "content": [{"type": "text", "text": "And anything else?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[(i + 1) % 3]}]},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def test_vision_tokens_are_encoded_and_masked():
+    proc = tiny_qwen3_vl_processor()
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(photo_paths()[0])}, {"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello there"}]}]
+    enc = encode_multimodal(proc, msgs, seq_len=512)
+    ids = enc["input_ids"][0]
+    n_image = int((ids == proc.image_token_id).sum())
+    assert n_image == int(enc["image_grid_thw"].prod(-1).sum()) // 4 > 0  # merged 2x2 patches
+    predicted = proc.tokenizer.decode(ids[1:][enc["loss_mask"][0, :-1]])
+    assert "Hello there" in predicted and "Hi" not in predicted
+
+
+def test_tiny_qwen3_vl_trains_with_gated_vision_tokens(tmp_path):
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    conversations(tmp_path / "convs.jsonl")
+    cfg_file = tmp_path / "vl.yaml"
+    cfg_file.write_text(f"""
+model: {{name: tiny-qwen3-vl}}
+gates: {{variant: global, gate_hidden: 8, bias_init: 3.0}}
+budget: {{tokens_per_head: 8}}
+data:
+  seq_len: 256
+  eval_fraction: 0.2
+  sources: [{{kind: multimodal, path: {tmp_path / 'convs.jsonl'}}}]
+train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, tracker: none}}
+""")
+    seen = {}
+    real_capacity = __import__("train.loop", fromlist=["capacity_loss"]).capacity_loss
+
+    def spy(log_betas, *a, **k):
+        seen["T"] = log_betas[0].shape[-1]
+        return real_capacity(log_betas, *a, **k)
+
+    import train.loop as loop
+
+    loop.capacity_loss, old = spy, loop.capacity_loss
+    try:
+        summary = train(load_config(cfg_file), model_and_processor=(model, proc))
+    finally:
+        loop.capacity_loss = old
+    h = summary["history"]
+    assert len(h) == 6 and h[-1]["capacity"] < h[0]["capacity"]
+    assert seen["T"] > 16, "gate scores cover the whole conversation, image tokens included"
+    gates = load_gates(summary["export_dir"], model=model)
+    assert gates.config.num_layers == 3

@@ -1,0 +1,69 @@
+"""An offline Qwen3-VL processor (PIL image processor + the SmolLM2 tokenizer with Qwen's vision tokens),
+a tiny random Qwen3-VL model that matches it, and real photos shipped inside installed packages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def tiny_qwen3_vl_processor():
+    """Qwen3VLProcessor built locally; images at most 112x112 pixels (16 merged tokens)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLProcessor
+
+    from retention.models import embedded_model_dir
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        # the video processor needs torchvision; images do not
+        def check_argument_for_proper_class(self, name, arg):
+            if name == "video_processor" and arg is None:
+                return None
+            return super().check_argument_for_proper_class(name, arg)
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    images = Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=112 * 112
+    )
+    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None, chat_template=CHAT_TEMPLATE)
+
+
+def tiny_qwen3_vl_for(processor, seed: int = 0):
+    """A tiny random Qwen3-VL whose vocabulary and vision token ids match ``processor``."""
+    from tiny_models import tiny_qwen3_vl
+
+    tok = processor.tokenizer
+    ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+    tokens = dict(vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])
+    return tiny_qwen3_vl(seed=seed, tokens=tokens, vocab_size=len(tok))
+
+
+def photo_paths() -> list[Path]:
+    """Photos that ship inside installed packages (matplotlib's sample data; scikit-image if present)."""
+    import matplotlib
+
+    root = Path(matplotlib.get_data_path()) / "sample_data"
+    paths = [root / "grace_hopper.jpg"]
+    try:
+        import skimage
+
+        data = Path(skimage.__file__).parent / "data"
+        paths += sorted(p for p in data.glob("*.png") if p.name in ("astronaut.png", "coffee.png", "chelsea.png"))
+    except ImportError:
+        pass
+    return [p for p in paths if p.is_file()]
+
+
+def photos(n: int):
+    from PIL import Image
+
+    paths = photo_paths()
+    return [Image.open(paths[i % len(paths)]).convert("RGB") for i in range(n)]
