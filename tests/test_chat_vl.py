@@ -1,0 +1,28 @@
+"""RetentionChat with a tiny random Qwen3-VL: a three-turn chat with real photos, offline."""
+
+import pytest
+
+from retention.chat import RetentionChat
+from tiny_vl import photos, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+
+
+def test_three_turn_chat_with_images_stays_within_budget():
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    with pytest.warns(UserWarning, match="untrained"):
+        chat = RetentionChat(model, proc, budget_tokens=48, max_new_tokens=5)
+    streams = 3 * 2
+    budget = 48 * streams
+    imgs = photos(2)
+    seen = []
+    for text, images in (("What is this?", [imgs[0]]), ("And this one?", [imgs[1]]), ("Compare them.", None)):
+        reply = chat.send(text, images=images)
+        assert isinstance(reply, str) and reply
+        mem = chat.memory()
+        seen.append(mem["tokens_seen"])
+        assert mem["kept_entries"] <= budget + chat.cache.slack + 256 * streams
+    # each image adds 16 merged vision tokens (112 x 112 pixels) on top of the text
+    assert seen[0] > 16 and seen[1] - seen[0] > 16 and seen == sorted(seen)
+    last = chat.memory()
+    assert last["tokens_seen"] * streams > budget + chat.cache.slack
+    assert last["kept_entries"] < last["full_cache_entries"]
