@@ -242,7 +242,7 @@ class RetentionCache(Cache):
             out = paged_decode_triton(q, pool.keys, pool.values, self.store.block_table[rows], self.store.lengths[rows], scale)
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
-            self.policy.observe(layer, query, view.keys, view.valid)
+            self.policy.observe(layer, query, view, qpos)
         return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -282,7 +282,7 @@ class RetentionCache(Cache):
 
     # -- eviction ----------------------------------------------------------------------------------
     def _maybe_evict(self, query_len: int) -> None:
-        if self.budget is None or self.store is None:
+        if self.budget is None or self.store is None or not self.policy.evicts:
             return
         if self.policy.mode == "one_shot" and not (self._last_query_len > 1 and query_len == 1):
             return  # one-shot policies compress once, when a prefill has ended
@@ -321,7 +321,12 @@ class RetentionCache(Cache):
             group, budget = local * L + layer, (budgets // L).repeat_interleave(L)
         else:
             group = torch.arange(len(rows), device=dev)
-            if self.policy.head_budgets is not None:
+            tables = None
+            if self.policy.head_budgets is None:
+                tables = [self.policy.head_budget_table(int(b), L, H) for b in budgets.tolist()]
+            if tables is not None and tables[0] is not None:  # uneven split across layers (PyramidKV)
+                budget = torch.cat([t.to(dev, torch.long).flatten() for t in tables])
+            elif self.policy.head_budgets is not None:
                 budget = self.policy.head_budgets.to(dev, torch.long).flatten().repeat(len(seqs))
             else:
                 budget = (budgets // n).repeat_interleave(n)

@@ -49,7 +49,13 @@ class EvictionPolicy:
     budget_scope: str = "global"
     mode: str = "streaming"
     needs_queries: bool = False
+    evicts: bool = True  # False: the full cache (never evicts, whatever the budget)
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
+
+    def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
+        """Entries per (layer, head) ``(L, H)`` for a total budget, for policies that allocate unevenly
+        across layers (PyramidKV); ``None`` keeps the cache's default split for ``budget_scope``."""
+        return None
 
     def validate(self) -> None:
         if self.budget_scope not in BUDGET_SCOPES:
@@ -63,9 +69,11 @@ class EvictionPolicy:
         """Scores ``(R, Lpad)`` float32 for ``entries`` (values at invalid slots are ignored)."""
         raise NotImplementedError
 
-    def observe(self, layer: int, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> None:
-        """Called per layer and forward when ``needs_queries``: ``query`` ``(B, Hq, Q, D)``, ``keys``
-        ``(B, H, Lmax, D)``, ``valid`` ``(B, H, Lmax)``. Training-free policies keep statistics here."""
+    def observe(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> None:
+        """Called per layer and forward when ``needs_queries``, before attention: ``query`` ``(B, Hq, Q, D)``
+        (after RoPE), ``view`` the layer's kept entries (:class:`retention.cache.paged.PaddedView`: keys,
+        values ``(B, H, Lmax, D)``, pos, valid ``(B, H, Lmax)``) including this forward's new tokens, and
+        ``query_pos`` ``(B, Q)`` true positions. Training-free policies keep statistics here."""
 
     def reset(self) -> None:
         """Forget per-sequence state (a new conversation starts)."""

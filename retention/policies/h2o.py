@@ -1,0 +1,43 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference").
+
+Score = attention each entry has accumulated from every query so far (summed over the query heads
+of its KV group), ``score_i = sum_t sum_g A[g, t, i]``; the ``recent`` newest tokens are always kept
+(the paper splits the budget evenly between heavy hitters and recent tokens; here ``recent`` is in
+tokens, default 32). Budget per head.
+
+Streaming: accumulation continues over chunks and turns (the paper's decode-time rule); one-shot
+compresses once after the prefill with the accumulated prefill attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import EntryView, EvictionPolicy
+from .window import PositionStats, recent_mask, window_attention
+
+
+@dataclass
+class H2OPolicy(EvictionPolicy):
+    recent: int = 32
+    name: str = "h2o"
+    mode: str = "streaming"
+    budget_scope: str = "head"
+    needs_queries: bool = True
+    stats: PositionStats = field(default_factory=PositionStats, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def observe(self, layer, query, view, query_pos) -> None:
+        attn = window_attention(query, view, query_pos, window=None)  # every query of this forward
+        self.stats.write(layer, attn.sum(dim=(2, 3)), view, accumulate=True)
+
+    def score(self, entries: EntryView) -> torch.Tensor:
+        acc = self.stats.lookup(entries)
+        return torch.where(recent_mask(entries, self.recent), torch.full_like(acc, float("inf")), acc)
+
+    def reset(self) -> None:
+        self.stats.reset()

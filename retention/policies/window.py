@@ -1,0 +1,72 @@
+"""Shared machinery of training-free policies: observation-window attention and statistics kept by
+true token position (entries move in memory when the cache compacts; positions do not)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import EntryView
+
+
+def window_attention(query: torch.Tensor, view, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Softmax attention of the last ``window`` queries over the kept entries, recomputed from the
+    cached keys (as SnapKV does under FlashAttention), so no eager attention is needed.
+
+    ``query`` ``(B, Hq, Q, D)``, ``view`` keys ``(B, H, L, D)`` / pos / valid ``(B, H, L)``, ``query_pos``
+    ``(B, Q)``. Returns ``(B, H, G, W, L)`` float32 with ``G = Hq / H`` query heads per KV head.
+    """
+    B, Hq, Q, D = query.shape
+    H, L = view.keys.shape[1], view.keys.shape[2]
+    W = Q if window is None else min(window, Q)
+    q = query[:, :, Q - W :].float().reshape(B, H, Hq // H, W, D)
+    s = torch.einsum("bhgwd,bhld->bhgwl", q, view.keys.float()) * D**-0.5
+    qp = query_pos[:, Q - W :]
+    ok = view.valid[:, :, None, :] & (view.pos[:, :, None, :] >= 0) & (view.pos[:, :, None, :] <= qp[:, None, :, None])
+    s = s.masked_fill(~ok[:, :, None], float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0)
+
+
+class PositionStats:
+    """Per-layer ``(B, H, P)`` statistics indexed by true position ``P`` (grown as tokens arrive)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.tables.clear()
+
+    def write(self, layer: int, values: torch.Tensor, view, accumulate: bool = False) -> None:
+        """Store (or add) ``values`` ``(B, H, L)`` of the view's entries under their positions."""
+        pos = view.pos.clamp_min(0)
+        size = int(pos.max()) + 1 if pos.numel() else 1
+        table = self.tables.get(layer)
+        if table is None or table.shape[-1] < size or table.shape[:2] != values.shape[:2]:
+            new = torch.zeros(*values.shape[:2], max(size, 2 * (0 if table is None else table.shape[-1])), device=values.device)
+            if table is not None and table.shape[:2] == values.shape[:2]:
+                new[..., : table.shape[-1]] = table
+            table = new
+        vals = values.float().masked_fill(~(view.valid & (view.pos >= 0)), 0.0)
+        if accumulate:
+            table.scatter_add_(-1, pos, vals)
+        else:
+            keep = ~(view.valid & (view.pos >= 0))
+            table.scatter_(-1, pos, torch.where(keep, table.gather(-1, pos), vals))
+        self.tables[layer] = table
+
+    def lookup(self, entries: EntryView) -> torch.Tensor:
+        """Statistics of every entry ``(R, Lpad)`` (0 where nothing was recorded)."""
+        out = torch.zeros_like(entries.log_beta)
+        for layer in entries.layer.unique().tolist():
+            table = self.tables.get(layer)
+            if table is None:
+                continue
+            rows = (entries.layer == layer).nonzero().flatten()
+            t = table[entries.seq[rows], entries.head[rows]]  # (r, P)
+            pos = entries.pos[rows].clamp(0, t.shape[-1] - 1)
+            out[rows] = t.gather(-1, pos)
+        return out
+
+
+def recent_mask(entries: EntryView, window: int) -> torch.Tensor:
+    """``(R, Lpad)`` True for the newest ``window`` tokens of each sequence (always kept)."""
+    return entries.pos > entries.step[:, None] - window

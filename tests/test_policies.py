@@ -1,0 +1,169 @@
+"""Baseline eviction policies: hand-checkable cases computed here from each paper's formula, the
+registry, and budget accounting on the real cache in both modes."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from retention import attach_gates
+from retention.cache import RetentionCache
+from retention.cache.select import select_keep
+from retention.policies import EntryView, get_policy, policy_params
+from retention.policies.pyramidkv import pyramid_budgets
+from tiny_models import tiny_llama
+
+D = 4
+
+
+def layer_view(L=6, H=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, H, L, D, generator=g)
+    pos = torch.arange(L).expand(1, H, L).clone()
+    return SimpleNamespace(keys=keys, values=torch.randn(1, H, L, D, generator=g), pos=pos, valid=torch.ones(1, H, L, dtype=torch.bool))
+
+
+def entries_for(view, layer=0, step=None):
+    H, L = view.pos.shape[1], view.pos.shape[2]
+    step = int(view.pos.max()) if step is None else step
+    return EntryView(
+        log_beta=torch.zeros(H, L), pos=view.pos[0].clone(), valid=view.valid[0].clone(),
+        step=torch.full((H,), step), seq=torch.zeros(H, dtype=torch.long),
+        layer=torch.full((H,), layer), head=torch.arange(H),
+    )
+
+
+def attention(q, k, qpos, kpos):
+    """Softmax weights of one query over keys at or before it, by hand."""
+    logits = [sum(a * b for a, b in zip(q, kk)) / math.sqrt(D) if kp <= qpos else -math.inf for kk, kp in zip(k, kpos)]
+    m = max(logits)
+    e = [math.exp(x - m) for x in logits]
+    return [x / sum(e) for x in e]
+
+
+def kept(policy, entries, budget):
+    score = policy.score(entries)
+    R = entries.pos.shape[0]
+    keep = select_keep(score, entries.pos, entries.valid, torch.arange(R), torch.full((R,), budget))
+    return [sorted(entries.pos[r][keep[r]].tolist()) for r in range(R)]
+
+
+def test_streamingllm_keeps_sinks_and_recent():
+    view = layer_view(L=10)
+    assert kept(get_policy("streamingllm", sink=2), entries_for(view), 5) == [[0, 1, 7, 8, 9]]
+
+
+def test_h2o_accumulates_attention_and_keeps_recent():
+    view = layer_view(L=6)
+    q = torch.randn(1, 2, 3, D, generator=torch.Generator().manual_seed(5))  # G = 2 query heads, 3 queries
+    qpos = torch.tensor([[3, 4, 5]])
+    pol = get_policy("h2o", recent=1)
+    pol.observe(0, q, view, qpos)
+    acc = [0.0] * 6
+    for gq in range(2):
+        for t in range(3):
+            w = attention(q[0, gq, t].tolist(), view.keys[0, 0].tolist(), int(qpos[0, t]), list(range(6)))
+            acc = [a + b for a, b in zip(acc, w)]
+    score = pol.score(entries_for(view))
+    torch.testing.assert_close(score[0, :5], torch.tensor(acc[:5]), rtol=1e-5, atol=1e-6)
+    assert score[0, 5] == math.inf
+    top2 = sorted(range(5), key=lambda i: -acc[i])[:2]
+    assert kept(pol, entries_for(view), 3) == [sorted(top2 + [5])]
+
+
+def test_tova_uses_the_last_query_averaged_over_heads():
+    view = layer_view(L=6, H=2)
+    q = torch.randn(1, 4, 2, D, generator=torch.Generator().manual_seed(7))  # 2 KV heads x G=2
+    qpos = torch.tensor([[4, 5]])
+    pol = get_policy("tova")
+    pol.observe(0, q, view, qpos)
+    per_head = [
+        attention(q[0, hq, 1].tolist(), view.keys[0, hq // 2].tolist(), 5, list(range(6))) for hq in range(4)
+    ]
+    want = torch.tensor([sum(h[i] for h in per_head) / 4 for i in range(6)])
+    score = pol.score(entries_for(view))
+    torch.testing.assert_close(score[0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(score[1], want, rtol=1e-5, atol=1e-6)  # one score per layer
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_snapkv_window_sum_and_max_pooling(name):
+    view = layer_view(L=8)
+    q = torch.randn(1, 2, 4, D, generator=torch.Generator().manual_seed(3))
+    qpos = torch.tensor([[4, 5, 6, 7]])
+    pol = get_policy(name, window=2, kernel=3)
+    pol.observe(0, q, view, qpos)
+    summed = [0.0] * 8
+    for gq in range(2):
+        for t in (2, 3):  # the last two queries form the window
+            w = attention(q[0, gq, t].tolist(), view.keys[0, 0].tolist(), int(qpos[0, t]), list(range(8)))
+            summed = [a + b / 2 for a, b in zip(summed, w)]  # mean over the group
+    pooled = [max(summed[max(0, i - 1) : i + 2]) for i in range(8)]
+    score = pol.score(entries_for(view))
+    torch.testing.assert_close(score[0, :6], torch.tensor(pooled[:6]), rtol=1e-5, atol=1e-6)
+    assert (score[0, 6:] == math.inf).all()  # the observation window is kept
+
+
+def test_pyramid_budgets_decrease_with_depth():
+    t = pyramid_budgets(total=3000, num_layers=3, num_heads=2, beta=20)
+    assert t.shape == (3, 2) and (t[:-1, 0] > t[1:, 0]).all() and int(t.sum()) <= 3000
+    a = 1000
+    assert t[0, 0] == math.floor((2 * a - a / 20) / 2) and t[2, 0] == math.floor(a / 20 / 2)
+
+
+def test_random_is_seeded():
+    view = layer_view(L=12)
+    e = entries_for(view)
+    assert kept(get_policy("random", seed=1), e, 4) == kept(get_policy("random", seed=1), e, 4)
+    assert kept(get_policy("random", seed=1), e, 4) != kept(get_policy("random", seed=2), e, 4)
+
+
+def test_registry_errors_name_the_fix():
+    with pytest.raises(ValueError, match="unknown policy 'snap'; available: \\[.*'snapkv'"):
+        get_policy("snap")
+    with pytest.raises(ValueError, match="has no parameter\\(s\\) \\['window'\\]; allowed: \\['budget_scope', 'mode', 'recent'\\]"):
+        get_policy("h2o", window=4)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        get_policy("snapkv", mode="sometimes")
+    assert "mode" in policy_params("streamingllm")
+
+
+POLICY_CASES = [
+    ("random", {}), ("streamingllm", {}), ("h2o", {"recent": 4}), ("tova", {}), ("snapkv", {"window": 4}),
+    ("pyramidkv", {"window": 4, "beta": 2.0}), ("trimkv", {}), ("global_gates", {"horizon": 4}),
+]
+
+
+@pytest.mark.parametrize("mode", ["streaming", "one_shot"])
+@pytest.mark.parametrize("name, params", POLICY_CASES)
+def test_every_policy_keeps_exactly_its_budget(name, params, mode):
+    model = tiny_llama()
+    attach_gates(model, bias_init=0.0, mode="score")
+    L, H, tokens = 3, 2, 10
+    policy = get_policy(name, mode=mode, **params)
+    budget = RetentionCache.budget_for(model, tokens)  # 60 entries
+    cache = RetentionCache(model, budget=budget, policy=policy, slack=0)
+    ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], past_key_values=cache)  # prefill
+        model(input_ids=ids[:, 30:31], past_key_values=cache)  # compresses to the budget, then appends one token
+    per_head = cache.store.lengths.view(L, H) - 1  # minus the token appended after the eviction
+    if policy.budget_scope == "global":
+        assert int(per_head.sum()) == budget
+    elif policy.budget_scope == "layer":
+        assert per_head.sum(1).tolist() == [budget // L] * L
+    elif name == "pyramidkv":
+        assert per_head.tolist() == pyramid_budgets(budget, L, H, 2.0).tolist()
+    else:
+        assert per_head.flatten().tolist() == [tokens] * (L * H)
+
+
+def test_full_cache_never_evicts():
+    model = tiny_llama()
+    attach_gates(model, mode="score")
+    cache = RetentionCache(model, budget=12, policy=get_policy("full"), slack=0)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 20)), past_key_values=cache)
+        model(input_ids=torch.randint(0, 100, (1, 1)), past_key_values=cache)
+    assert int(cache.store.lengths.sum()) == 21 * 3 * 2
