@@ -132,6 +132,8 @@ def test_registry_errors_name_the_fix():
 POLICY_CASES = [
     ("random", {}), ("streamingllm", {}), ("h2o", {"recent": 4}), ("tova", {}), ("snapkv", {"window": 4}),
     ("pyramidkv", {"window": 4, "beta": 2.0}), ("trimkv", {}), ("global_gates", {"horizon": 4}),
+    ("adakv", {"window": 4}), ("criticalkv", {"window": 4}), ("lava", {"window": 4}), ("cake", {"window": 4}),
+    ("restkv", {"window": 4}), ("defensivekv", {"window": 4}), ("layer_defensivekv", {"window": 4}),
 ]
 
 
@@ -144,17 +146,25 @@ def test_every_policy_keeps_exactly_its_budget(name, params, mode):
     policy = get_policy(name, mode=mode, **params)
     budget = RetentionCache.budget_for(model, tokens)  # 60 entries
     cache = RetentionCache(model, budget=budget, policy=policy, slack=0)
+    used = {}  # the allocation the eviction used (streaming policies refresh it as queries arrive)
+    for hook in ("layer_budget_table", "head_budget_table"):
+        real = getattr(policy, hook)
+        setattr(policy, hook, lambda *a, _r=real, _h=hook: used.setdefault(_h, _r(*a)))
     ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids[:, :30], past_key_values=cache)  # prefill
         model(input_ids=ids[:, 30:31], past_key_values=cache)  # compresses to the budget, then appends one token
     per_head = cache.store.lengths.view(L, H) - 1  # minus the token appended after the eviction
+    layer_table, head_table = used.get("layer_budget_table"), used.get("head_budget_table")
     if policy.budget_scope == "global":
         assert int(per_head.sum()) == budget
     elif policy.budget_scope == "layer":
-        assert per_head.sum(1).tolist() == [budget // L] * L
-    elif name == "pyramidkv":
-        assert per_head.tolist() == pyramid_budgets(budget, L, H, 2.0).tolist()
+        want = [budget // L] * L if layer_table is None else layer_table.tolist()
+        assert per_head.sum(1).tolist() == want
+    elif head_table is not None:  # PyramidKV's pyramid, CAKE's preferences
+        assert per_head.tolist() == head_table.tolist()
+        if name == "pyramidkv":
+            assert head_table.tolist() == pyramid_budgets(budget, L, H, 2.0).tolist()
     else:
         assert per_head.flatten().tolist() == [tokens] * (L * H)
 

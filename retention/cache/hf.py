@@ -116,6 +116,7 @@ class RetentionCache(Cache):
         self.attachment = attachment
         self.policy = policy if policy is not None else GlobalGatesPolicy()
         self.policy.validate()
+        self.policy.bind(unwrap(model))
         self.page_size, self.protected_window, self.min_per_head = page_size, protected_window, min_per_head
         self.streams_per_seq = self.num_layers * self.num_kv_heads
         self.slack = self.streams_per_seq * page_size if slack is None else slack
@@ -307,6 +308,7 @@ class RetentionCache(Cache):
         head = torch.arange(H, device=dev).repeat(L * len(seqs))
         step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
         entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head)
+        self.policy.set_budget(int(budgets[0]), L, H)
         score = self.policy.score(entries)
         valid = view.valid & (view.pos >= 0)  # padding tokens are dropped at the first eviction
         forced = torch.zeros_like(valid)
@@ -318,7 +320,12 @@ class RetentionCache(Cache):
         if scope == "global":
             group, budget = local, budgets
         elif scope == "layer":
-            group, budget = local * L + layer, (budgets // L).repeat_interleave(L)
+            tables = [self.policy.layer_budget_table(int(b), L) for b in budgets.tolist()]
+            if tables[0] is not None:  # allocation across layers from what the policy observed
+                budget = torch.cat([t.to(dev, torch.long) for t in tables])
+            else:
+                budget = (budgets // L).repeat_interleave(L)
+            group = local * L + layer
         else:
             group = torch.arange(len(rows), device=dev)
             tables = None

@@ -52,6 +52,17 @@ class EvictionPolicy:
     evicts: bool = True  # False: the full cache (never evicts, whatever the budget)
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
 
+    def bind(self, model) -> None:
+        """Called once by the cache with the model (policies that need weights, e.g. ``W_O``, read them here)."""
+
+    def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
+        """Called before each :meth:`score` with the budget being enforced (the first sequence's)."""
+
+    def layer_budget_table(self, total: int, num_layers: int) -> torch.Tensor | None:
+        """Entries per layer ``(L,)`` for ``budget_scope="layer"`` policies that allocate across layers
+        from what they observed (CAKE, LAVa); ``None`` keeps the even split."""
+        return None
+
     def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
         """Entries per (layer, head) ``(L, H)`` for a total budget, for policies that allocate unevenly
         across layers (PyramidKV); ``None`` keeps the cache's default split for ``budget_scope``."""

@@ -5,18 +5,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .adakv import AdaKVPolicy
 from .base import EvictionPolicy
+from .cake import CAKEPolicy
+from .defensivekv import DefensiveKVPolicy, LayerDefensiveKVPolicy
 from .full import FullCachePolicy
 from .global_gates import GlobalGatesPolicy
 from .h2o import H2OPolicy
+from .lava import LAVaPolicy
 from .pyramidkv import PyramidKVPolicy
 from .random import RandomPolicy
+from .restkv import ReSTKVPolicy
 from .snapkv import SnapKVPolicy
 from .streaming_llm import StreamingLLMPolicy
 from .tova import TOVAPolicy
 from .trimkv import TrimKVPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
+POLICIES: dict[str, Any] = {
     "full": FullCachePolicy,
     "random": RandomPolicy,
     "streamingllm": StreamingLLMPolicy,
@@ -24,15 +29,24 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "tova": TOVAPolicy,
     "snapkv": SnapKVPolicy,
     "pyramidkv": PyramidKVPolicy,
+    "adakv": AdaKVPolicy,
+    "criticalkv": lambda **p: AdaKVPolicy(**{"value_norm": True, "name": "criticalkv", **p}),
+    "cake": CAKEPolicy,
+    "lava": LAVaPolicy,
+    "restkv": ReSTKVPolicy,
+    "defensivekv": DefensiveKVPolicy,
+    "layer_defensivekv": LayerDefensiveKVPolicy,
     "trimkv": TrimKVPolicy,
     "global_gates": GlobalGatesPolicy,
 }
-_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets"}
+_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets", "layer_normalise"}
 
 
 def policy_params(name: str) -> list[str]:
     """The parameters a policy accepts."""
-    return sorted(f.name for f in dataclasses.fields(POLICIES[name]) if f.name not in _INTERNAL)
+    cls = POLICIES[name] if isinstance(POLICIES[name], type) else AdaKVPolicy
+    hidden = _INTERNAL | ({"value_norm"} if name == "criticalkv" else set())
+    return sorted(f.name for f in dataclasses.fields(cls) if f.name not in hidden)
 
 
 def get_policy(name: str, **params: Any) -> EvictionPolicy:

@@ -1,0 +1,69 @@
+"""CAKE (Qin et al., 2025, "CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences").
+
+Per layer, from the window attention ``A[j, i]`` (last ``window`` queries, mean over the GQA group):
+spatial dispersion ``H_l`` = entropy of the window-mean attention, temporal shift ``V_l`` = variance of
+attention across the window queries (mean over entries); preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)``
+and layer budget ``B_l = P_l / sum P * B``, split evenly over the layer's heads. Entries are ranked by
+``mean_j A[j, i] + gamma * var_j A[j, i]`` (max-pooled with ``kernel``); the window is always kept.
+
+Cascading: the layer budgets are recomputed from every layer's latest preference at each eviction, so
+with streaming (chunked prefill, turns) earlier layers shrink as later ones claim memory, as in the
+paper's layer-by-layer prefill; one-shot (default) allocates once after the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import EntryView, EvictionPolicy
+from .scoring import max_pool
+from .window import PositionStats, recent_mask, window_attention
+
+
+@dataclass
+class CAKEPolicy(EvictionPolicy):
+    window: int = 32
+    kernel: int = 7
+    gamma: float = 200.0
+    tau1: float = 1.0
+    tau2: float = 1.0
+    name: str = "cake"
+    budget_scope: str = "head"
+    mode: str = "one_shot"
+    needs_queries: bool = True
+    stats: PositionStats = field(default_factory=PositionStats, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        if self.tau1 <= 0 or self.tau2 <= 0:
+            raise ValueError(f"tau1 and tau2 must be > 0, got {self.tau1}, {self.tau2}")
+        self.preference: dict[int, float] = {}
+
+    def observe(self, layer, query, view, query_pos) -> None:
+        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
+            return
+        attn = window_attention(query, view, query_pos, self.window).mean(2)  # (B, H, W, L)
+        mean, var = attn.mean(2), attn.var(2, unbiased=False) if attn.shape[2] > 1 else torch.zeros_like(attn[:, :, 0])
+        self.stats.write(layer, max_pool(mean + self.gamma * var, self.kernel), view)
+        ok = (view.valid & (view.pos >= 0)).float()
+        p = mean * ok / (mean * ok).sum(-1, keepdim=True).clamp_min(1e-30)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+        shift = ((var * ok).sum(-1) / ok.sum(-1).clamp_min(1)).mean()
+        self.preference[layer] = float(entropy.clamp_min(1e-12) ** (1 / self.tau1) * shift.clamp_min(1e-12) ** (1 / self.tau2))
+
+    def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
+        if len(self.preference) < num_layers:
+            return None  # nothing observed yet: the cache's even split
+        p = torch.tensor([self.preference[l] for l in range(num_layers)])
+        per_layer = torch.floor(p / p.sum() * total)
+        return (per_layer // num_heads).long()[:, None].expand(num_layers, num_heads).clone()
+
+    def score(self, entries: EntryView) -> torch.Tensor:
+        s = self.stats.lookup(entries)
+        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
+
+    def reset(self) -> None:
+        self.stats.reset()
+        self.preference.clear()

@@ -1,0 +1,131 @@
+"""Value-aware and budget-allocating baselines, each checked against its paper's formula by hand:
+AdaKV / CriticalKV, LAVa, DefensiveKV / Layer-DefensiveKV, CAKE, ReST-KV."""
+
+import math
+
+import pytest
+import torch
+
+from retention.policies import get_policy
+from test_policies import D, attention, entries_for, layer_view
+
+
+def window_probs(q, view, qpos, head_of):
+    """Hand-computed attention of every query head (rows) and query (cols) over the entries."""
+    Hq, Q = q.shape[1], q.shape[2]
+    return [[attention(q[0, h, t].tolist(), view.keys[0, head_of(h)].tolist(), int(qpos[0, t]), view.pos[0, 0].tolist())
+             for t in range(Q)] for h in range(Hq)]
+
+
+def setup(L=6, H=1, G=2, Q=2, seed=0):
+    view = layer_view(L=L, H=H, seed=seed)
+    q = torch.randn(1, H * G, Q, D, generator=torch.Generator().manual_seed(seed + 10))
+    qpos = torch.arange(L - Q, L)[None]
+    return view, q, qpos
+
+
+def test_criticalkv_scales_snapkv_by_value_norm_through_w_o():
+    view, q, qpos = setup()
+    pol = get_policy("criticalkv", window=2, kernel=1, alpha=0.0)
+    w_o = torch.randn(2, D, 5, generator=torch.Generator().manual_seed(1))  # (Hq, D, hidden)
+    pol._w_o = [w_o]
+    pol.observe(0, q, view, qpos)
+    A = window_probs(q, view, qpos, lambda h: 0)
+    v = view.values[0, 0]
+    want = [sum(sum(A[g][t][i] for t in range(2)) * float((v[i] @ w_o[g]).norm()) for g in range(2)) / 2 for i in range(6)]
+    score = pol.score(entries_for(view))
+    torch.testing.assert_close(score[0, :4], torch.tensor(want[:4]), rtol=1e-5, atol=1e-6)
+
+
+def test_adakv_safeguard_keeps_a_share_in_every_head():
+    view, q, qpos = setup(L=8, H=2, G=1, Q=1)
+    pol = get_policy("adakv", window=1, kernel=1, alpha=0.5)
+    pol.observe(0, q, view, qpos)
+    with torch.no_grad():  # make head 1's scores tiny: without the safeguard it would keep nothing
+        pol.stats.tables[0][:, 1] *= 1e-6
+    pol.set_budget(total=8, num_layers=1, num_heads=2)  # even share 4 per head, alpha 0.5 -> 2
+    score = pol.score(entries_for(view))
+    from retention.cache.select import select_keep
+
+    keep = select_keep(score, entries_for(view).pos, entries_for(view).valid, torch.zeros(2, dtype=torch.long), torch.tensor([6]))
+    assert int(keep[1].sum()) >= 2 + 1  # two lifted plus the window token
+
+
+def test_lava_score_and_entropy_layer_budgets():
+    pol = get_policy("lava", window=2, kernel=1)
+    views = []
+    for layer in range(2):
+        view, q, qpos = setup(seed=layer)
+        pol.observe(layer, q, view, qpos)
+        views.append((view, q, qpos))
+    view, q, qpos = views[0]
+    A = window_probs(q, view, qpos, lambda h: 0)
+    vmax = float(view.values[0, 0].abs().sum(-1).max())
+    want = [max(sum(A[g][t][i] for t in range(2)) for g in range(2)) * vmax / 2 for i in range(6)]
+    torch.testing.assert_close(pol.score(entries_for(view))[0, :4], torch.tensor(want[:4]), rtol=1e-5, atol=1e-6)
+    ents = []
+    for view, q, qpos in views:
+        A = window_probs(q, view, qpos, lambda h: 0)
+        s = [max(sum(A[g][t][i] for t in range(2)) for g in range(2)) for i in range(6)]
+        p = [x / sum(s) for x in s]
+        ents.append(-sum(x * math.log(x) for x in p) / 6)
+    table = pol.layer_budget_table(1000, 2)
+    assert table.tolist() == [math.floor(e / sum(ents) * 1000) for e in ents]
+
+
+@pytest.mark.parametrize("name", ["defensivekv", "layer_defensivekv"])
+def test_defensive_aggregation_max_then_prior(name):
+    view, q, qpos = setup(L=7, Q=3)
+    pol = get_policy(name, window=3, kernel=1)
+    w_o = torch.randn(2, D, 5, generator=torch.Generator().manual_seed(2))
+    pol._w_o = [w_o]
+    pol.observe(0, q, view, qpos)
+    A = window_probs(q, view, qpos, lambda h: 0)
+    v = view.values[0, 0]
+    vn = [[float((v[i] @ w_o[g]).norm()) for i in range(7)] for g in range(2)]
+    risk = [max(A[g][t][i] * vn[g][i] for g in range(2) for t in range(3)) for i in range(7)]
+    prior = sum(risk) / 7
+    risk = [max(r, prior) for r in risk]
+    if name == "layer_defensivekv":
+        total = sum(max(vn[g][i] for g in range(2)) for i in range(7))
+        risk = [r / total for r in risk]
+    score = pol.score(entries_for(view))
+    torch.testing.assert_close(score[0, :4], torch.tensor(risk[:4]), rtol=1e-5, atol=1e-7)
+    assert pol.budget_scope == ("global" if name == "layer_defensivekv" else "layer")
+
+
+def test_cake_indicator_and_layer_preference():
+    pol = get_policy("cake", window=3, kernel=1, gamma=10.0)
+    prefs = []
+    for layer in range(2):
+        view, q, qpos = setup(L=7, Q=3, seed=layer)
+        pol.observe(layer, q, view, qpos)
+        A = window_probs(q, view, qpos, lambda h: 0)
+        Am = [[sum(A[g][t][i] for g in range(2)) / 2 for i in range(7)] for t in range(3)]  # mean over group
+        mean = [sum(Am[t][i] for t in range(3)) / 3 for i in range(7)]
+        var = [sum((Am[t][i] - mean[i]) ** 2 for t in range(3)) / 3 for i in range(7)]
+        if layer == 0:
+            want = [m + 10.0 * s for m, s in zip(mean, var)]
+            torch.testing.assert_close(pol.score(entries_for(view))[0, :4], torch.tensor(want[:4]), rtol=1e-5, atol=1e-7)
+        p = [m / sum(mean) for m in mean]
+        prefs.append(-sum(x * math.log(x) for x in p) * (sum(var) / 7))
+    table = pol.head_budget_table(1000, 2, 1)
+    assert table[:, 0].tolist() == [math.floor(p / sum(prefs) * 1000) for p in prefs]
+
+
+def test_restkv_reconstruction_score():
+    view, q, qpos = setup(L=6, Q=1)
+    pol = get_policy("restkv", window=1)
+    w_o = torch.randn(2, D, 5, generator=torch.Generator().manual_seed(4))
+    pol._w_o = [w_o]
+    pol.observe(0, q, view, qpos)
+    A = window_probs(q, view, qpos, lambda h: 0)
+    v = view.values[0, 0]
+    want = []
+    for i in range(6):
+        per_g = []
+        for g in range(2):
+            o = sum(A[g][0][n] * (v[n] @ w_o[g]) for n in range(6))
+            per_g.append(A[g][0][i] / (1 - A[g][0][i]) * float((o - v[i] @ w_o[g]).norm()))
+        want.append(sum(per_g) / 2)
+    torch.testing.assert_close(pol.score(entries_for(view))[0, :5], torch.tensor(want[:5]), rtol=1e-4, atol=1e-6)
