@@ -297,6 +297,17 @@ class RetentionCache(Cache):
         if over.numel():
             self.evict(over, budgets[over])
 
+    def compress(self) -> None:
+        """Evict every sequence down to its budget now, whatever the policy's mode (e.g. when a context
+        has been prefilled and the question has not arrived yet: the query-agnostic protocol)."""
+        if self.budget is None or self.store is None or not self.policy.evicts:
+            return
+        budgets = self._budgets(self.store.batch).to(self.store.lengths.device)
+        totals = self.store.lengths.view(self.store.batch, -1).sum(1) - self._pad_entries
+        over = (totals > budgets).nonzero().flatten()
+        if over.numel():
+            self.evict(over, budgets[over])
+
     def evict(self, seqs: torch.Tensor, budgets: torch.Tensor) -> None:
         """Cut sequences ``seqs`` ``(n,)`` down to ``budgets`` ``(n,)`` entries by the policy's ranking."""
         store, n, L, H = self.store, self.streams_per_seq, self.num_layers, self.num_kv_heads
