@@ -13,13 +13,13 @@ One-shot (the paper's setting, default) or streaming (scores refreshed each chun
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
+from .base import EntryView
 from .scoring import max_pool, output_projections, value_norms
-from .window import PositionStats, recent_mask, window_attention
+from .window import WindowPolicy, window_attention
 
 
 def safeguard(score: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
@@ -35,19 +35,15 @@ def safeguard(score: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tens
 
 
 @dataclass
-class AdaKVPolicy(EvictionPolicy):
-    window: int = 32
+class AdaKVPolicy(WindowPolicy):
     kernel: int = 7
     alpha: float = 0.2
     value_norm: bool = False  # CriticalKV scaling by ||v W_O||
     name: str = "adakv"
     budget_scope: str = "layer"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
 
     def __post_init__(self) -> None:
-        self.validate()
+        super().__post_init__()
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         self._w_o = None
@@ -65,14 +61,5 @@ class AdaKVPolicy(EvictionPolicy):
             attn = attn * value_norms(view.values, None if self._w_o is None else self._w_o[layer])
         return max_pool(attn.mean(2), self.kernel)
 
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return
-        self.stats.write(layer, self.layer_scores(layer, query, view, query_pos), view)
-
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = safeguard(self.stats.lookup(entries), entries.valid, self._per_head)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
-    def reset(self) -> None:
-        self.stats.reset()
+    def adjust(self, scores: torch.Tensor, entries: EntryView) -> torch.Tensor:
+        return safeguard(scores, entries.valid, self._per_head)

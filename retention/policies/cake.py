@@ -13,45 +13,37 @@ paper's layer-by-layer prefill; one-shot (default) allocates once after the pref
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
 from .scoring import max_pool
-from .window import PositionStats, recent_mask, window_attention
+from .window import WindowPolicy, window_attention
 
 
 @dataclass
-class CAKEPolicy(EvictionPolicy):
-    window: int = 32
+class CAKEPolicy(WindowPolicy):
     kernel: int = 7
     gamma: float = 200.0
     tau1: float = 1.0
     tau2: float = 1.0
     name: str = "cake"
-    budget_scope: str = "head"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
 
     def __post_init__(self) -> None:
-        self.validate()
+        super().__post_init__()
         if self.tau1 <= 0 or self.tau2 <= 0:
             raise ValueError(f"tau1 and tau2 must be > 0, got {self.tau1}, {self.tau2}")
         self.preference: dict[int, float] = {}
 
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return
+    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
         attn = window_attention(query, view, query_pos, self.window).mean(2)  # (B, H, W, L)
         mean, var = attn.mean(2), attn.var(2, unbiased=False) if attn.shape[2] > 1 else torch.zeros_like(attn[:, :, 0])
-        self.stats.write(layer, max_pool(mean + self.gamma * var, self.kernel), view)
         ok = (view.valid & (view.pos >= 0)).float()
         p = mean * ok / (mean * ok).sum(-1, keepdim=True).clamp_min(1e-30)
         entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
         shift = ((var * ok).sum(-1) / ok.sum(-1).clamp_min(1)).mean()
         self.preference[layer] = float(entropy.clamp_min(1e-12) ** (1 / self.tau1) * shift.clamp_min(1e-12) ** (1 / self.tau2))
+        return max_pool(mean + self.gamma * var, self.kernel)
 
     def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
         if len(self.preference) < num_layers:
@@ -60,10 +52,6 @@ class CAKEPolicy(EvictionPolicy):
         per_layer = torch.floor(p / p.sum() * total)
         return (per_layer // num_heads).long()[:, None].expand(num_layers, num_heads).clone()
 
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
     def reset(self) -> None:
-        self.stats.reset()
+        super().reset()
         self.preference.clear()

@@ -13,34 +13,29 @@ One-shot (default) or streaming (risks refreshed from each chunk's window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
 from .scoring import max_pool, output_projections, value_norms
-from .window import PositionStats, recent_mask, window_attention
+from .window import WindowPolicy, window_attention
 
 
 @dataclass
-class DefensiveKVPolicy(EvictionPolicy):
-    window: int = 32
+class DefensiveKVPolicy(WindowPolicy):
     kernel: int = 7
     name: str = "defensivekv"
     budget_scope: str = "layer"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
     layer_normalise: bool = False
 
     def __post_init__(self) -> None:
-        self.validate()
+        super().__post_init__()
         self._w_o = None
 
     def bind(self, model) -> None:
         self._w_o = output_projections(model)
 
-    def risks(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
         attn = max_pool(window_attention(query, view, query_pos, self.window), self.kernel)  # (B, H, G, W, L)
         vn = value_norms(view.values, None if self._w_o is None else self._w_o[layer])  # (B, H, G, L)
         imp = attn * vn[:, :, :, None]
@@ -52,18 +47,6 @@ class DefensiveKVPolicy(EvictionPolicy):
             # cross-layer normalisation: divide by the layer's total value norm
             risk = risk / (vn.amax(2) * ok).sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
         return risk
-
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return
-        self.stats.write(layer, self.risks(layer, query, view, query_pos), view)
-
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
-    def reset(self) -> None:
-        self.stats.reset()
 
 
 @dataclass

@@ -14,45 +14,36 @@ paper's layer-by-layer recompression during prefill is this with one chunk per l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
 from .scoring import max_pool
-from .window import PositionStats, recent_mask, window_attention
+from .window import WindowPolicy, window_attention
 
 
 @dataclass
-class LAVaPolicy(EvictionPolicy):
-    window: int = 32
+class LAVaPolicy(WindowPolicy):
     kernel: int = 7
     name: str = "lava"
     budget_scope: str = "layer"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
 
     def __post_init__(self) -> None:
-        self.validate()
+        super().__post_init__()
         self.entropy: dict[int, float] = {}
 
-    def layer_scores(self, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
         W = min(self.window, query.shape[2])
         attn = window_attention(query, view, query_pos, self.window).sum(3).amax(2)  # (B, H, L), max over group
         vmax = (view.values.float().abs().sum(-1) * view.valid).amax(-1, keepdim=True)  # max_k ||V[k]||_1
-        return max_pool(attn * vmax / W, self.kernel)
-
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return
-        s = self.layer_scores(query, view, query_pos)
-        self.stats.write(layer, s, view)
+        s = max_pool(attn * vmax / W, self.kernel)
+        # the layer's uncertainty (Eq. 6-7) sets its share of the budget
         ok = view.valid & (view.pos >= 0)
         p = (s * ok) / (s * ok).sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
         n = ok.sum(-1).amax(-1).clamp_min(1).float()  # N: entries per head
         ent = -(p * torch.log(p.clamp_min(1e-30))).sum(dim=(1, 2)) / (s.shape[1] * n)
         self.entropy[layer] = float(ent.mean())
+        return s
 
     def layer_budget_table(self, total: int, num_layers: int) -> torch.Tensor | None:
         if len(self.entropy) < num_layers:
@@ -60,10 +51,6 @@ class LAVaPolicy(EvictionPolicy):
         e = torch.tensor([self.entropy[l] for l in range(num_layers)]).clamp_min(1e-12)
         return torch.floor(e / e.sum() * total).long()
 
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
     def reset(self) -> None:
-        self.stats.reset()
+        super().reset()
         self.entropy.clear()

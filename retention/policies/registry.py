@@ -39,7 +39,7 @@ POLICIES: dict[str, Any] = {
     "trimkv": TrimKVPolicy,
     "global_gates": GlobalGatesPolicy,
 }
-_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets", "layer_normalise"}
+_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets", "layer_normalise"}  # not user parameters
 
 
 def policy_params(name: str) -> list[str]:

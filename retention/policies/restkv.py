@@ -15,14 +15,13 @@ One-shot (default) or streaming (scores refreshed from each chunk's window).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .base import EntryView, EvictionPolicy
 from .scoring import output_projections, projected_values
-from .window import PositionStats, recent_mask, window_attention
+from .window import WindowPolicy, window_attention
 
 
 def reconstruction_scores(attn: torch.Tensor, vw: torch.Tensor) -> torch.Tensor:
@@ -42,18 +41,13 @@ def ema(scores: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
 
 
 @dataclass
-class ReSTKVPolicy(EvictionPolicy):
-    window: int = 32
+class ReSTKVPolicy(WindowPolicy):
     alpha: float = 0.5
     beta: float = 8.0
     name: str = "restkv"
-    budget_scope: str = "head"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
 
     def __post_init__(self) -> None:
-        self.validate()
+        super().__post_init__()
         if not 0 < self.alpha <= 1 or self.beta <= 0:
             raise ValueError(f"alpha must be in (0, 1] and beta > 0, got {self.alpha}, {self.beta}")
         self._w_o = None
@@ -80,15 +74,3 @@ class ReSTKVPolicy(EvictionPolicy):
                 smooth = F.avg_pool1d(smooth.reshape(B * H, 1, L), width, stride=1, padding=width // 2,
                                       count_include_pad=False).reshape(B, H, L)
         return smooth
-
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return
-        self.stats.write(layer, self.layer_scores(layer, query, view, query_pos), view)
-
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
-    def reset(self) -> None:
-        self.stats.reset()

@@ -12,47 +12,28 @@ turn refreshes the scores from its own last ``window`` queries and compresses un
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .base import EntryView, EvictionPolicy
-from .window import PositionStats, recent_mask, window_attention
+from .scoring import max_pool
+from .window import WindowPolicy, window_attention
 
 
 def pooled_window_scores(query, view, query_pos, window: int, kernel: int) -> torch.Tensor:
     """``(B, H, L)``: window attention (sum over window, mean over group) max-pooled over entries."""
-    attn = window_attention(query, view, query_pos, window).sum(3).mean(2)  # (B, H, L)
-    if kernel > 1:
-        B, H, L = attn.shape
-        attn = F.max_pool1d(attn.reshape(B * H, 1, L), kernel, stride=1, padding=kernel // 2).reshape(B, H, L)
-    return attn
+    return max_pool(window_attention(query, view, query_pos, window).sum(3).mean(2), kernel)
 
 
 @dataclass
-class SnapKVPolicy(EvictionPolicy):
-    window: int = 32
+class SnapKVPolicy(WindowPolicy):
     kernel: int = 7
     name: str = "snapkv"
-    budget_scope: str = "head"
-    mode: str = "one_shot"
-    needs_queries: bool = True
-    stats: PositionStats = field(default_factory=PositionStats, repr=False)
 
     def __post_init__(self) -> None:
-        self.validate()
-        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"window must be >= 1 and kernel odd and >= 1, got window={self.window}, kernel={self.kernel}")
+        super().__post_init__()
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd and >= 1, got {self.kernel}")
 
-    def observe(self, layer, query, view, query_pos) -> None:
-        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
-            return  # decoding steps do not move one-shot scores
-        self.stats.write(layer, pooled_window_scores(query, view, query_pos, self.window, self.kernel), view)
-
-    def score(self, entries: EntryView) -> torch.Tensor:
-        s = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
-
-    def reset(self) -> None:
-        self.stats.reset()
+    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+        return pooled_window_scores(query, view, query_pos, self.window, self.kernel)

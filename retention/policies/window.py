@@ -3,9 +3,11 @@ true token position (entries move in memory when the cache compacts; positions d
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .base import EntryView
+from .base import EntryView, EvictionPolicy
 
 
 def window_attention(query: torch.Tensor, view, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -70,3 +72,44 @@ class PositionStats:
 def recent_mask(entries: EntryView, window: int) -> torch.Tensor:
     """``(R, Lpad)`` True for the newest ``window`` tokens of each sequence (always kept)."""
     return entries.pos > entries.step[:, None] - window
+
+
+@dataclass
+class WindowPolicy(EvictionPolicy):
+    """Base of the observation-window policies (SnapKV and its descendants).
+
+    Subclasses implement :meth:`layer_scores` (``(B, H, L)`` scores of a layer's kept entries from the
+    last ``window`` queries); scores are stored by true position, looked up at eviction, and the
+    window's own tokens are always kept. One-shot policies keep the prefill's scores while decoding;
+    streaming ones refresh them with every forward.
+    """
+
+    window: int = 32
+    budget_scope: str = "head"
+    mode: str = "one_shot"
+    needs_queries: bool = True
+    stats: PositionStats = field(default_factory=PositionStats, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    def layer_scores(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define layer_scores")
+
+    def observe(self, layer, query, view, query_pos) -> None:
+        if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
+            return  # decoding steps do not move one-shot scores
+        self.stats.write(layer, self.layer_scores(layer, query, view, query_pos), view)
+
+    def adjust(self, scores: torch.Tensor, entries: EntryView) -> torch.Tensor:
+        """Hook on the looked-up scores before the window is protected (AdaKV's safeguard)."""
+        return scores
+
+    def score(self, entries: EntryView) -> torch.Tensor:
+        s = self.adjust(self.stats.lookup(entries), entries)
+        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
+
+    def reset(self) -> None:
+        self.stats.reset()
