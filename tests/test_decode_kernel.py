@@ -76,3 +76,26 @@ def test_generate_through_the_paged_kernel_equals_the_padded_path(monkeypatch):
     paged, ev2 = generate()
     assert calls and ev > 0 and ev2 == ev
     assert torch.equal(paged, padded)
+
+
+def test_flash_attn_path_maps_streams_to_sequences(monkeypatch):
+    """With flash-attn present (faked here by a reference of its documented semantics), paged streams
+    are passed as one-KV-head sequences with their own block tables and lengths."""
+    import retention.cache.flash as flash
+
+    calls = []
+
+    def fake_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+        calls.append((q.shape, k_cache.shape, block_table.dtype, cache_seqlens.dtype, causal))
+        out = paged_decode_reference(q[:, 0], k_cache[:, :, 0], v_cache[:, :, 0], block_table, cache_seqlens, softmax_scale)
+        return out[:, None]
+
+    monkeypatch.setattr(flash, "_flash_attn_with_kvcache", lambda: fake_flash_attn_with_kvcache)
+    q, kp, vp, table, lens = setup(4, 3, 32, 256, [1, 300, 513, 0], torch.float16)
+    assert flash.flash_paged_decode(q, kp, vp, table, lens, 0.2) is None  # CPU tensors: not for flash-attn
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = flash.flash_paged_decode(q, kp, vp, table, lens, 0.2)
+    assert calls == [((4, 1, 3, 32), (kp.shape[0], 256, 1, 32), torch.int32, torch.int32, False)]
+    torch.testing.assert_close(got, paged_decode_reference(q, kp, vp, table, lens, 0.2))
+    small = setup(2, 1, 16, 16, [3, 5], torch.float16)
+    assert flash.flash_paged_decode(*small, 0.25) is None  # pages must be multiples of 256 entries

@@ -233,6 +233,7 @@ class RetentionCache(Cache):
         view, qpos = self._views.pop(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if view is None:  # paged decode: one query per stream, every kept entry is in its past
+            from .flash import flash_paged_decode
             from .triton_decode import paged_decode_triton
 
             B, Hq, _, D = query.shape
@@ -240,7 +241,10 @@ class RetentionCache(Cache):
             rows = self.store.streams(layer)
             q = query.reshape(B, H, Hq // H, D).reshape(B * H, Hq // H, D)
             pool = self.store.pool
-            out = paged_decode_triton(q, pool.keys, pool.values, self.store.block_table[rows], self.store.lengths[rows], scale)
+            table, lengths = self.store.block_table[rows], self.store.lengths[rows]
+            out = flash_paged_decode(q, pool.keys, pool.values, table, lengths, scale)
+            if out is None:
+                out = paged_decode_triton(q, pool.keys, pool.values, table, lengths, scale)
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view, qpos)
