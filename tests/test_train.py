@@ -113,3 +113,41 @@ def tiny_gates_init(gates):
 
     torch.manual_seed(0)
     return RetentionGates(gates.config).W1
+
+
+def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp_path):
+    """LoRA adapters train with the gates; the teacher runs with adapters off; both are checkpointed."""
+    from safetensors.torch import load_file
+
+    import train.loop as loop
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "lora")
+    over += ["train.steps=4", "train.save_every=2", "lora.enabled=true", "lora.r=2", "train.stop_after=2"]
+    seen = []
+    real = loop.Distiller.forward
+
+    def spy(self, *a, **k):  # record that the teacher pass ran without adapters
+        ctx = self.model.disable_adapter
+
+        def wrapped():
+            seen.append("teacher-without-adapters")
+            return ctx()
+
+        self.model.disable_adapter = wrapped
+        try:
+            return real(self, *a, **k)
+        finally:
+            del self.model.disable_adapter
+
+    loop.Distiller.forward = spy
+    try:
+        part = train(load_config(cfg_file, over))
+    finally:
+        loop.Distiller.forward = real
+    assert seen and part["stopped_early"]
+    ckpt = tmp_path / "lora" / "checkpoints" / "step-2"
+    lora = load_file(str(ckpt / "trainable.safetensors"))
+    assert lora and all("lora_" in n for n in lora)
+    resumed = train(load_config(cfg_file, over[:-1]), resume="latest")
+    assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4]
+    assert (Path(resumed["export_dir"]) / "lora" / "adapter_config.json").is_file()

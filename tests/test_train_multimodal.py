@@ -74,3 +74,18 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
     assert seen["T"] > 16, "gate scores cover the whole conversation, image tokens included"
     gates = load_gates(summary["export_dir"], model=model)
     assert gates.config.num_layers == 3
+
+
+def test_llava_and_mmdu_layout_becomes_messages():
+    from train.data import DataError, to_messages
+
+    rec = {"image": ["a.jpg", "b.jpg"], "conversations": [
+        {"from": "human", "value": "<image>\nWhat is here? And <image> here?"},
+        {"from": "gpt", "value": "A cat, then a dog."}]}
+    msgs = to_messages(rec)
+    assert msgs[0]["role"] == "user" and [c["type"] for c in msgs[0]["content"]] == ["image", "text", "image", "text"]
+    assert msgs[0]["content"][2]["image"] == "b.jpg" and msgs[1]["content"] == [{"type": "text", "text": "A cat, then a dog."}]
+    import pytest
+
+    with pytest.raises(DataError, match="more <image> markers than images"):
+        to_messages({"image": [], "conversations": [{"from": "human", "value": "<image>"}]})

@@ -62,6 +62,7 @@ class SourceConfig:
     split: str = "train"
     max_docs: int | None = None
     field: str | None = None  # text column (text) or messages column (chat / multimodal)
+    image_root: str | None = None  # folder that relative image paths of multimodal records are under
 
 
 @dataclass

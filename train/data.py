@@ -85,7 +85,8 @@ def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
                 for line in fh:
                     if line.strip():
                         rec = json.loads(line)
-                        yield rec[field or ("text" if kind == "text" else "messages")]
+                        key = field or ("text" if kind == "text" else "messages")
+                        yield rec if kind == "multimodal" and key not in rec else rec[key]
         elif kind == "text" and f.endswith((".txt", ".md", ".rst")):
             yield Path(f).read_text(encoding="utf-8", errors="replace")
 
@@ -102,7 +103,8 @@ def _hub_records(source: SourceConfig) -> Iterator[Any]:
         ) from None
     key = source.field or ("text" if source.kind == "text" else "messages")
     for row in ds:
-        yield row[key]
+        # multimodal rows in LLaVA / MMDU layout (conversations + images) are converted as a whole
+        yield row if source.kind == "multimodal" and key not in row else row[key]
 
 
 def iter_source(source: SourceConfig) -> Iterator[Any]:
@@ -309,6 +311,34 @@ def assistant_mask(ids: list[int], tokenizer) -> list[bool]:
     return inside[1:] + [False]
 
 
+def to_messages(record: Any) -> list[dict[str, Any]]:
+    """A multimodal conversation as ``messages`` with content lists, from either that layout or the
+    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers and
+    an ``image`` / ``images`` list consumed in order)."""
+    if isinstance(record, list):
+        return record
+    if "messages" in record:
+        return record["messages"]
+    if "conversations" not in record:
+        raise DataError(f"a multimodal record needs 'messages' or 'conversations', got keys {sorted(record)}")
+    images = record.get("images", record.get("image")) or []
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+    messages = []
+    for turn in record["conversations"]:
+        pieces = turn["value"].split("<image>")
+        content: list[dict[str, Any]] = []
+        for k, text in enumerate(pieces):
+            if k > 0:
+                if not images:
+                    raise DataError("a record has more <image> markers than images")
+                content.append({"type": "image", "image": images.pop(0)})
+            if text.strip():
+                content.append({"type": "text", "text": text.strip()})
+        messages.append({"role": roles.get(turn["from"], turn["from"]), "content": content})
+    return messages
+
+
 def encode_multimodal(processor, messages: list[dict[str, Any]], seq_len: int, root: Path | None = None) -> dict | None:
     """One conversation through the model's processor: ids, mask and vision inputs; None if longer than seq_len."""
     images = [
@@ -336,9 +366,10 @@ def build_multimodal(cfg: DataConfig, processor) -> tuple[list[dict], list[dict]
     for source in cfg.sources:
         if source.kind != "multimodal":
             raise DataError("a config mixes multimodal and text/chat sources; use one kind per run")
-        root = Path(source.path).parent if Path(source.path).is_file() else Path(source.path) if Path(source.path).is_dir() else None
-        for messages in iter_source(source):
-            enc = encode_multimodal(processor, messages, cfg.seq_len, root)
+        local = Path(source.path)
+        root = Path(source.image_root) if source.image_root else local.parent if local.is_file() else local if local.is_dir() else None
+        for record in iter_source(source):
+            enc = encode_multimodal(processor, to_messages(record), cfg.seq_len, root)
             if enc is not None and bool(enc["loss_mask"].any()):
                 rows.append(enc)
     if not rows:

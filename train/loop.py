@@ -43,9 +43,13 @@ class Distiller(nn.Module):
         self.attachment = attachment
 
     def forward(self, input_ids, position_ids, **extra):
+        import contextlib
+
         decoder = unwrap(self.model).model  # the transformer without the LM head
         kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
-        with torch.no_grad(), self.attachment.teacher():
+        # with LoRA co-training the teacher is the original model: adapters off as well as gates
+        no_adapter = getattr(self.model, "disable_adapter", None)
+        with torch.no_grad(), self.attachment.teacher(), (no_adapter() if no_adapter else contextlib.nullcontext()):
             h_teacher = decoder(**kw).last_hidden_state
         with self.attachment.student():
             h_student = decoder(**kw).last_hidden_state
@@ -78,24 +82,36 @@ def lr_lambda(cfg: Config):
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # plain types and tensors only, so the state loads with torch.load(weights_only=True)
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list) -> None:
-    """Gates (safetensors), optimizer/scheduler/RNG/data position; never the frozen base weights."""
+def extra_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable weights other than the gates (LoRA adapters when co-training), by name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and "retention_gates." not in n}
+
+
+def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
+                    extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base."""
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors")
+        if extra:
+            save_state(extra, tmp / "trainable.safetensors")
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
             tmp / "trainer_state.pt",
@@ -206,7 +222,12 @@ def train(
         from safetensors.torch import load_file
 
         attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        if (ckpt / "trainable.safetensors").is_file():
+            named = dict(model.named_parameters())
+            with torch.no_grad():
+                for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
+                    named[n].copy_(t)
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         meta = json.loads((ckpt / "state.json").read_text())
@@ -297,7 +318,8 @@ def train(
                 tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}")
         stopping = cfg.train.stop_after is not None and step >= cfg.train.stop_after
         if main and (step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping):
-            save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step, history)
+            save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
+                            history, extra_trainable(model))
             old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
             for p in old[: -cfg.train.keep_checkpoints]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -324,6 +346,8 @@ def train(
             training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
         )
         (out_dir / "history.json").write_text(json.dumps(history, indent=1))
+        if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
+            model.save_pretrained(str(export_dir / "lora"))
         print(f"[retention] held-out KL {final_eval:.4f}; gates exported to {export_dir}")
         repo = push_to_hub_repo or cfg.export.push_to_hub
         if repo:
