@@ -16,6 +16,7 @@ and implements :meth:`score`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class EntryView:
     head: torch.Tensor
 
 
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     """Base class: turn cache contents into retention scores (higher = keep)."""
 
     name: str = "base"
@@ -76,9 +77,9 @@ class EvictionPolicy:
         if self.head_budgets is not None and self.budget_scope != "head":
             raise ValueError("head_budgets needs budget_scope='head'")
 
+    @abstractmethod
     def score(self, entries: EntryView) -> torch.Tensor:
         """Scores ``(R, Lpad)`` float32 for ``entries`` (values at invalid slots are ignored)."""
-        raise NotImplementedError
 
     def observe(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> None:
         """Called per layer and forward when ``needs_queries``, before attention: ``query`` ``(B, Hq, Q, D)``

@@ -3,6 +3,7 @@ true token position (entries move in memory when the cache compacts; positions d
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -95,8 +96,9 @@ class WindowPolicy(EvictionPolicy):
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
+    @abstractmethod
     def layer_scores(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define layer_scores")
+        """``(B, H, L)`` scores of the layer's kept entries."""
 
     def observe(self, layer, query, view, query_pos) -> None:
         if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
