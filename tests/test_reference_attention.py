@@ -115,3 +115,32 @@ def test_shape_errors():
     q, k, v, lb = inputs(1, 8, 8, 2, 2)
     with pytest.raises(ValueError, match="log_beta must be"):
         retention_attention(q, k, v, lb[..., :4])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sdpa_path_matches_brute_force_with_gradients(case):
+    from retention.ops.retention_attention import retention_attention_sdpa
+
+    B, Tq, Tk, Hq, Hkv, cu = CASES[case]
+    cu = None if cu is None else torch.tensor(cu)
+    q, k, v, lb = inputs(B, Tq, Tk, Hq, Hkv)
+    out = retention_attention_sdpa(q, k, v, lb, cu_seqlens=cu)
+    out_n, _ = retention_attention_naive(q, k, v, lb, cu_seqlens=cu)
+    torch.testing.assert_close(out, out_n, **TOL)  # computed in fp32 like the reference
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v, lb])
+    grads_n = torch.autograd.grad((out_n * dout).sum(), [q, k, v, lb])
+    for name, a, b in zip("q k v log_beta".split(), grads, grads_n):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"d{name}")
+
+
+def test_dispatch_takes_sdpa_for_short_and_the_blocked_reference_for_long(monkeypatch):
+    import retention.ops.retention_attention as ra
+
+    calls = []
+    monkeypatch.setattr(ra, "retention_attention_sdpa", lambda *a, **k: calls.append("sdpa") or ra.retention_attention_ref(*a, **k)[0])
+    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    retention_attention(q, k, v, lb)
+    monkeypatch.setattr(ra.sdpa_path, "MAX_BIAS_ELEMENTS", 10)
+    retention_attention(q, k, v, lb)
+    assert calls == ["sdpa"]

@@ -1,16 +1,22 @@
 """Retention-gated attention: one dispatch point over the reference and the Triton kernel.
 
-CUDA tensors take the Triton kernel (when it is available); CPU tensors take the blocked PyTorch
-reference. ``RETENTION_FORCE_TRITON=1`` (with ``TRITON_INTERPRET=1``) forces Triton on CPU for tests.
+CUDA tensors take the Triton kernel (when it is available); CPU tensors take SDPA with a materialised
+bias while that bias is small (short sequences), else the blocked PyTorch reference.
+``RETENTION_FORCE_TRITON=1`` (with ``TRITON_INTERPRET=1``) forces Triton on CPU for tests.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import sdpa as sdpa_path
 from .reference import retention_attention_naive, retention_attention_ref
+from .sdpa import bias_elements, retention_attention_sdpa
 
-__all__ = ["retention_attention", "retention_attention_ref", "retention_attention_naive", "triton_available"]
+__all__ = [
+    "retention_attention", "retention_attention_ref", "retention_attention_naive", "retention_attention_sdpa",
+    "triton_available",
+]
 
 
 def triton_available() -> bool:
@@ -43,7 +49,8 @@ def retention_attention(
 ) -> torch.Tensor:
     """Retention-gated attention ``(B, Tq, Hq, D)``; see :mod:`.reference` for the math and shapes.
 
-    ``backend``: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or ``"reference"``.
+    ``backend``: ``"auto"`` (Triton on CUDA; on CPU SDPA with a materialised bias for short sequences,
+    the blocked reference for long ones), ``"triton"`` or ``"reference"``.
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
@@ -51,4 +58,6 @@ def retention_attention(
         from .triton_kernel import retention_attention_triton
 
         return retention_attention_triton(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
+    if backend == "auto" and bias_elements(q, k) <= sdpa_path.MAX_BIAS_ELEMENTS:
+        return retention_attention_sdpa(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)
     return retention_attention_ref(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
