@@ -1,17 +1,19 @@
 """Retention-gated attention kernels side by side: time and peak memory, printed as ratios.
 
 GPU (bf16, GQA 4, T = 2k..32k, d = 64/128), forward and forward+backward for
-  ours       the Triton retention kernel (decay bias, dlog_beta)
-  fa2        flash-attn 2 without bias: the speed ceiling (skipped when flash-attn is not installed)
-  sdpa+bias  PyTorch SDPA with the decay bias materialised as a (T, T) float mask per KV head
-  flex       torch.nn.attention.flex_attention with the same score_mod
-Ratios are to fa2 when it is installed, else to sdpa+bias. Goal: ours fwd+bwd within 1.3x of fa2.
+  ours       the Triton retention kernel (decay bias, d log_beta)
+  fa2        flash-attn 2 without bias: the speed ceiling (n/a when flash-attn is not installed)
+  sdpa+bias  PyTorch SDPA with the decay bias materialised as a (T, T) mask per query head
+  flex       torch.nn.attention.flex_attention (compiled) with the same score_mod and a causal block mask
+All methods run side by side in one process on the same inputs; times are medians of ``--reps``
+runs timed with CUDA events after warm-up (compilation, autotuning). Ratios are to fa2 when it is
+installed, else to sdpa+bias. Goal: ours fwd+bwd within 1.3x of fa2.
 
 CPU (no CUDA): the blocked PyTorch reference against the Triton kernel in interpreter mode at small
-sizes (fp32), so the script itself is exercised in CI; GPU numbers cannot be measured there.
+sizes (fp32), so the script itself is exercised in tests; GPU numbers cannot be measured there.
 
     python eval/bench_kernels.py                      # GPU sweep, or the CPU check without a GPU
-    python eval/bench_kernels.py --seq 2048 4096 --dims 128
+    python eval/bench_kernels.py --seq 2048 4096 --dims 128 --reps 20
 """
 
 from __future__ import annotations
@@ -27,58 +29,62 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _inputs(B, T, Hq, Hkv, D, dtype, device, grad=True):
+def _inputs(B: int, T: int, Hq: int, Hkv: int, D: int, dtype, device: str):
+    """q (B, T, Hq, D), k, v (B, T, Hkv, D) in ``dtype``; log_beta (B, Hkv, T) fp32 in [-0.01, 0]."""
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
     q, k, v = mk(B, T, Hq, D), mk(B, T, Hkv, D), mk(B, T, Hkv, D)
-    lb = (-0.01 * torch.rand(B, Hkv, T, generator=g)).to(device).requires_grad_(grad)
+    lb = (-0.01 * torch.rand(B, Hkv, T, generator=g)).to(device).requires_grad_()
     return q, k, v, lb
 
 
 def _time(fn: Callable[[], None], reps: int, cuda: bool) -> float:
+    """Median milliseconds of ``reps`` calls after one warm-up call."""
     import torch
 
-    fn()  # warm-up (compilation, autotune)
+    fn()  # warm-up: compilation, autotuning, allocator
     times = []
     for _ in range(reps):
         if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
 
 
-def _methods(q, k, v, lb):
-    """name -> callable returning the output (B, T, Hq, D); None where a method is unavailable."""
+def _methods(q, k, v, lb) -> dict:
+    """name -> callable returning the output (B, T, Hq, D), or a string saying why it is unavailable."""
     import torch
     import torch.nn.functional as F
 
     from retention.ops.retention_attention.triton_kernel import retention_attention_triton
 
     B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    out = {"ours": lambda: retention_attention_triton(q, k, v, lb)[0]}
+    G = Hq // k.shape[2]
+    out: dict = {"ours": lambda: retention_attention_triton(q, k, v, lb)[0]}
     try:
         from flash_attn import flash_attn_func
 
         out["fa2"] = lambda: flash_attn_func(q, k, v, causal=True)
     except ImportError:
-        out["fa2"] = None
+        out["fa2"] = "n/a: flash-attn not installed"
 
     def sdpa_bias():
         t = torch.arange(T, device=q.device)
         dist = (t[:, None] - t[None, :]).float()
-        bias = (dist[None, None] * lb[:, :, None, :]).masked_fill(dist < 0, float("-inf"))  # (B, Hkv, T, T)
+        bias = (dist * lb[:, :, None, :]).masked_fill(dist < 0, float("-inf"))  # (B, Hkv, T, T), grads to lb
         bias = bias.repeat_interleave(G, dim=1).to(q.dtype)
         return F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1),
-            attn_mask=bias,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, enable_gqa=True
         ).transpose(1, 2)
 
     out["sdpa+bias"] = sdpa_bias
@@ -94,13 +100,13 @@ def _methods(q, k, v, lb):
         out["flex"] = lambda: flex(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=mask, enable_gqa=True
         ).transpose(1, 2)
-    except Exception:  # flex needs a recent torch and a GPU backend
-        out["flex"] = None
+    except Exception as e:  # flex needs a recent torch with a GPU backend
+        out["flex"] = f"n/a: {type(e).__name__}"
     return out
 
 
-def _measure(fn, params, reps, cuda):
-    """Forward ms, forward+backward ms, peak MiB (GPU) of one method."""
+def _measure(fn: Callable, params, reps: int, cuda: bool) -> tuple[float, float, float]:
+    """Forward ms, forward+backward ms, and peak MiB over the forward+backward (GPU; nan on CPU)."""
     import torch
 
     def fwd():
@@ -108,13 +114,13 @@ def _measure(fn, params, reps, cuda):
             fn()
 
     def fwd_bwd():
-        o = fn()
-        o.float().sum().backward()
+        fn().float().sum().backward()
         for p in params:
             p.grad = None
 
     f = _time(fwd, reps, cuda)
     if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     fb = _time(fwd_bwd, reps, cuda)
@@ -122,37 +128,45 @@ def _measure(fn, params, reps, cuda):
     return f, fb, mem
 
 
+HEADER = "| T | d | method | fwd ms | fwd+bwd ms | {} | fwd ratio | fwd+bwd ratio |"
+
+
 def gpu_sweep(args) -> None:
     import torch
 
+    Hq = args.kv_heads * args.group
     print(f"device: {torch.cuda.get_device_name()}, bf16, batch {args.batch}, GQA {args.group} "
-          f"({args.kv_heads * args.group} query / {args.kv_heads} KV heads), median of {args.reps}")
-    print("| T | d | method | fwd ms | fwd+bwd ms | peak MiB | fwd ratio | fwd+bwd ratio |")
+          f"({Hq} query / {args.kv_heads} KV heads), median of {args.reps} after warm-up (CUDA events)")
+    print(HEADER.format("peak MiB"))
     print("|---|---|---|---|---|---|---|---|")
     for D in args.dims:
         for T in args.seq:
-            q, k, v, lb = _inputs(args.batch, T, args.kv_heads * args.group, args.kv_heads, D, torch.bfloat16, "cuda")
-            rows = {}
+            q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, torch.bfloat16, "cuda")
+            rows: dict = {}
             for name, fn in _methods(q, k, v, lb).items():
-                if fn is None:
+                if isinstance(fn, str):
+                    rows[name] = fn
                     continue
                 try:
                     rows[name] = _measure(fn, (q, k, v, lb), args.reps, True)
                 except torch.cuda.OutOfMemoryError:
-                    rows[name] = None
+                    rows[name] = "out of memory"
+                except Exception as e:  # one failing method must not hide the others
+                    rows[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                finally:
+                    for p in (q, k, v, lb):
+                        p.grad = None
                     torch.cuda.empty_cache()
-            base_name = "fa2" if rows.get("fa2") else "sdpa+bias"
-            base = rows.get(base_name)
-            for name in ("ours", "fa2", "sdpa+bias", "flex"):
-                r = rows.get(name)
-                if r is None:
-                    why = "out of memory" if name in rows else "n/a (not installed)" if name == "fa2" else "n/a"
-                    print(f"| {T} | {D} | {name} | {why} | | | | |")
+            base_name = "fa2" if isinstance(rows.get("fa2"), tuple) else "sdpa+bias"
+            base = rows.get(base_name) if isinstance(rows.get(base_name), tuple) else None
+            for name, r in rows.items():
+                if isinstance(r, str):
+                    print(f"| {T} | {D} | {name} | {r} | | | | |")
                     continue
                 fr = f"{r[0] / base[0]:.2f}x" if base else "n/a"
                 fbr = f"{r[1] / base[1]:.2f}x" if base else "n/a"
                 print(f"| {T} | {D} | {name} | {r[0]:.2f} | {r[1]:.2f} | {r[2]:.0f} | {fr} | {fbr} |")
-            print(f"(ratios to {base_name})")
+            print(f"(T={T}, d={D}: ratios to {base_name if base else 'nothing: no baseline ran'})")
 
 
 def cpu_check(args) -> None:
@@ -161,13 +175,15 @@ def cpu_check(args) -> None:
     from retention.ops.retention_attention.reference import retention_attention_ref
     from retention.ops.retention_attention.triton_kernel import retention_attention_triton
 
-    print("no CUDA device: GPU timings (flash-attn 2, SDPA with bias, flex_attention) cannot be measured here;")
-    print("running the blocked reference against the Triton kernel in interpreter mode (fp32) instead")
-    print("| T | d | method | fwd ms | fwd+bwd ms | max abs err vs ref | fwd ratio | fwd+bwd ratio |")
+    Hq = args.kv_heads * args.group
+    print("no CUDA device: GPU timings (ours, flash-attn 2, SDPA with bias, flex_attention) cannot be measured here;")
+    print(f"running the blocked reference against the Triton kernel in interpreter mode instead "
+          f"(fp32, batch {args.batch}, {Hq} query / {args.kv_heads} KV heads, median of {args.reps})")
+    print(HEADER.format("max abs err vs ref"))
     print("|---|---|---|---|---|---|---|---|")
     for D in args.dims:
         for T in args.seq:
-            q, k, v, lb = _inputs(args.batch, T, args.kv_heads * args.group, args.kv_heads, D, torch.float32, "cpu")
+            q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, torch.float32, "cpu")
             fns = {
                 "reference": lambda: retention_attention_ref(q, k, v, lb)[0],
                 "triton-interp": lambda: retention_attention_triton(q, k, v, lb)[0],
@@ -184,12 +200,12 @@ def cpu_check(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths")
-    p.add_argument("--dims", type=int, nargs="+", default=None, help="head dims")
+    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths (GPU: 2048..32768, CPU: 64 128)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="head dims (GPU: 64 128, CPU: 64)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU: 8, CPU: 1)")
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA group)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU: 10, CPU: 1)")
     args = p.parse_args(argv)
     import torch
 

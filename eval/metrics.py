@@ -1,28 +1,116 @@
-"""Metrics: answer recall for generated replies; KL and top-1 agreement for fidelity."""
+"""Metrics on hand-checkable definitions.
+
+Generated replies: ``recall`` (share of the reference strings found in the reply, RULER's string
+match), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l`` (LCS-based F-measure on
+words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character similarity of the
+first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and top-1
+agreement of next-token distributions. Scores are percentages.
+"""
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
+from difflib import SequenceMatcher
+from typing import Callable
 
 import torch
 
 
-def _norm(s: str) -> str:
-    return re.sub(r"\s+", " ", s.lower()).strip()
+def normalize(s: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces (SQuAD's answer normalisation)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
 
 
-def answer_recall(output: str, answers: list[str]) -> float:
-    """Percentage of the expected answers that appear in the output (case- and space-insensitive)."""
+def recall(reply: str, answers: list[str]) -> float:
+    """Percentage of the reference strings contained in the reply (case- and spacing-insensitive)."""
     if not answers:
-        raise ValueError("an item without answers cannot be scored by answer recall")
-    out = _norm(output)
-    return 100.0 * sum(_norm(a) in out for a in answers) / len(answers)
+        raise ValueError("recall needs at least one reference answer")
+    out = " ".join(reply.lower().split())
+    return 100.0 * sum(" ".join(a.lower().split()) in out for a in answers) / len(answers)
+
+
+def _f1(pred: list[str], ref: list[str]) -> float:
+    common = Counter(pred) & Counter(ref)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    p, r = same / len(pred), same / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def f1(reply: str, answers: list[str]) -> float:
+    """Token F1 of the normalised reply against the best-matching reference."""
+    return 100.0 * max(_f1(normalize(reply).split(), normalize(a).split()) for a in answers)
+
+
+def _lcs(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(reply: str, answers: list[str]) -> float:
+    """ROUGE-L F-measure (beta = 1) on normalised words, best over references."""
+    best = 0.0
+    pred = normalize(reply).split()
+    for a in answers:
+        ref = normalize(a).split()
+        lcs = _lcs(pred, ref)
+        if lcs:
+            p, r = lcs / len(pred), lcs / len(ref)
+            best = max(best, 2 * p * r / (p + r))
+    return 100.0 * best
+
+
+def extract_choice(reply: str) -> str | None:
+    """The multiple-choice letter a reply commits to: ``(B)``, ``answer is C``, or a bare leading letter."""
+    m = re.search(r"\(([ABCD])\)", reply) or re.search(r"answer is:?\s*\(?([ABCD])\b", reply, re.I) \
+        or re.match(r"\s*([ABCD])\b", reply)
+    return m.group(1).upper() if m else None
+
+
+def choice(reply: str, answers: list[str]) -> float:
+    """100 if the extracted letter equals the reference letter (``answers[0]``, e.g. ``"C"``)."""
+    return 100.0 * (extract_choice(reply) == answers[0].strip("() ").upper())
+
+
+def edit_sim(reply: str, answers: list[str]) -> float:
+    """Character similarity of the reply's first code line with the reference (LongBench lcc/repobench)."""
+    lines = [ln for ln in reply.lstrip("\n").splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//", "`"))]
+    first = lines[0] if lines else ""
+    return 100.0 * max(SequenceMatcher(None, first, a).ratio() for a in answers)
+
+
+METRICS: dict[str, Callable[[str, list[str]], float]] = {
+    "recall": recall, "f1": f1, "rouge_l": rouge_l, "choice": choice, "edit_sim": edit_sim,
+}
+
+
+def score_reply(metric: str, reply: str, answers: list[str]) -> float:
+    """Score a reply with a metric by name."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; available: {sorted(METRICS)}")
+    return METRICS[metric](reply, answers)
 
 
 def kl_and_top1(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
-    """Mean ``KL(p_ref || p)`` (nats) and top-1 agreement (%) over positions; logits ``(T, V)``."""
+    """Mean ``KL(p_ref || p)`` in nats and top-1 agreement (%) over positions; logits ``(T, V)``."""
     ref = torch.log_softmax(reference_logits.float(), -1)
     cur = torch.log_softmax(logits.float(), -1)
-    kl = (ref.exp() * (ref - cur)).sum(-1).mean()
+    kl = (ref.exp() * (ref - cur)).sum(-1).clamp_min(0).mean()
     top1 = (ref.argmax(-1) == cur.argmax(-1)).float().mean() * 100
     return float(kl), float(top1)
+
+
+def register_metric(name: str, fn: Callable[[str, list[str]], float]) -> None:
+    """Add a metric by name (e.g. a judged score): ``fn(reply, references) -> percentage``."""
+    METRICS[name] = fn

@@ -103,7 +103,8 @@ def capacity_loss(
     count = int(active.sum())
     total = terms[active].sum() if count else lb.sum() * 0.0
     loss = total if reduction == "sum" else total / max(count, 1)
-    soft_entries = (S.sum(1) if form == "per_head" else S)[:, -1].detach()
+    # the implied cache size: the soft cache at its largest along each row (summed over heads), batch mean
+    soft_entries = (S.sum(1) if form == "per_head" else S).detach().amax(-1)
     stats = {
         "capacity_active_frac": float(active.float().mean()),
         "soft_cache_entries": float(soft_entries.mean()),

@@ -86,17 +86,21 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
 
 
 def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path):
-    """Two CPU processes (DDP over gloo; torchrun, since accelerate's multi-CPU launch needs MPI) vs one
-    process with the same global batch of 2."""
+    """Two CPU processes (DDP over gloo), launched as users launch them, vs one process with the same
+    global batch of 2. On a machine without GPUs ``accelerate launch --multi_gpu`` starts the processes
+    with torchrun and the Accelerator falls back to CPU + gloo (``--cpu`` alone would start one process,
+    or go through mpirun)."""
     cfg_file, over = config_for(tiny_setup, tmp_path / "one")
     train(load_config(cfg_file, over + ["train.steps=3", "train.batch_size=2"]))
     cfg2 = tmp_path / "two.yaml"
     cfg2.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "two")))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(REPO / "train.py"), "--config", str(cfg2),
-           "--set", "train.steps=3", "--set", "train.batch_size=1"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "train.py"), "--config", str(cfg2), "--set", "train.steps=3", "--set", "train.batch_size=1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes (MULTI_CPU)" in proc.stdout, proc.stdout[-2000:]
     h = json.loads((tmp_path / "two" / "history.json").read_text())
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in h1], rel=1e-5)
@@ -106,6 +110,14 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path
     for k, v in one.state_dict().items():
         torch.testing.assert_close(two.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
     assert len(h) == 3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_gates_init(gates):

@@ -36,6 +36,57 @@ def test_pack_keeps_documents_and_restarts_positions():
     assert pack(docs(5, 9, 3, 20), 8, seed=0) == rows and pack(docs(5, 9, 3, 20), 8, seed=1) != rows
 
 
+def test_pack_never_cuts_whole_documents():
+    """Synthetic items (whole) stay inside one row, starting at position 0; text fills around them."""
+    text = docs(13, 30, 7, 22, 9)
+    whole = [{"input_ids": list(range(1000 * k, 1000 * k + n)), "loss_mask": [True] * n, "whole": True}
+             for k, n in enumerate((6, 9, 10, 4, 8), start=1)]
+    rows = pack(text + whole, seq_len=10, seed=0)
+    assert all(len(r.input_ids) == 10 for r in rows)
+    placed, placed_tokens = 0, 0
+    for r in rows:
+        for t, i in enumerate(r.input_ids):
+            if i >= 1000 and i % 1000 == 0:  # the first token of a whole document: all of it follows here
+                n = next(len(w["input_ids"]) for w in whole if w["input_ids"][0] == i)
+                assert r.position_ids[t : t + n] == list(range(n)) and r.input_ids[t : t + n] == list(range(i, i + n))
+                placed, placed_tokens = placed + 1, placed_tokens + n
+    assert placed == 5  # every one, the last rows padded
+    assert sum(i >= 1000 for r in rows for i in r.input_ids) == placed_tokens  # no piece of a cut one
+    text_ids = [i for r in rows for i in r.input_ids if 0 < i < 1000]  # 0: padding (and one text token)
+    assert len(text_ids) == len(set(text_ids))
+
+
+def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):
+    from eval.haystack import sentences
+
+    cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7)],
+                     seq_len=256, eval_fraction=0.0)
+    train_rows, held = build_data(cfg, tokenizer)
+    assert held == [] and len(train_rows) == 3  # one item per row: each one is whole
+    eval_pool = set(sentences("eval"))
+    for r in train_rows:
+        text = tokenizer.decode(r.input_ids)
+        assert "special magic number" in text
+        # the distilled positions predict the answer (assistant turn), not the haystack
+        answer = tokenizer.decode([r.input_ids[t + 1] for t in range(len(r.input_ids) - 1) if r.loss_mask[t]])
+        number = text.split("The special magic number for ")[1].split(" is: ")[1][:7]
+        assert number in answer and len(answer) < 120
+        assert not any(s in text for s in list(eval_pool)[:2000])  # haystack from the training split only
+
+
+def test_synthetic_source_config_errors():
+    from train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="names an eval task"):
+        load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: synthetic, path: no_such_task, max_docs: 2}]"])
+    with pytest.raises(ConfigError, match="split: train"):
+        load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, split: eval}]"])
+    with pytest.raises(ConfigError, match="so an item"):
+        load_config(None, ["budget.tokens_per_head=8", "data.seq_len=256", "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, length: 250}]"])
+    with pytest.raises(ConfigError, match="synthetic only"):
+        load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: text, path: sotu, length: 100}]"])
+
+
 def test_collate_cu_seqlens_over_the_flat_batch():
     rows = pack(docs(5, 9, 3, 20), seq_len=8, seed=0)[:2]
     b = collate(rows)

@@ -14,7 +14,7 @@ QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is th
 ANSWERS = ["A person in a uniform, photographed in a studio.", "Mostly dark blue and grey tones.", "It looks like an indoor portrait."]
 
 
-def conversations(path, n=6):
+def conversations(path, n=10):
     photos = photo_paths()
     with open(path, "w") as f:
         for i in range(n):
@@ -40,6 +40,48 @@ def test_vision_tokens_are_encoded_and_masked():
     assert "Hello there" in predicted and "Hi" not in predicted
 
 
+def _conv(i, image=True):
+    content = [{"type": "text", "text": QUESTIONS[i % 3]}]
+    if image:
+        content = [{"type": "image", "image": str(photo_paths()[i % len(photo_paths())])}] + content
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[i % 3]}]}]
+
+
+def test_packed_conversations_equal_separate_ones():
+    """Conversations packed into one row (text positions restarting, M-RoPE rows from the model) give the
+    same teacher and student hidden states as each conversation alone; lengths are estimated exactly."""
+    from retention import attach_gates
+    from retention.attach import unwrap
+    from train.data import concat_encoded, conversation_length, pack_lengths
+    from train.loop import mrope_positions
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    convs = [_conv(0), _conv(1, image=False), _conv(2)]
+    encs = [encode_multimodal(proc, m, 4096) for m in convs]
+    assert [conversation_length(proc, m) for m in convs] == [e["input_ids"].shape[1] for e in encs]
+    att = attach_gates(model, bias_init=2.0, gate_hidden=8)
+
+    def run(b, mode, restart=True):
+        text_pos = b["position_ids"] if restart else torch.arange(b["input_ids"].shape[1])[None]
+        pos = torch.cat([text_pos[None], mrope_positions(model, b)])
+        kw = {k: b[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in b}
+        with torch.no_grad(), att.use_mode(mode):
+            return unwrap(model).model(input_ids=b["input_ids"], position_ids=pos, use_cache=False, **kw).last_hidden_state
+
+    packed = concat_encoded(encs)
+    lengths = [e["input_ids"].shape[1] for e in encs]
+    assert packed["cu_seqlens"].tolist() == [0, lengths[0], sum(lengths[:2]), sum(lengths)] and packed["pixel_values"].shape[0] == sum(
+        e["pixel_values"].shape[0] for e in encs if "pixel_values" in e)
+    for mode in ("teacher", "student"):
+        alone = torch.cat([run(concat_encoded([e]), mode) for e in encs], dim=1)
+        torch.testing.assert_close(run(packed, mode), alone, rtol=1e-4, atol=1e-4)
+        assert (run(packed, mode, restart=False) - alone).abs().max() > 1e-2  # control: unpacked rows do mix
+    assert pack_lengths([5, 9, 3, 20, 4], 10, seed=0) == pack_lengths([5, 9, 3, 20, 4], 10, seed=0)
+    rows = pack_lengths([5, 9, 3, 20, 4], 10, seed=0)
+    assert sorted(i for r in rows for i in r) == [0, 1, 2, 4] and all(sum([5, 9, 3, 20, 4][i] for i in r) <= 10 for r in rows)
+
+
 def test_tiny_qwen3_vl_trains_with_gated_vision_tokens(tmp_path):
     proc = tiny_qwen3_vl_processor()
     model = tiny_qwen3_vl_for(proc)
@@ -58,9 +100,10 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
     seen = {}
     real_capacity = __import__("train.loop", fromlist=["capacity_loss"]).capacity_loss
 
-    def spy(log_betas, *a, **k):
+    def spy(log_betas, budget, form, cu_seqlens, **k):
         seen["T"] = log_betas[0].shape[-1]
-        return real_capacity(log_betas, *a, **k)
+        seen["docs"] = len(cu_seqlens) - 1
+        return real_capacity(log_betas, budget, form, cu_seqlens, **k)
 
     import train.loop as loop
 
@@ -71,7 +114,8 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
         loop.capacity_loss = old
     h = summary["history"]
     assert len(h) == 6 and h[-1]["capacity"] < h[0]["capacity"]
-    assert seen["T"] > 16, "gate scores cover the whole conversation, image tokens included"
+    assert seen["T"] > 100, "gate scores cover the whole packed row, image tokens included"
+    assert seen["docs"] > 1, "several conversations share a row"
     gates = load_gates(summary["export_dir"], model=model)
     assert gates.config.num_layers == 3
 

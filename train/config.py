@@ -63,6 +63,11 @@ class SourceConfig:
     max_docs: int | None = None
     field: str | None = None  # text column (text) or messages column (chat / multimodal)
     image_root: str | None = None  # folder that relative image paths of multimodal records are under
+    # synthetic sources (kind: synthetic, path: an eval task name): context tokens of each item (default:
+    # data.seq_len - 128, room for the question and answer), the generator seed and the task's own options
+    length: int | None = None
+    seed: int = 1000
+    params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -100,6 +105,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
+    report_before: bool = True  # evaluate the untrained gates first, for a before/after report at the end
     save_every: int = 50
     keep_checkpoints: int = 2
     tracker: str | None = "auto"  # auto (tensorboard if installed) | tensorboard | wandb | none
@@ -130,7 +136,7 @@ CHOICES = {
     "gates.variant": ("global", "seed", "trimkv"),
     "gates.activation": ("silu", "gelu", "relu", "tanh"),
     "loss.capacity_form": ("global", "per_head"),
-    "data.sources.kind": ("text", "chat", "multimodal"),
+    "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "train.tracker": ("auto", "tensorboard", "wandb", "none", None),
@@ -141,6 +147,7 @@ POSITIVE = {
     "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
+    "data.sources.length", "data.sources.max_docs",
 }
 NON_NEGATIVE = {"loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
 
@@ -271,8 +278,34 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         )
     if not cfg.data.sources:
         raise ConfigError(f"data.sources must list at least one source{_where('data.sources', lines, source)}")
+    for i, src in enumerate(cfg.data.sources):
+        if src.kind == "synthetic":
+            _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source)
+        elif src.length is not None or src.params is not None:
+            raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only{_where(f'data.sources.{i}', lines, source)}")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
+
+
+def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str) -> None:
+    """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
+    from eval.tasks import TASKS  # light: generators only, no model
+
+    usable = sorted(t for t in TASKS if t != "fidelity")  # fidelity is plain text: use a text source
+    if src.path not in usable:
+        raise ConfigError(f"{key}.path = {src.path!r}{_where(key + '.path', lines, source)}: a synthetic source "
+                          f"names an eval task, one of {usable}")
+    if src.split != "train":
+        raise ConfigError(f"{key}.split = {src.split!r}{_where(key + '.split', lines, source)}: synthetic training "
+                          "data must use the training haystacks (split: train); the eval pool stays unseen")
+    if src.max_docs is None:
+        raise ConfigError(f"{key}: set max_docs, the number of synthetic items to generate{_where(key, lines, source)}")
+    length = src.length if src.length is not None else seq_len - 128
+    if not 64 <= length <= seq_len - 32:
+        raise ConfigError(f"{key}.length = {length}{_where(key + '.length', lines, source)}: must be in [64, "
+                          f"data.seq_len - 32 = {seq_len - 32}] so an item (context, question, answer) fits one row")
+    if src.params is not None and not isinstance(src.params, dict):
+        raise ConfigError(f"{key}.params must be a mapping of the task's options{_where(key + '.params', lines, source)}")
 
 
 def resolve_config_path(path: str | Path) -> Path:

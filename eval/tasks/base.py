@@ -1,19 +1,22 @@
-"""What a task produces: items with a context, a question and the answers that count."""
+"""What a task produces (items with a context, a question and the answers that count) and the
+helpers every generator shares: per-item seeded randomness and fitting a context to a token length."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
 class Item:
     """One evaluation item.
 
-    ``context`` is compressed before ``question`` arrives (query-agnostic protocol); ``answers`` are the
-    strings a correct reply contains (all of them for multi-answer tasks). ``messages`` (dialogue tasks)
-    replaces ``context`` as earlier chat turns. Fidelity items have a ``continuation`` instead.
+    ``context`` is what gets compressed before ``question`` arrives (query-agnostic protocol);
+    ``messages`` (dialogue tasks) replaces ``context`` with earlier chat turns. ``answers`` are the
+    references ``metric`` compares the reply with (``recall``: the share of them found in the reply).
+    ``answer_prefix`` starts the assistant's reply (as RULER does) so small models answer directly.
+    Fidelity items carry a ``continuation`` (scored by KL / top-1 against the full cache) instead.
     """
 
     task: str
@@ -23,24 +26,64 @@ class Item:
     answers: list[str]
     messages: list[dict[str, str]] | None = None
     continuation: str | None = None
+    answer_prefix: str = ""
+    metric: str = "recall"
+    max_new_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def rng_for(task: str, length: int, seed: int, i: int) -> random.Random:
-    return random.Random(f"{task}/{length}/{seed}/{i}")
+def item_id(task: str, split: str, length: int, seed: int, i: int) -> str:
+    return f"{task}-{split}-{length}-{seed}-{i}"
 
 
-def place(sentences: list[str], inserts: list[str], rng: random.Random) -> str:
-    """Insert sentences at random depths of a haystack."""
-    out = list(sentences)
-    for s in inserts:
-        out.insert(rng.randrange(len(out) + 1), s)
+def rng_for(task: str, split: str, length: int, seed: int, i: int) -> random.Random:
+    """Independent randomness per item: item i does not depend on how many items are drawn."""
+    return random.Random(f"{task}/{split}/{length}/{seed}/{i}")
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fit_length(tokenizer, target: int, build: Callable[[int], str], max_units: int) -> tuple[str, int]:
+    """The longest ``build(k)`` (``k <= max_units`` units of filler) with at most ``target`` tokens.
+
+    Binary search on ``k``: the whole text is tokenised each time, so seams between sentences and
+    inserted needles are counted exactly as the model will see them.
+    """
+    lo, hi = 0, max_units
+    if count_tokens(tokenizer, build(hi)) <= target:
+        raise ValueError(f"not enough filler ({max_units} units) for {target} tokens")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_tokens(tokenizer, build(mid)) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return build(lo), lo
+
+
+def place(filler: list[str], inserts: list[str], depths: list[float]) -> str:
+    """Insert sentences into a haystack at relative depths in [0, 1] (stable as the haystack is cut)."""
+    out = list(filler)
+    for s, d in sorted(zip(inserts, depths), key=lambda p: -p[1]):  # deepest first keeps earlier indices valid
+        out.insert(round(d * len(filler)), s)
     return " ".join(out)
 
 
-def number(rng: random.Random) -> str:
+def magic_number(rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 9_999_999))
 
 
-WORDS = ["amber", "falcon", "harbor", "meadow", "lantern", "quartz", "willow", "canyon", "ember", "glacier",
-         "orchid", "pepper", "raven", "saffron", "thistle", "velvet", "walnut", "zephyr", "cobalt", "juniper"]
+# Keys for needles: common, single-token-ish English nouns (distinct from each other).
+KEYS = ["amber", "falcon", "harbor", "meadow", "lantern", "quartz", "willow", "canyon", "ember", "glacier",
+        "orchid", "pepper", "raven", "saffron", "thistle", "velvet", "walnut", "zephyr", "cobalt", "juniper",
+        "compass", "marble", "violet", "beacon", "copper", "island", "mirror", "prairie", "summit", "tundra"]
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """The prompt string of a conversation: the tokenizer's chat template, or a plain fallback."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return text + ("Assistant:" if add_generation_prompt else "")

@@ -1,22 +1,27 @@
-"""Fidelity: next-token distributions on held-out text continuations, compared with the full cache
-(KL divergence and top-1 agreement); the answer is the continuation itself."""
+"""Fidelity: next-token distributions on held-out real text, compared with the full cache.
+
+The context (``length`` tokens) is compressed, then the ``continuation`` is scored teacher-forced;
+the metric is KL(full || compressed) and top-1 agreement over the continuation's positions."""
 
 from __future__ import annotations
 
-from ..haystack import addresses
-from .base import Item, rng_for
+from ..haystack import documents
+from .base import Item, item_id, rng_for
 
 
-def fidelity(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", continuation: int = 32) -> list[Item]:
-    docs = addresses(split)
+def fidelity(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
+             continuation: int = 32) -> list[Item]:
+    docs = documents(split, source)
     items = []
     for i in range(n):
-        rng = rng_for("fidelity", length, seed, i)
+        rng = rng_for("fidelity", split, length, seed, i)
         ids: list[int] = []
-        while len(ids) < length + continuation:
-            ids += tokenizer(" " + docs[rng.randrange(len(docs))][1], add_special_tokens=False)["input_ids"]
-        start = rng.randrange(max(1, len(ids) - length - continuation))
-        ctx = tokenizer.decode(ids[start : start + length])
-        cont = tokenizer.decode(ids[start + length : start + length + continuation])
-        items.append(Item("fidelity", f"fidelity-{length}-{seed}-{i}", ctx, "", [], continuation=cont))
+        while len(ids) < length + continuation:  # consecutive documents until long enough
+            doc = docs[rng.randrange(len(docs))]
+            ids += tokenizer(" ".join(doc.text.split()) + "\n\n", add_special_tokens=False)["input_ids"]
+        start = rng.randrange(len(ids) - length - continuation + 1)
+        ctx, cont = ids[start : start + length], ids[start + length : start + length + continuation]
+        items.append(Item("fidelity", item_id("fidelity", split, length, seed, i), tokenizer.decode(ctx), "", [],
+                          continuation=tokenizer.decode(cont), metric="fidelity",
+                          meta={"context_ids": ctx, "continuation_ids": cont}))
     return items

@@ -1,42 +1,54 @@
-"""Question answering over a long real document: several State of the Union addresses, each under a
-heading with its year and president; the question quotes a sentence and asks who delivered it."""
+"""Question answering over a long real document: sections of several State of the Union addresses
+(or, with the ``pydoc`` source, several modules' documentation), each under a heading; the question
+quotes a sentence and asks which section (president / module) it comes from."""
 
 from __future__ import annotations
 
 import re
 
-from ..haystack import addresses
-from .base import Item, rng_for
+from ..haystack import Document, documents
+from .base import Item, fit_length, item_id, rng_for
 
 
-def _split_title(title: str) -> tuple[str, str]:
-    year, name = title.split("-")[:2]
-    return year, name
+def _label(doc: Document) -> tuple[str, str]:
+    """``(heading, answer)`` of a document."""
+    if doc.source == "sotu":
+        year, name = doc.title.split("-")[:2]
+        return f"State of the Union address of {year} by President {name}", name
+    module = doc.title.split(":", 1)[1]
+    return f"Documentation of the Python module {module}", module
 
 
-def document_qa(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval") -> list[Item]:
-    docs = addresses(split)
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if 6 <= len(s.split()) <= 60]
+
+
+def document_qa(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
+                sections: int | None = None) -> list[Item]:
+    """``sections`` (default: one per ~400 tokens, 2 to 6) excerpts of distinct documents."""
+    docs = [d for d in documents(split, source) if len(_sentences(d.text)) >= 40]
+    m = sections or max(2, min(6, length // 400))
     items = []
     for i in range(n):
-        rng = rng_for("document_qa", length, seed, i)
-        parts, count, used = [], 0, set()
-        while count < length - 40:
-            title, text = docs[rng.randrange(len(docs))]
-            year, name = _split_title(title)
-            if name in used:
+        rng = rng_for("document_qa", split, length, seed, i)
+        chosen: list[tuple[str, str, list[str]]] = []
+        for doc in rng.sample(docs, len(docs)):
+            heading, answer = _label(doc)
+            if any(a == answer for _, a, _ in chosen):  # one section per president / module
                 continue
-            used.add(name)
-            words = text.split()
-            room = max(30, length - 40 - count)
-            start = rng.randrange(max(1, len(words) - room))
-            body = " ".join(words[start : start + int(room * 0.7)])  # ~0.7 words per token budgeted
-            section = f"Address of {year} by President {name}:\n{body}"
-            parts.append((name, section))
-            count += len(tokenizer(section, add_special_tokens=False)["input_ids"])
-        target_name, target = parts[rng.randrange(len(parts))]
-        candidates = [s for s in re.split(r"(?<=[.!?])\s+", target.split(":\n", 1)[1]) if 10 <= len(s.split()) <= 40]
-        quote = rng.choice(candidates) if candidates else " ".join(target.split()[5:20])
-        context = "\n\n".join(p for _, p in parts)
-        question = f'Which president delivered the address containing this sentence: "{quote}"? Answer with the name.'
-        items.append(Item("document_qa", f"document_qa-{length}-{seed}-{i}", context, question, [target_name]))
+            sents = _sentences(doc.text)
+            start = rng.randrange(max(1, len(sents) - length // 10))
+            chosen.append((heading, answer, sents[start:]))
+            if len(chosen) == m:
+                break
+        def build(k: int) -> str:
+            return "\n\n".join(f"{h}:\n" + " ".join(s[:k]) for h, _, s in chosen)
+        context, k = fit_length(tokenizer, length, build, min(len(s) for _, _, s in chosen))
+        target = rng.randrange(len(chosen))
+        heading, answer, sents = chosen[target]
+        quote = sents[rng.randrange(max(1, k))]
+        what = "president delivered" if "President" in heading else "module's documentation contains"
+        question = f'Which {what} the passage containing this sentence: "{quote}"? Answer with the name only.'
+        items.append(Item("document_qa", item_id("document_qa", split, length, seed, i), context, question, [answer],
+                          answer_prefix="Answer:", meta={"sections": [h for h, _, _ in chosen], "quote": quote}))
     return items

