@@ -164,7 +164,9 @@ def _mmdu_records(data_files: Any) -> list[dict]:
         data = json.loads(text)
     except json.JSONDecodeError:  # JSON lines
         data = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return list(data.values()) if isinstance(data, dict) else list(data)
+    if isinstance(data, dict):  # {id: record} (the benchmark file), or one record (JSON lines of one row)
+        return [data] if "conversations" in data else list(data.values())
+    return list(data)
 
 
 def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "last") -> list[Item]:
