@@ -38,7 +38,9 @@ class EvalConfig:
     model: str = "smollm2-135m"
     dtype: str | None = None
     device: str | None = None
-    gates: str | None = None  # gate checkpoint folder or Hub repo for global_gates / trimkv
+    # gate checkpoint (folder or Hub repo) for global_gates / trimkv: null = the gates shipped for an
+    # embedded model (checkpoints/), untrained otherwise; "untrained" forces untrained gates
+    gates: str | None = None
     output: str = "runs/eval/sweep"
     tasks: list[Any] = field(default_factory=lambda: ["niah_single"])
     lengths: list[int] = field(default_factory=lambda: [1024])
@@ -98,8 +100,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         spec = m if isinstance(m, dict) else {"name": m}
         if not isinstance(spec.get("name"), str):
             _fail("methods", f"each method needs a name, got {m!r}")
-        if set(spec) - {"name", "params", "label"}:
-            _fail("methods", f"a method entry takes 'name', 'params' and 'label', got {sorted(spec)}")
+        if set(spec) - {"name", "params", "label", "gates"}:
+            _fail("methods", f"a method entry takes 'name', 'params', 'label' and 'gates', got {sorted(spec)}")
         if spec["name"] not in available_methods():
             _fail("methods", f"unknown method {spec['name']!r}; available: {available_methods()}")
         try:

@@ -35,6 +35,7 @@ class Method(ABC):
     name: str
     params: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    gates: str | None = None  # a gate checkpoint of its own (folder or Hub repo), e.g. TRIM-KV per-head gates
 
     uses_budget = True
 
@@ -120,8 +121,18 @@ class PolicyCache(Method):
 
     @contextlib.contextmanager
     def active(self, model):
-        with model.retention.use_mode("score"):
+        with model.retention.use_mode("score"), self._own_gates(model):
             yield
+
+    def _own_gates(self, model):
+        """Swap in this method's own gates (loaded once) for its forwards; the sweep's gates otherwise."""
+        if self.gates is None:
+            return contextlib.nullcontext()
+        if getattr(self, "_loaded", None) is None:
+            from retention.hub import load_gates
+
+            self._loaded = load_gates(self.gates, model=model).eval()
+        return model.retention.use_gates(self._loaded)
 
 
 def available_methods() -> list[str]:
@@ -138,14 +149,17 @@ def make_method(spec: dict[str, Any]) -> Method:
     name = spec["name"]
     params = dict(spec.get("params") or {})
     label = spec.get("label") or ""
+    gates = spec.get("gates")
     if name == "full":
-        if params:
-            raise ValueError("method 'full' takes no params")
+        if params or gates:
+            raise ValueError("method 'full' takes no params or gates")
         return FullCache(name, params, label)
     from retention.policies import get_policy
 
     get_policy(name, **params)  # unknown names / parameters fail here, before any model loads
-    return PolicyCache(name, params, label)
+    if gates is not None and not isinstance(gates, str):
+        raise ValueError(f"gates must be a checkpoint folder or Hub repo id, got {gates!r}")
+    return PolicyCache(name, params, label, gates)
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from retention.policies.base import EvictionPolicy
+
 from .budgets import Budget
 from .methods import Method, kv_streams, prefill
 from .metrics import kl_and_top1, score_reply
@@ -59,37 +61,162 @@ def reference_logits(model, item: Item) -> torch.Tensor:
         return model(input_ids=x, use_cache=False, logits_to_keep=len(cont)).logits[0]
 
 
+def _snapshot(cache, model):
+    """A deep copy of a prefilled cache that shares the model, its weights and the gate attachment."""
+    import copy
+
+    memo = {id(p): p for p in model.parameters()}
+    memo[id(model)] = model
+    attachment = getattr(model, "retention", None)
+    if attachment is not None:
+        memo[id(attachment)] = attachment
+    return copy.deepcopy(cache, memo)
+
+
+def context_and_prompt(tokenizer, item: Item, protocol: str = "query_agnostic") -> tuple[list[int], list[int]]:
+    """``(head, rest)``: the tokens prefilled and compressed, and what is fed after the compression
+    (fidelity: the continuation to teacher-force; otherwise the whole prompt, which ``generate``
+    continues from the cache)."""
+    if item.metric == "fidelity":
+        return item.meta["context_ids"], item.meta["continuation_ids"]
+    ctx, ids = prompt_ids(tokenizer, item)
+    return (ids[:-1] if protocol == "query_aware" else ctx), ids
+
+
+class _QueryRecorder(EvictionPolicy):
+    """Keeps each layer's prefill queries (what attention-based policies observe); never evicts."""
+
+    name = "recorder"
+    needs_queries = True
+    evicts = False
+
+    def __init__(self) -> None:
+        self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def observe(self, layer, query, view, query_pos) -> None:
+        self.queries[layer] = (query, query_pos)
+
+    def score(self, entries):  # never called: evicts is False
+        raise RuntimeError("the recorder does not score")
+
+
+class SharedPrefill:
+    """One one-shot prefill of an item's context, replayed into any :class:`PolicyCache` method.
+
+    In score mode the forward does not depend on the policy: every method's cache receives the same
+    keys, values and gate scores, and an attention-based policy sees the same queries. So the context
+    is prefilled once into a recording cache (K/V, gate scores and each layer's queries), and
+    :meth:`cache_for` builds a method's cache from copies of it, calling the policy's ``observe`` with
+    the recorded queries exactly as the forward would have. Methods with their own gates (other gate
+    scores) and streaming prefills cannot share and prefill on their own.
+    """
+
+    def __init__(self, model, head: list[int]) -> None:
+        from retention.cache import RetentionCache
+
+        self.model, self.recorder = model, _QueryRecorder()
+        attachment = model.retention
+        attachment.reset()
+        with attachment.use_mode("score"):
+            self.cache = RetentionCache(model, budget=None, policy=self.recorder)
+            prefill(model, self.cache, head, None)
+
+    def cache_for(self, method: Method):
+        """A fresh cache of ``method`` holding the shared prefill (budget unset: see ``set_budget``)."""
+        import copy
+
+        cache = method.new_cache(self.model, None, streaming=False)
+        src = self.cache
+        cache.store, cache._seen, cache._pad_entries = copy.deepcopy(src.store), list(src._seen), src._pad_entries.clone()
+        cache._last_query_len, cache.peak_entries = src._last_query_len, src.peak_entries
+        for layer in cache.layers:
+            layer.is_initialized = True
+        if cache.policy.needs_queries:
+            for layer, (query, qpos) in sorted(self.recorder.queries.items()):
+                cache.policy.observe(layer, query, cache.store.gather_layer(layer), qpos)
+        return cache
+
+
+def shareable(method: Method, prefill_mode: str) -> bool:
+    """Whether ``method`` can start from a :class:`SharedPrefill` (one-shot, the sweep's gates)."""
+    from .methods import PolicyCache
+
+    return prefill_mode == "one_shot" and isinstance(method, PolicyCache) and method.gates is None
+
+
 @torch.no_grad()
 def run_item(model, tokenizer, item: Item, method: Method, budget: Budget | None, *,
              protocol: str = "query_agnostic", prefill_mode: str = "one_shot", chunk: int = 512,
              max_new_tokens: int = 32, reference: torch.Tensor | None = None) -> dict[str, Any]:
     """Score one item; returns the score, the reply and the KV memory kept when the question arrives."""
+    return run_item_budgets(model, tokenizer, item, method, [budget], protocol=protocol, prefill_mode=prefill_mode,
+                            chunk=chunk, max_new_tokens=max_new_tokens, reference=reference)[0]
+
+
+@torch.no_grad()
+def run_item_budgets(model, tokenizer, item: Item, method: Method, budgets: list[Budget | None], *,
+                     protocol: str = "query_agnostic", prefill_mode: str = "one_shot", chunk: int = 512,
+                     max_new_tokens: int = 32, reference: torch.Tensor | None = None,
+                     shared: SharedPrefill | None = None) -> list[dict[str, Any]]:
+    """:func:`run_item` for several budgets. With a one-shot prefill nothing is evicted before the
+    compression, so the context is prefilled once and each budget compresses its own copy of that
+    cache (the same result as separate runs, one prefill instead of one per budget); a streaming
+    prefill evicts as it goes, so each budget prefills on its own. ``shared``: the item's context
+    prefilled once for all methods (see :class:`SharedPrefill`; only where :func:`shareable`)."""
     if protocol not in PROTOCOLS or prefill_mode not in PREFILLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS} and prefill one of {PREFILLS}")
     L, H, _ = kv_streams(model)
-    chunk_size = chunk if prefill_mode == "streaming" else None
+    streaming = prefill_mode == "streaming"
     with method.active(model):
-        if item.metric == "fidelity":
-            ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
-            head = ctx
-        else:
-            ctx, ids = prompt_ids(tokenizer, item)
-            head = ids[:-1] if protocol == "query_aware" else ctx
-        entries = budget.entries(len(head), L * H) if (budget is not None and method.uses_budget) else None
-        cache = method.new_cache(model, entries, streaming=prefill_mode == "streaming")
-        prefill(model, cache, head, chunk_size)
-        method.compress(cache)
-        mem = method.memory(cache, model)
-        row: dict[str, Any] = {"context_tokens": len(head), "budget_entries": entries, **mem}
-        if item.metric == "fidelity":
-            x = torch.tensor([cont], device=model.device)
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
-            ref = reference if reference is not None else reference_logits(model, item)
-            kl, top1 = kl_and_top1(ref, logits)
-            return {**row, "score": top1, "kl": kl, "reply": ""}
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        out = model.generate(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache,
-                             max_new_tokens=item.max_new_tokens or max_new_tokens, do_sample=False,
-                             pad_token_id=pad, temperature=None, top_p=None, top_k=None)
-        reply = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-        return {**row, "score": score_reply(item.metric, reply, item.answers), "reply": reply}
+        head, rest = context_and_prompt(tokenizer, item, protocol)
+
+        def entries_for(budget: Budget | None) -> int | None:
+            return budget.entries(len(head), L * H) if (budget is not None and method.uses_budget) else None
+
+        def prefilled(entries: int | None):
+            cache = method.new_cache(model, entries, streaming=streaming)
+            prefill(model, cache, head, chunk if streaming else None)
+            return cache
+
+        if shared is not None:
+            if not shareable(method, prefill_mode):
+                raise ValueError(f"method {method.label} cannot use a shared prefill (see eval.protocol.shareable)")
+            shared = shared.cache_for(method)
+        elif not streaming and len(budgets) > 1:
+            shared = prefilled(None)
+        rows = []
+        for budget in budgets:
+            entries = entries_for(budget)
+            row: dict[str, Any] = {"context_tokens": len(head), "budget_entries": entries}
+            try:
+                if shared is None:
+                    cache = prefilled(entries)
+                else:
+                    cache = _snapshot(shared, model)
+                    cache.set_budget(entries)
+                method.compress(cache)
+            except ValueError as e:  # a budget below what the cache's options require: recorded, not fatal
+                if type(e).__name__ != "CacheBudgetError":
+                    raise
+                rows.append({**row, "score": None, "error": str(e)})
+                continue
+            rows.append(_answer(model, tokenizer, item, method, cache, row, rest, max_new_tokens, reference))
+        return rows
+
+
+def _answer(model, tokenizer, item: Item, method: Method, cache, row: dict[str, Any], ids: list[int],
+            max_new_tokens: int, reference: torch.Tensor | None) -> dict[str, Any]:
+    """The KV memory kept, then the reply (or the fidelity continuation) scored."""
+    row = {**row, **method.memory(cache, model)}
+    if item.metric == "fidelity":
+        x = torch.tensor([ids], device=model.device)
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+        ref = reference if reference is not None else reference_logits(model, item)
+        kl, top1 = kl_and_top1(ref, logits)
+        return {**row, "score": top1, "kl": kl, "reply": ""}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache,
+                         max_new_tokens=item.max_new_tokens or max_new_tokens, do_sample=False,
+                         pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    reply = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    return {**row, "score": score_reply(item.metric, reply, item.answers), "reply": reply}

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .config import EvalConfig
 from .methods import PolicyCache
-from .protocol import reference_logits, run_item
+from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import generate
 
 KEY_FIELDS = ("task", "length", "item", "method", "budget", "protocol", "prefill")
@@ -52,6 +52,8 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 def _jobs(cfg: EvalConfig, tokenizer, done: set) -> Iterator[tuple]:
+    """``(item, method, budgets, rows)`` still to run: the budgets of one (item, method) go together,
+    so a one-shot prefill is shared by all of them (see :func:`eval.protocol.run_item_budgets`)."""
     methods, budgets = cfg.method_list(), cfg.budget_list()
     for spec in cfg.task_specs():
         for length in cfg.lengths:
@@ -59,11 +61,14 @@ def _jobs(cfg: EvalConfig, tokenizer, done: set) -> Iterator[tuple]:
                              source=cfg.source, **spec.params)
             for item in items:
                 for m in methods:
+                    todo = []
                     for b in (budgets if m.uses_budget else [None]):
                         row = {"task": spec.name, "length": length, "item": item.id, "method": m.label,
                                "budget": "full" if b is None else b.key, "protocol": cfg.protocol, "prefill": cfg.prefill}
                         if row_key(row) not in done:
-                            yield item, m, b, row
+                            todo.append((b, row))
+                    if todo:
+                        yield item, m, [b for b, _ in todo], [r for _, r in todo]
 
 
 def prepare_model(cfg: EvalConfig, model, tokenizer):
@@ -71,12 +76,13 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
     if any(isinstance(m, PolicyCache) for m in cfg.method_list()) and getattr(model, "retention", None) is None:
         from retention import attach_gates
 
-        gates = None
-        if cfg.gates:
-            from retention.hub import load_gates
+        from retention.hub import load_gates
+        from retention.models import shipped_gates
 
-            gates = load_gates(cfg.gates, model=model)
+        source = shipped_gates(model) if cfg.gates is None else None if cfg.gates == "untrained" else cfg.gates
+        gates = None if source is None else load_gates(source, model=model)
         attach_gates(model, gates, mode="score")
+        print(f"[eval] gates: {source or 'untrained (beta ~ 1: recency only)'}")
     return model, tokenizer
 
 
@@ -94,24 +100,32 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
     model, tok = prepare_model(cfg, *model_and_tokenizer)
     jobs = list(_jobs(cfg, tok, done))
     references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
-    with open(results, "a") as fh:
-        for item, method, budget, row in tqdm(jobs, desc=f"eval {out_dir.name}", unit="item", disable=not progress):
+    with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
+                                        disable=not progress) as bar:
+        shared: tuple[str, SharedPrefill] | None = None  # the current item's context, prefilled once
+        for item, method, budgets, rows in jobs:
+            bar.set_postfix(task=item.task, method=method.label, refresh=False)
+            share = None
+            if shareable(method, cfg.prefill):
+                if shared is None or shared[0] != item.id:
+                    shared = None  # free the previous item's first
+                    head, _ = context_and_prompt(tok, item, cfg.protocol)
+                    shared = (item.id, SharedPrefill(model, head))
+                share = shared[1]
             ref = None
             if item.metric == "fidelity":
                 if item.id not in references:
                     references.clear()  # jobs of one item are consecutive: keep one at a time
                     references[item.id] = reference_logits(model, item)
                 ref = references[item.id]
-            try:
-                res = run_item(model, tok, item, method, budget, protocol=cfg.protocol, prefill_mode=cfg.prefill,
-                               chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens, reference=ref)
-            except ValueError as e:  # e.g. a budget below what the cache's options require
-                if type(e).__name__ != "CacheBudgetError":
-                    raise
-                res = {"score": None, "error": str(e)}
-            res = {**row, "policy": method.name, "metric": item.metric, "model": cfg.model, "seed": cfg.seed,
-                   "split": cfg.split, **res}
-            fh.write(json.dumps(res) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+            results_ = run_item_budgets(model, tok, item, method, budgets, protocol=cfg.protocol,
+                                        prefill_mode=cfg.prefill, chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens,
+                                        reference=ref, shared=share)
+            for row, res in zip(rows, results_):
+                res = {**row, "policy": method.name, "metric": item.metric, "model": cfg.model, "seed": cfg.seed,
+                       "split": cfg.split, **res}
+                fh.write(json.dumps(res) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                bar.update(1)
     return results

@@ -221,6 +221,18 @@ class RetentionAttachment:
             raise RuntimeError("no gate scores yet: run a forward pass in student mode first")
         return out
 
+    @contextlib.contextmanager
+    def use_gates(self, gates: RetentionGates) -> Iterator["RetentionAttachment"]:
+        """Context: score with other gates for the same model (e.g. comparing two checkpoints)."""
+        check_gates_match(self.model, gates.config)
+        previous = self.gates  # stays the registered submodule: the swap only changes who scores
+        gates.to(device=next(previous.parameters()).device)
+        self.gates = gates
+        try:
+            yield self
+        finally:
+            self.gates = previous
+
     def reset(self) -> None:
         """Forget gate scores kept for decoding with a cache."""
         for m in self.modules:

@@ -33,10 +33,22 @@ class ChatSetupError(ValueError):
     """Model, gates and options do not fit together; the message names the fix."""
 
 
-def _load_gates(gates: RetentionGates | str | Path | None) -> RetentionGates | None:
-    if gates is None or isinstance(gates, RetentionGates):
-        return gates
-    return RetentionGates.from_pretrained(gates)
+def _load_gates(gates: RetentionGates | str | Path | None, model: nn.Module) -> RetentionGates | None:
+    """Built gates as given; ``None``: the gates shipped for an embedded model (if any, and no gates
+    are attached yet); ``"untrained"``: none; else a checkpoint folder or Hub repo id."""
+    if isinstance(gates, RetentionGates) or gates == "untrained":
+        return None if gates == "untrained" else gates
+    if gates is None:
+        from .models import shipped_gates
+
+        if getattr(unwrap(model), "retention", None) is not None:
+            return None  # keep what is attached
+        gates = shipped_gates(model)
+        if gates is None:
+            return None
+    from .hub import load_gates
+
+    return load_gates(gates)  # checked against the model by the caller, with the fix in the message
 
 
 class RetentionChat:
@@ -44,8 +56,9 @@ class RetentionChat:
 
     ``budget_tokens``: KV kept per sequence, in tokens per (layer, KV head) on average (the cache
     budget is ``budget_tokens * L * H_kv`` entries, shared globally); ``None`` keeps everything.
-    ``gates``: trained gates, a checkpoint folder, or ``None`` for untrained gates (with a warning)
-    unless the model already has gates attached. ``chunk_size``: prefill chunk in tokens.
+    ``gates``: trained gates, a checkpoint folder or Hub repo id, ``"untrained"``, or ``None``: the gates
+    already attached, else those shipped for an embedded model (``checkpoints/``), else untrained gates
+    (with a warning). ``chunk_size``: prefill chunk in tokens.
     """
 
     def __init__(
@@ -68,7 +81,8 @@ class RetentionChat:
         self.model, self.processor = model, processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.multimodal = is_multimodal(unwrap(model).config)
-        gates = _load_gates(gates)
+        asked_untrained = isinstance(gates, str) and gates == "untrained"
+        gates = _load_gates(gates, model)
         attachment = getattr(unwrap(model), "retention", None)
         if gates is not None:
             try:
@@ -79,7 +93,7 @@ class RetentionChat:
                 attachment.detach()
                 attachment = None
         if attachment is None:
-            if gates is None:
+            if gates is None and not asked_untrained:
                 warnings.warn(
                     "no gates given: using untrained retention gates (beta ~ 1 everywhere, so eviction is "
                     "by recency only); pass trained gates for learned eviction",
@@ -298,7 +312,8 @@ def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
-    p.add_argument("--gates", default=None, help="gate checkpoint folder (untrained gates if absent)")
+    p.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo; default: the gates shipped "
+                   "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
     p.add_argument("--budget", type=int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -12,6 +12,19 @@ from typing import Iterator
 import torch
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _usual_permissions(root: Path) -> None:
+    """Temp files and folders are private (0600 / 0700); give what we publish the usual umask modes."""
+    mask = _umask()
+    for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory beside ``path``; on success it replaces ``path`` in one rename.
@@ -23,6 +36,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
         yield tmp
+        _usual_permissions(tmp)
         old = None
         if path.exists():
             old = path.with_name(f".old-{path.name}-{os.getpid()}")
@@ -43,6 +57,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        _usual_permissions(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

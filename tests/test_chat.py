@@ -16,9 +16,14 @@ def smollm2():
 
 
 def test_first_reply_equals_plain_generate(smollm2):
+    from safetensors.torch import load_file
+
+    from retention.models import shipped_gates
+
     model, tok = smollm2
-    with pytest.warns(UserWarning, match="untrained retention gates"):
-        chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)  # the shipped gates by default
+    shipped = load_file(str(shipped_gates("smollm2-135m") / "gates.safetensors"))
+    assert all(torch.equal(v, shipped[k]) for k, v in chat.attachment.gates.state_dict().items())
     reply = chat.send("What is the capital of France?")
     chat.model.retention.detach()
     x = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -30,8 +35,7 @@ def test_first_reply_equals_plain_generate(smollm2):
 
 def test_three_turns_stay_within_budget_and_errors_leave_the_session_usable(smollm2):
     model, tok = smollm2
-    with pytest.warns(UserWarning):
-        chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=12)
+    chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=12)
     streams = 30 * 3
     seen = []
     for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
@@ -58,3 +62,11 @@ def test_gates_for_another_model_are_a_setup_error(smollm2):
     other = RetentionGates(GateConfig(num_layers=2, num_kv_heads=2, hidden_size=96))
     with pytest.raises(ChatSetupError, match="gates do not match this model"):
         RetentionChat(model, tok, other, budget_tokens=64)
+
+
+def test_untrained_gates_on_request(smollm2):
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, "untrained", budget_tokens=64, max_new_tokens=4)
+    b = chat.attachment.gates.state_dict()["b"]
+    assert torch.equal(b, torch.full_like(b, GateConfig.for_model(model).bias_init))  # untrained: the initial bias
+    chat.model.retention.detach()

@@ -111,3 +111,98 @@ def test_smollm2_full_cache_solves_easy_needles():
     items = generate("niah_single", tok, 1024, 5, seed=0)
     scores = [run_item(model, tok, it, FullCache("full"), None, max_new_tokens=16)["score"] for it in items]
     assert sum(s == 100.0 for s in scores) >= 3, scores
+
+
+def test_a_method_scores_with_its_own_gates(tmp_path):
+    """``{name: trimkv, gates: DIR}``: that method's forwards use DIR's gates; the others the sweep's."""
+    import torch
+
+    from eval.config import load_eval_config
+    from eval.models import load_eval_model
+    from eval.runner import prepare_model
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    model, tok = load_eval_model("tiny-llama-random")
+    own = RetentionGates(GateConfig.for_model(model, variant="trimkv", bias_init=-2.0))
+    export_gates(own, tmp_path / "own", base_model="tiny")
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\ngates: untrained\nmethods: [{{name: global_gates}}, "
+                 f"{{name: trimkv, gates: {tmp_path / 'own'}, label: mine}}]\n")
+    cfg = load_eval_config(p)
+    prepare_model(cfg, model, tok)
+    sweep_gates = model.retention.gates
+    plain, mine = cfg.method_list()
+    with plain.active(model):
+        assert model.retention.gates is sweep_gates
+    with mine.active(model):
+        loaded = model.retention.gates
+        assert loaded is not sweep_gates and loaded.config.variant == "trimkv"
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), own.state_dict().values()))
+    assert model.retention.gates is sweep_gates
+
+
+def test_the_embedded_model_defaults_to_its_shipped_gates():
+    from retention.models import CHECKPOINT_DIR, EMBEDDED_MODELS, shipped_gates
+
+    want = CHECKPOINT_DIR / "smollm2-135m-global"
+    assert (want / "gates.safetensors").is_file() and (want / "config.json").is_file() and (want / "README.md").is_file()
+    assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
+    assert shipped_gates("some/other-model") is None
+    cfg = json.loads((want / "config.json").read_text())
+    assert cfg["gate_config"]["variant"] == "global" and cfg["gate_config"]["num_layers"] == 30
+
+
+@pytest.mark.parametrize("policy", ["global_gates", "snapkv", "h2o", "pyramidkv", "cake", "streamingllm", "trimkv"])
+def test_one_shared_prefill_equals_one_prefill_per_budget(policy):
+    """Several budgets compress copies of one prefilled cache: the same rows as separate runs."""
+    from eval.budgets import parse_budget
+    from eval.methods import make_method
+    from eval.models import load_eval_model
+    from eval.protocol import run_item, run_item_budgets
+    from eval.tasks import generate
+    from retention import GateConfig, RetentionGates, attach_gates
+
+    model, tok = load_eval_model("tiny-llama-random")
+    gates = RetentionGates(GateConfig.for_model(model, bias_init=2.0))
+    torch_gen = __import__("torch").Generator().manual_seed(0)
+    for p in gates.parameters():  # random gates: scores that differ from token to token
+        p.data = __import__("torch").randn(p.shape, generator=torch_gen) * 0.5
+    attach_gates(model, gates, mode="score")
+    method = make_method({"name": policy})
+    budgets = [parse_budget(b) for b in (0.4, 0.1, {"tokens": 12}, 0.25)]
+    for item in generate("niah_single", tok, 192, 1, seed=1) + generate("fidelity", tok, 192, 1, seed=1):
+        shared = run_item_budgets(model, tok, item, method, budgets, max_new_tokens=6)
+        alone = [run_item(model, tok, item, method, b, max_new_tokens=6) for b in budgets]
+        for a, b in zip(shared, alone):
+            assert a == pytest.approx(b), (policy, item.task)
+        assert len({r["kept_entries"] for r in shared}) == len(budgets)  # the budgets really differ
+
+
+@pytest.mark.parametrize("policy", ["global_gates", "snapkv", "h2o", "tova", "pyramidkv", "adakv", "cake", "lava",
+                                    "restkv", "defensivekv", "streamingllm", "trimkv", "random"])
+def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
+    """SharedPrefill replays the recorded queries into each policy: the same rows as prefilling anew."""
+    import torch
+
+    from eval.budgets import parse_budget
+    from eval.methods import make_method
+    from eval.models import load_eval_model
+    from eval.protocol import SharedPrefill, context_and_prompt, run_item_budgets
+    from eval.tasks import generate
+    from retention import GateConfig, RetentionGates, attach_gates
+
+    model, tok = load_eval_model("tiny-llama-random")
+    gates = RetentionGates(GateConfig.for_model(model))
+    g = torch.Generator().manual_seed(0)
+    for p in gates.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    attach_gates(model, gates, mode="score")
+    method = make_method({"name": policy})
+    budgets = [parse_budget(b) for b in (0.3, 0.1)]
+    for item in generate("niah_multikey", tok, 200, 1, seed=2) + generate("fidelity", tok, 200, 1, seed=2):
+        shared = SharedPrefill(model, context_and_prompt(tok, item)[0])
+        got = run_item_budgets(model, tok, item, method, budgets, max_new_tokens=6, shared=shared)
+        want = run_item_budgets(model, tok, item, method, budgets, max_new_tokens=6)
+        for a, b in zip(got, want):
+            assert a == pytest.approx(b), (policy, item.task)

@@ -85,6 +85,24 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
         torch.testing.assert_close(gb.state_dict()[k], v)
 
 
+def test_export_an_unfinished_run(tiny_setup, tmp_path):
+    """``train.py --export``: the gates of the latest checkpoint, with a card saying how far the run got."""
+    from safetensors.torch import load_file
+
+    from train import main
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4"]))
+    assert main(["--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to", str(tmp_path / "partial")]) == 0
+    gates = load_gates(tmp_path / "partial")
+    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-4" / "gates.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in gates.state_dict().items())
+    card = (tmp_path / "partial" / "README.md").read_text()
+    assert "| steps | 4 of 8 (unfinished run) |" in card and "kl_last_10_steps" in card
+    with pytest.raises(SystemExit):
+        main(["--config", str(cfg_file), "--set", f"train.output_dir={tmp_path / 'none'}", "--export"])
+
+
 def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path):
     """Two CPU processes (DDP over gloo), launched as users launch them, vs one process with the same
     global batch of 2. On a machine without GPUs ``accelerate launch --multi_gpu`` starts the processes

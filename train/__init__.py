@@ -19,11 +19,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue a run: 'latest' (default) or a checkpoint folder")
     parser.add_argument("--push_to_hub", "--push-to-hub", dest="push_to_hub", default=None, metavar="REPO_ID",
                         help="upload the exported gates to this Hub repo")
+    parser.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                        help="no training: export the gates of a checkpoint ('latest' or a folder) of this run")
+    parser.add_argument("--to", default=None, metavar="DIR", help="with --export: the folder to write (default: export.dir)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
         parser.exit(2, f"config error: {e}\n")
+    if args.export is not None:
+        from .loop import export_checkpoint
+
+        try:
+            print(f"[retention] gates exported to {export_checkpoint(cfg, args.export, args.to)}")
+        except FileNotFoundError as e:
+            parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
+        return 0
     from .loop import train
 
     train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)

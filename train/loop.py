@@ -167,6 +167,40 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
     return ckpts[-1]
 
 
+def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path | None = None) -> Path:
+    """Export the gates of a training checkpoint (an unfinished run, e.g. one spread over sessions) as
+    a self-describing gate checkpoint, without loading the base model; the card says how far it got."""
+    from safetensors.torch import load_file
+
+    from retention.gates import GateConfig, RetentionGates
+    from retention.models import EMBEDDED_MODELS
+
+    ckpt = find_checkpoint(Path(cfg.train.output_dir), checkpoint)
+    meta = json.loads((ckpt / "state.json").read_text())
+    gates = RetentionGates(GateConfig(**meta["gate_config"]))
+    gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
+    gc, history, step = gates.config, meta["history"], meta["step"]
+    streams = gc.num_layers * gc.num_kv_heads
+    total = cfg.budget.global_entries if cfg.budget.global_entries is not None else cfg.budget.tokens_per_head * streams
+    tail = history[-10:]
+    training: dict[str, Any] = {
+        "steps": f"{step} of {cfg.train.steps}" + ("" if step >= cfg.train.steps else " (unfinished run)"),
+        "tokens_seen": step * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
+        "first_kl": round(history[0]["kl"], 5) if history else None,
+        "kl_last_10_steps": round(float(np.mean([r["kl"] for r in tail])), 5) if tail else None,
+        "capacity_last_10_steps": round(float(np.mean([r["capacity"] for r in tail])), 5) if tail else None,
+        "soft_cache_entries_last_10_steps": round(float(np.mean([r["soft_cache_entries"] for r in tail]))) if tail else None,
+    }
+    if meta.get("before"):
+        training["held_out_kl_before"] = round(meta["before"]["kl"], 5)
+    spec = EMBEDDED_MODELS.get(cfg.model.name)
+    dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
+    export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
+                 budget=f"{total} entries in all ({total / streams:g} per KV head on average), capacity {cfg.loss.capacity_form}",
+                 training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
+    return dest
+
+
 def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
     """The accelerate tracker to log to, and a note to print when ``auto`` found none."""
     choice = cfg.train.tracker

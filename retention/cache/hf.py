@@ -139,6 +139,12 @@ class RetentionCache(Cache):
         cfg = text_config_of(model)
         return int(tokens) * cfg.num_hidden_layers * cfg.num_key_value_heads
 
+    def set_budget(self, budget: int | Sequence[int] | None) -> None:
+        """Change the budget (checked as in the constructor); the next eviction or :meth:`compress`
+        enforces it. E.g. compress copies of one prefilled cache to several budgets."""
+        self._check_budget(budget)
+        self.budget = budget
+
     def _check_budget(self, budget: int | Sequence[int] | None) -> None:
         if budget is None:
             return
