@@ -85,21 +85,31 @@ def _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN):
 
 
 @triton.jit
+def _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Keys and values of the block at ``n0`` and its decayed scores in the log2 domain,
+    ``s = q k^T * scale * log2(e) + (i - j) * log2(beta_j)``; ``dist = i - j``; ``mask_n``: keys in range."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    mask_n = rn < klen
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    rn64 = rn.to(tl.int64)  # row offsets inside one head may pass 2**31 for very long segments
+    k = tl.load(K_blk + rn64[:, None] * skt + rd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V_blk + rn64[:, None] * svt + rd[None, :], mask=kv_mask, other=0.0)
+    lb = tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0).to(tl.float32) * 1.4426950408889634
+    dist = rq[:, None] - rn[None, :].to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
+    return k, v, s, dist, mask_n
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n_lo, n_hi, klen, qk_scale,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Online-softmax update over key blocks [n_lo, n_hi); ``MASK`` only for blocks on the diagonal."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rn < klen
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        rn64 = rn.to(tl.int64)  # row offsets inside one head may pass 2**31 for very long segments
-        k = tl.load(K_blk + rn64[:, None] * skt + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V_blk + rn64[:, None] * svt + rd[None, :], mask=kv_mask, other=0.0)
-        lb = tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0).to(tl.float32) * 1.4426950408889634
-        dist = rq[:, None] - rn[None, :].to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
+        k, v, s, dist, mask_n = _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
+                                           BLOCK_N, PREC)
         if MASK:
             s = tl.where((dist >= 0) & mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -243,15 +253,8 @@ def _dq_inner(
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
 ):
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rn < klen
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        rn64 = rn.to(tl.int64)  # row offsets inside one head may pass 2**31 for very long segments
-        k = tl.load(K_blk + rn64[:, None] * skt + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V_blk + rn64[:, None] * svt + rd[None, :], mask=kv_mask, other=0.0)
-        lb = tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0).to(tl.float32) * 1.4426950408889634
-        dist = rq[:, None] - rn[None, :].to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
+        k, v, s, dist, mask_n = _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
+                                           BLOCK_N, PREC)
         p = tl.exp2(s - lse[:, None])
         if MASK:
             p = tl.where((dist >= 0) & mask_n[None, :], p, 0.0)
