@@ -20,6 +20,23 @@ def _run(args: argparse.Namespace) -> int:
     results = run_sweep(cfg, progress=not args.quiet)
     print(markdown_table(read_results(results)))
     print(f"\nresults: {results}\nreport: {write_report(results)}")
+    return _publish(args, results)
+
+
+def _publish(args: argparse.Namespace, results) -> int:
+    """``--card`` / ``--readme``: the summary into a checkpoint's model card and a README."""
+    if not (args.card or args.readme):
+        return 0
+    from .report import publish, summary_table
+    from .runner import read_results
+
+    try:
+        for path in publish(results, args.card, args.readme):
+            print(f"published: {path}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary_table(read_results(results)))
     return 0
 
 
@@ -34,7 +51,14 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(args.results, args.out)
     print(markdown_table(rows))
     print(f"\nreport: {path}")
-    return 0
+    return _publish(args, args.results)
+
+
+def _publish_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--card", default=None, metavar="DIR",
+                   help="gate checkpoint folder whose model card gets the summary table and plot")
+    p.add_argument("--readme", default=None, metavar="FILE",
+                   help="README with <!-- results:start --> / <!-- results:end --> markers to fill")
 
 
 def register(subparsers) -> None:
@@ -45,10 +69,12 @@ def register(subparsers) -> None:
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    _publish_args(run)
     run.set_defaults(func=_run)
     rep = sub.add_parser("report", help="markdown table and PNG plots from a results.jsonl")
     rep.add_argument("results")
     rep.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: beside RESULTS)")
+    _publish_args(rep)
     rep.set_defaults(func=_report)
 
 

@@ -128,3 +128,124 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path
     md = out / "report.md"
     md.write_text(head + markdown_table(rows) + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
     return md
+
+
+# -- the summary published with a gate checkpoint ------------------------------------------------------
+def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """(method, budget key) -> {task: mean score over items and lengths}, plus the mean KV share kept."""
+    s = {g: v for g, v in summarise(rows).items() if v["n"]}
+    out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (task, _length, method, budget), v in s.items():
+        out[(method, budget)][task].append(v["score"])
+        out[(method, budget)]["__kv__"].append(v["kv_fraction"])
+    return {k: {t: statistics.mean(x) for t, x in d.items()} for k, d in out.items()}
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Mean score over tasks, one row per method and one column per budget (the full cache first),
+    each cell with the KV share actually kept; then the gap to the full cache and to the best
+    training-free baseline at each budget. Cells average only the tasks every method ran."""
+    means = _task_means(rows)
+    budgets = sorted({b for _, b in means if b != "full"}, key=lambda b: parse_budget(b).value)
+    methods = sorted({m for m, b in means if b != "full"})
+    tasks = sorted(set.intersection(*[set(d) - {"__kv__"} for d in means.values()])) if means else []
+    avg = {k: statistics.mean(d[t] for t in tasks) for k, d in means.items()} if tasks else {}
+    full = next((avg[k] for k in avg if k[1] == "full"), None)
+    head = "| method | " + " | ".join(budget_label(b) for b in budgets) + " |"
+    lines = [f"Mean score over {len(tasks)} tasks ({', '.join(tasks)}); in brackets the KV cache kept, % of the full cache.",
+             "", head, "|---|" + "---|" * len(budgets)]
+    if full is not None:
+        lines.append("| full cache | " + " | ".join(f"{full:.1f}" for _ in budgets) + " |")
+    for m in methods:
+        cells = [f"{avg[(m, b)]:.1f} ({means[(m, b)]['__kv__']:.0%})" if (m, b) in avg else "-" for b in budgets]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
+    baselines = [m for m in methods if m not in learned]
+    if learned and (baselines or full is not None):
+        lines += ["", "| learned | budget | score | vs full cache | vs best training-free (which) |", "|---|---|---|---|---|"]
+        for m in learned:
+            for b in budgets:
+                if (m, b) not in avg:
+                    continue
+                best = max(((avg[(x, b)], x) for x in baselines if (x, b) in avg), default=None)
+                vs_full = "" if full is None else f"{avg[(m, b)] - full:+.1f}"
+                vs_best = "" if best is None else f"{avg[(m, b)] - best[0]:+.1f} ({best[1]})"
+                lines.append(f"| {m} | {budget_label(b)} | {avg[(m, b)]:.1f} | {vs_full} | {vs_best} |")
+    return "\n".join(lines)
+
+
+def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Mean score over tasks against the KV cache kept, a line per method, the full cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = _task_means(rows)
+    tasks = sorted(set.intersection(*[set(d) - {"__kv__"} for d in means.values()]))
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    methods = sorted({m for m, b in means if b != "full"})
+    for i, m in enumerate(methods):
+        pts = sorted((means[k]["__kv__"] * 100, statistics.mean(means[k][t] for t in tasks)) for k in means if k[0] == m)
+        learned = m.startswith(("global_gates", "trimkv"))
+        ax.plot(*zip(*pts), marker="o", color=f"C{i % 10}", linewidth=2.2 if learned else 1.0,
+                linestyle="-" if learned else (0, (3, 1)), label=m)
+    for k, d in means.items():
+        if k[1] == "full":
+            ax.axhline(statistics.mean(d[t] for t in tasks), color="black", linestyle="--", linewidth=1, label="full cache")
+    ax.set_xlabel("KV cache kept (% of the full cache)")
+    ax.set_ylabel(f"mean score over {len(tasks)} tasks (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None) -> list[Path]:
+    """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
+    between the ``<!-- results:start/end -->`` markers of a README; returns the files written."""
+    import json
+    import shutil
+
+    from retention.hub import model_card
+    from retention.io import atomic_write_bytes
+
+    rows = read_results(results)
+    if not rows:
+        raise ValueError(f"{results} holds no results")
+    src = Path(results)
+    plot_path = summary_plot(rows, src.parent / "summary.png")
+    models = sorted({str(r.get("model", "?")) for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
+            f"(the context is compressed before the question arrives). Produced by `python -m eval run` "
+            f"({src}).\n\n" + summary_table(rows))
+    written = []
+    if card is not None:
+        card = Path(card)
+        cfg_file = card / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{card} is not a gate checkpoint (no config.json)")
+        config = json.loads(cfg_file.read_text())
+        config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
+        atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
+        atomic_write_bytes(card / "README.md", model_card(config).encode())
+        shutil.copyfile(plot_path, card / "results.png")
+        written += [cfg_file, card / "README.md", card / "results.png"]
+    if readme is not None:
+        readme = Path(readme)
+        body = readme.read_text()
+        if README_START not in body or README_END not in body:
+            raise ValueError(f"{readme} has no {README_START} ... {README_END} markers to put the results between")
+        rel = Path(card, "results.png").as_posix() if card is not None else plot_path.as_posix()
+        new = (body[: body.index(README_START) + len(README_START)] + "\n" + text + f"\n\n![quality vs KV budget]({rel})\n"
+               + body[body.index(README_END):])
+        atomic_write_bytes(readme, new.encode())
+        written.append(readme)
+    return written

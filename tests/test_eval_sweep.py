@@ -206,3 +206,40 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
         want = run_item_budgets(model, tok, item, method, budgets, max_new_tokens=6)
         for a, b in zip(got, want):
             assert a == pytest.approx(b), (policy, item.task)
+
+
+def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
+    from eval.report import publish, summary_table
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    def row(task, method, budget, score, item="a", kv=0.1):
+        return {"task": task, "length": 4096, "item": item, "method": method, "budget": budget, "score": score,
+                "kept_entries": 10, "kv_bytes": kv * 100, "full_cache_bytes": 100, "metric": "recall", "model": "m"}
+
+    rows = [row(t, "full", "full", 90.0, kv=1.0) for t in ("a", "b")]
+    rows += [row("a", "global_gates", "fraction=0.1", 80.0), row("b", "global_gates", "fraction=0.1", 100.0),
+             row("a", "snapkv", "fraction=0.1", 60.0), row("b", "snapkv", "fraction=0.1", 40.0),
+             row("a", "snapkv", "fraction=0.1", 80.0, item="b"),  # task a: snapkv mean 70
+             row("a", "streamingllm", "fraction=0.1", 10.0), row("b", "streamingllm", "fraction=0.1", 20.0),
+             row("a", "global_gates", "fraction=0.2", 90.0, kv=0.2), row("b", "global_gates", "fraction=0.2", 90.0, kv=0.2)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = summary_table(rows)
+    assert "| full cache | 90.0 | 90.0 |" in table
+    assert "| global_gates | 90.0 (10%) | 90.0 (20%) |" in table
+    assert "| snapkv | 55.0 (10%) | - |" in table  # (70 + 40) / 2
+    assert "| global_gates | 10% | 90.0 | +0.0 | +35.0 (snapkv) |" in table
+
+    card = tmp_path / "card"
+    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), card, base_model="m")
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\nafter\n")
+    publish(results, card, readme)
+    assert "| snapkv | 55.0 (10%) | - |" in (card / "README.md").read_text()
+    assert (card / "results.png").stat().st_size > 1000
+    body = readme.read_text()
+    assert "old" not in body and "| snapkv | 55.0 (10%) | - |" in body and body.endswith("<!-- results:end -->\nafter\n")
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        publish(results, None, readme)
