@@ -28,6 +28,10 @@ BUILTIN_CORPORA = {
 }
 
 
+# bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources)
+DATA_FORMAT = 2
+
+
 class DataError(ValueError):
     """A data source cannot be read; the message names the source and the fix."""
 
@@ -191,7 +195,7 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: i
 
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
-        [[vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
+        [DATA_FORMAT, [vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
          cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None],
         sort_keys=True,
     )
