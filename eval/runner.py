@@ -75,7 +75,6 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
     """Attach gates (score mode) when a policy method needs them; a model given already attached is kept."""
     if any(isinstance(m, PolicyCache) for m in cfg.method_list()) and getattr(model, "retention", None) is None:
         from retention import attach_gates
-
         from retention.hub import load_gates
         from retention.models import shipped_gates
 
@@ -83,6 +82,14 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
         gates = None if source is None else load_gates(source, model=model)
         attach_gates(model, gates, mode="score")
         print(f"[eval] gates: {source or 'untrained (beta ~ 1: recency only)'}")
+    for m in cfg.method_list():  # a method's own gates: fail now, not hours into the sweep
+        if getattr(m, "gates", None):
+            from retention.hub import load_gates
+
+            try:
+                load_gates(m.gates, model=model)
+            except Exception as e:
+                raise RuntimeError(f"method {m.label}: cannot load its gates {m.gates!r}: {e}") from None
     return model, tokenizer
 
 

@@ -140,6 +140,9 @@ def test_a_method_scores_with_its_own_gates(tmp_path):
         assert loaded is not sweep_gates and loaded.config.variant == "trimkv"
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), own.state_dict().values()))
     assert model.retention.gates is sweep_gates
+    p.write_text(f"model: tiny-llama-random\nmethods: [{{name: trimkv, gates: {tmp_path / 'missing'}, label: x}}]\n")
+    with pytest.raises(RuntimeError, match="method x: cannot load its gates"):
+        prepare_model(load_eval_config(p), model, tok)
 
 
 def test_the_embedded_model_defaults_to_its_shipped_gates():
