@@ -169,6 +169,8 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **common)
         processor = AutoTokenizer.from_pretrained(path, revision=revision)
+    if name_or_path in EMBEDDED_MODELS:  # name the model by its Hub id, not the cache folder (gate checkpoints record it)
+        model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id
     if device is not None:
         model.to(device)
     model.eval()
