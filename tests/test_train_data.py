@@ -138,3 +138,12 @@ def test_stream_is_deterministic_resumable_and_split_by_rank():
 def test_too_little_data_is_a_clear_error():
     with pytest.raises(ValueError, match="only 1 packed rows for a global batch of 2"):
         PackedStream(pack(docs(8), 8, 0), batch_size=2, seed=0)
+
+
+def test_held_out_rows_all_have_distilled_positions(tokenizer):
+    """Rows cut from the middle of a long user turn distil nothing: they would report a held-out KL of 0."""
+    cfg = DataConfig(sources=[SourceConfig(kind="chat", path="sharegpt", max_docs=40)], seq_len=128, eval_fraction=0.3)
+    rows, held = build_data(cfg, tokenizer)
+    assert held and all(any(r.loss_mask) for r in held)
+    n_eval = int((len(rows) + len(held)) * 0.3)
+    assert len(held) <= n_eval + 1

@@ -349,7 +349,9 @@ def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[l
     n_eval = int(len(rows) * cfg.eval_fraction)
     if cfg.eval_fraction > 0 and len(rows) > 1:
         n_eval = max(1, n_eval)
-    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval :]
+    # a held-out row without distilled positions (e.g. the middle of a long user turn) measures no KL
+    held = [r for r in rows[len(rows) - n_eval :] if any(r.loss_mask)]
+    return rows[: len(rows) - n_eval], held
 
 
 # -- multimodal conversations (Qwen3-VL) ----------------------------------------------------------
