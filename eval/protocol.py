@@ -178,21 +178,22 @@ def run_item_budgets(model, tokenizer, item: Item, method: Method, budgets: list
             prefill(model, cache, head, chunk if streaming else None)
             return cache
 
+        base = None  # a prefilled cache, budget unset, that each budget compresses a copy of
         if shared is not None:
             if not shareable(method, prefill_mode):
                 raise ValueError(f"method {method.label} cannot use a shared prefill (see eval.protocol.shareable)")
-            shared = shared.cache_for(method)
+            base = shared.cache_for(method)
         elif not streaming and len(budgets) > 1:
-            shared = prefilled(None)
+            base = prefilled(None)
         rows = []
         for budget in budgets:
             entries = entries_for(budget)
             row: dict[str, Any] = {"context_tokens": len(head), "budget_entries": entries}
             try:
-                if shared is None:
+                if base is None:
                     cache = prefilled(entries)
                 else:
-                    cache = _snapshot(shared, model)
+                    cache = _snapshot(base, model)
                     cache.set_budget(entries)
                 method.compress(cache)
             except ValueError as e:  # a budget below what the cache's options require: recorded, not fatal

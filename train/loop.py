@@ -58,12 +58,17 @@ class Distiller(nn.Module):
         return h_student, h_teacher, self.attachment.log_betas()
 
 
+def budget_total(cfg: Config, streams: int) -> int:
+    """The configured budget in KV entries for a model with ``streams`` = layers x KV heads."""
+    b = cfg.budget
+    return b.global_entries if b.global_entries is not None else b.tokens_per_head * streams
+
+
 def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
     """The capacity target M for the configured form and a readable description of it."""
     tc = text_config_of(model)
     streams = tc.num_hidden_layers * tc.num_key_value_heads
-    b = cfg.budget
-    total = b.global_entries if b.global_entries is not None else b.tokens_per_head * streams
+    total = budget_total(cfg, streams)
     if cfg.loss.capacity_form == "per_head":
         return total / streams, f"{total / streams:g} entries per KV head ({total} in all)"
     return float(total), f"{total} entries in all ({total / streams:g} per KV head on average)"
@@ -181,7 +186,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
     gc, history, step = gates.config, meta["history"], meta["step"]
     streams = gc.num_layers * gc.num_kv_heads
-    total = cfg.budget.global_entries if cfg.budget.global_entries is not None else cfg.budget.tokens_per_head * streams
+    total = budget_total(cfg, streams)
     tail = history[-10:]
     training: dict[str, Any] = {
         "steps": f"{step} of {cfg.train.steps}" + ("" if step >= cfg.train.steps else " (unfinished run)"),
