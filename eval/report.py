@@ -132,32 +132,48 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path
 
 # -- the summary published with a gate checkpoint ------------------------------------------------------
 def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
-    """(method, budget key) -> {task: mean score over items and lengths}, plus the mean KV share kept."""
+    """(method, budget key) -> {task: mean score over items and lengths}, plus the mean KV share
+    kept (``__kv__``) and the mean KV bytes kept (``__bytes__``)."""
     s = {g: v for g, v in summarise(rows).items() if v["n"]}
     out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (task, _length, method, budget), v in s.items():
         out[(method, budget)][task].append(v["score"])
         out[(method, budget)]["__kv__"].append(v["kv_fraction"])
+        out[(method, budget)]["__bytes__"].append(v["kv_bytes"])
     return {k: {t: statistics.mean(x) for t, x in d.items()} for k, d in out.items()}
+
+
+_STATS = ("__kv__", "__bytes__")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def _common_tasks(means: dict) -> list[str]:
+    return sorted(set.intersection(*[set(d) - set(_STATS) for d in means.values()])) if means else []
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Mean score over tasks, one row per method and one column per budget (the full cache first),
-    each cell with the KV share actually kept; then the gap to the full cache and to the best
+    each cell with the KV share and bytes actually kept; then the gap to the full cache and to the best
     training-free baseline at each budget. Cells average only the tasks every method ran."""
     means = _task_means(rows)
     budgets = sorted({b for _, b in means if b != "full"}, key=lambda b: parse_budget(b).value)
     methods = sorted({m for m, b in means if b != "full"})
-    tasks = sorted(set.intersection(*[set(d) - {"__kv__"} for d in means.values()])) if means else []
+    tasks = _common_tasks(means)
     avg = {k: statistics.mean(d[t] for t in tasks) for k, d in means.items()} if tasks else {}
     full = next((avg[k] for k in avg if k[1] == "full"), None)
     head = "| method | " + " | ".join(budget_label(b) for b in budgets) + " |"
-    lines = [f"Mean score over {len(tasks)} tasks ({', '.join(tasks)}); in brackets the KV cache kept, % of the full cache.",
+    lines = [f"Mean score over {len(tasks)} tasks ({', '.join(tasks)}); in brackets the KV cache kept (% of the full "
+             "cache, and its size in memory when the question arrives).",
              "", head, "|---|" + "---|" * len(budgets)]
     if full is not None:
-        lines.append("| full cache | " + " | ".join(f"{full:.1f}" for _ in budgets) + " |")
+        size = _size(next(d["__bytes__"] for k, d in means.items() if k[1] == "full"))
+        lines.append("| full cache | " + " | ".join(f"{full:.1f} (100%, {size})" for _ in budgets) + " |")
     for m in methods:
-        cells = [f"{avg[(m, b)]:.1f} ({means[(m, b)]['__kv__']:.0%})" if (m, b) in avg else "-" for b in budgets]
+        cells = [f"{avg[(m, b)]:.1f} ({means[(m, b)]['__kv__']:.0%}, {_size(means[(m, b)]['__bytes__'])})"
+                 if (m, b) in avg else "-" for b in budgets]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
     baselines = [m for m in methods if m not in learned]
@@ -174,6 +190,20 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def task_table(rows: list[dict[str, Any]], budget: str) -> str:
+    """Score per task at one budget (a budget key such as ``fraction=0.1``), one row per method,
+    the full cache first: where the mean in :func:`summary_table` comes from."""
+    means = _task_means(rows)
+    tasks = _common_tasks(means)
+    keys = [k for k in means if k[1] == "full"] + sorted(k for k in means if k[1] == budget)
+    lines = [f"Score per task at {budget_label(budget)} of the cache (%; fidelity: top-1 agreement with the full cache).",
+             "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for k in keys:
+        name = "full cache" if k[1] == "full" else k[0]
+        lines.append(f"| {name} | " + " | ".join(f"{means[k][t]:.1f}" for t in tasks) + " |")
+    return "\n".join(lines)
+
+
 def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Mean score over tasks against the KV cache kept, a line per method, the full cache dashed."""
     import matplotlib
@@ -182,7 +212,7 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     means = _task_means(rows)
-    tasks = sorted(set.intersection(*[set(d) - {"__kv__"} for d in means.values()]))
+    tasks = _common_tasks(means)
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     methods = sorted({m for m, b in means if b != "full"})
     for i, m in enumerate(methods):
@@ -226,6 +256,9 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
             f"(the context is compressed before the question arrives). Produced by `python -m eval run` "
             f"({src}).\n\n" + summary_table(rows))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
+    if budgets:  # the per-task view at the goal budget (10% where it was run, else the smallest)
+        text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])
     written = []
     if card is not None:
         card = Path(card)

@@ -2,6 +2,7 @@
 
 from .attach import RetentionAttachment, UnsupportedModelError, attach_gates, SUPPORTED_MODEL_TYPES
 from .gates import GateConfig, RetentionGates
+from .hub import export_gates, load_gates, push_to_hub
 from .models import DEFAULT_MODEL, load_model
 from .ops.retention_attention import retention_attention
 
@@ -15,6 +16,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
     "attach_gates",
+    "export_gates",
+    "load_gates",
     "load_model",
+    "push_to_hub",
     "retention_attention",
 ]

@@ -218,7 +218,7 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
 
     def row(task, method, budget, score, item="a", kv=0.1):
         return {"task": task, "length": 4096, "item": item, "method": method, "budget": budget, "score": score,
-                "kept_entries": 10, "kv_bytes": kv * 100, "full_cache_bytes": 100, "metric": "recall", "model": "m"}
+                "kept_entries": 10, "kv_bytes": kv * 2**22, "full_cache_bytes": 2**22, "metric": "recall", "model": "m"}
 
     rows = [row(t, "full", "full", 90.0, kv=1.0) for t in ("a", "b")]
     rows += [row("a", "global_gates", "fraction=0.1", 80.0), row("b", "global_gates", "fraction=0.1", 100.0),
@@ -229,9 +229,9 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = summary_table(rows)
-    assert "| full cache | 90.0 | 90.0 |" in table
-    assert "| global_gates | 90.0 (10%) | 90.0 (20%) |" in table
-    assert "| snapkv | 55.0 (10%) | - |" in table  # (70 + 40) / 2
+    assert "| full cache | 90.0 (100%, 4.0 MiB) | 90.0 (100%, 4.0 MiB) |" in table
+    assert "| global_gates | 90.0 (10%, 410 KiB) | 90.0 (20%, 819 KiB) |" in table
+    assert "| snapkv | 55.0 (10%, 410 KiB) | - |" in table  # (70 + 40) / 2
     assert "| global_gates | 10% | 90.0 | +0.0 | +35.0 (snapkv) |" in table
 
     card = tmp_path / "card"
@@ -239,10 +239,12 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\nafter\n")
     publish(results, card, readme)
-    assert "| snapkv | 55.0 (10%) | - |" in (card / "README.md").read_text()
+    card_text = (card / "README.md").read_text()
+    assert "| snapkv | 55.0 (10%, 410 KiB) | - |" in card_text
+    assert "| method | a | b |" in card_text and "| snapkv | 70.0 | 40.0 |" in card_text  # the per-task view at 10%
     assert (card / "results.png").stat().st_size > 1000
     body = readme.read_text()
-    assert "old" not in body and "| snapkv | 55.0 (10%) | - |" in body and body.endswith("<!-- results:end -->\nafter\n")
+    assert "old" not in body and "| snapkv | 55.0 (10%, 410 KiB) | - |" in body and body.endswith("<!-- results:end -->\nafter\n")
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         publish(results, None, readme)

@@ -39,6 +39,21 @@ def test_load_round_trip_and_attach(checkpoint):
     attach_gates(model, loaded)
 
 
+def test_model_card_usage_snippet_runs(checkpoint):
+    """The card's "Use" block is what people copy: its imports and calls must work as written."""
+    path, gates, model = checkpoint
+    card = (path / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace('"<this repo or folder>"', repr(str(path)))
+    model_line = next(line for line in code.splitlines() if "load_model(" in line)
+    # the base model here is a tiny random one built in the test, not a Hub download
+    code = code.replace(model_line, "")
+    scope = {"model": model}
+    exec(code, scope)
+    attached = scope["gates"]
+    assert all(torch.equal(attached.state_dict()[k], v) for k, v in gates.state_dict().items())
+
+
 def test_load_refuses_gates_of_another_model(checkpoint):
     path, _, _ = checkpoint
     other = tiny_qwen3(num_hidden_layers=2)
