@@ -215,11 +215,20 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     tasks = _common_tasks(means)
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     methods = sorted({m for m, b in means if b != "full"})
-    for i, m in enumerate(methods):
+    learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
+    baselines = [m for m in methods if m not in learned]
+    # learned methods: strong colours, solid, each its own marker; baselines: the pale half of tab20,
+    # dashed, so no two lines share a colour and style with up to 20 methods
+    strong, pale = plt.get_cmap("tab10"), plt.get_cmap("tab20")
+    for i, m in enumerate(learned + baselines):
         pts = sorted((means[k]["__kv__"] * 100, statistics.mean(means[k][t] for t in tasks)) for k in means if k[0] == m)
-        learned = m.startswith(("global_gates", "trimkv"))
-        ax.plot(*zip(*pts), marker="o", color=f"C{i % 10}", linewidth=2.2 if learned else 1.0,
-                linestyle="-" if learned else (0, (3, 1)), label=m)
+        if m in learned:
+            style = dict(color=strong(i % 10), marker="osD^v"[i % 5], linewidth=2.2, linestyle="-")
+        else:
+            j = i - len(learned)
+            style = dict(color=pale((2 * j + 1) % 20 if j < 10 else (2 * j) % 20), marker=".", linewidth=1.0,
+                         linestyle=(0, (3, 1)))
+        ax.plot(*zip(*pts), label=m, **style)
     for k, d in means.items():
         if k[1] == "full":
             ax.axhline(statistics.mean(d[t] for t in tasks), color="black", linestyle="--", linewidth=1, label="full cache")

@@ -24,6 +24,18 @@ class HubError(RuntimeError):
     """A Hub operation failed; the message says why and what to do."""
 
 
+_CARD_INTRO = {  # what the gates are, by GateConfig.variant
+    "global": ["Learned retention gates for global KV-cache eviction (one budget for all layers, heads and",
+               "modalities; the scoring projection is tied so scores share one scale), trained by teacher-student",
+               "KL distillation with a global capacity loss using the `retention` toolkit."],
+    "trimkv": ["TRIM-KV retention gates (a scoring projection per layer and KV head, nothing tied) for per-head",
+               "KV-cache eviction (every KV head keeps its own budget), trained by teacher-student KL distillation",
+               "with a per-head capacity loss using the `retention` toolkit."],
+    "seed": ["Retention gates in the seed authors' layout (an MLP per layer shared by its heads), trained by",
+             "teacher-student KL distillation with a capacity loss using the `retention` toolkit."],
+}
+
+
 def model_card(config: dict[str, Any]) -> str:
     gc = config["gate_config"]
     base = config.get("base_model") or gc.get("base_model") or "unknown"
@@ -41,9 +53,8 @@ def model_card(config: dict[str, Any]) -> str:
         "",
         f"# Retention gates for {base}",
         "",
-        "Learned retention gates for global KV-cache eviction (one budget for all layers, heads and",
-        "modalities), trained by teacher-student KL distillation with a global capacity loss using the",
-        "`retention` toolkit. Only the gates are here; the base model is loaded separately.",
+        *_CARD_INTRO.get(gc["variant"], _CARD_INTRO["global"]),
+        "Only the gates are here; the base model is loaded separately.",
         "",
         "| | |",
         "|---|---|",

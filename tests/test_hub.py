@@ -31,6 +31,16 @@ def test_export_writes_a_self_describing_checkpoint(checkpoint):
     assert "| steps | 3 |" in card
 
 
+def test_model_card_says_what_the_variant_is(tmp_path):
+    model = tiny_llama()
+    cards = {}
+    for variant in ("global", "trimkv"):
+        gates = RetentionGates(GateConfig.for_model(model, variant=variant))
+        cards[variant] = (export_gates(gates, tmp_path / variant, base_model="tiny-llama") / "README.md").read_text()
+    assert "global capacity loss" in cards["global"] and "tied" in cards["global"]
+    assert "per-head capacity loss" in cards["trimkv"] and "global capacity loss" not in cards["trimkv"]
+
+
 def test_load_round_trip_and_attach(checkpoint):
     path, gates, model = checkpoint
     loaded = load_gates(path, model=model)
