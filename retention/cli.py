@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 
 DEMO_PROMPT = (
@@ -24,6 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
     from . import attach_gates, load_model
     from .cache import RetentionCache
     from .hub import load_gates
+    from .models import shipped_gates
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
@@ -39,17 +42,24 @@ def _demo(args: argparse.Namespace) -> int:
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     n_prompt = inputs["input_ids"].shape[1]
     print(f"prompt: {n_prompt} tokens")
+    budget = RetentionCache.budget_for(model, args.budget_tokens)
+    # beside the gates asked for, the checkpoint shipped for this model (if any): what training buys
+    shipped = shipped_gates(model)
+    same = shipped is not None and args.gates and Path(args.gates).resolve() == shipped.resolve()
+    rows = [("full", None, None), (f"global top-B, B={budget}", budget, None)]
+    if shipped is not None and not same:
+        rows.append(("  with shipped gates", budget, load_gates(shipped, model=model)))
     print(f"{'cache':<22} {'KV entries kept':>16} {'KV MiB':>8}  answer")
-    for budget_tokens in (None, args.budget_tokens):
-        budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
-        cache = RetentionCache(model, budget=budget)
+    for name, b, other in rows:
+        cache = RetentionCache(model, budget=b)
         attachment.reset()
-        with torch.no_grad():
+        with attachment.use_gates(other) if other is not None else nullcontext(), torch.no_grad():
             out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
         report = cache.memory_report()
-        name = "full" if budget is None else f"global top-B, B={budget}"
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"{name:<22} {report['kept_entries']:>16,} {report['kv_bytes'] / 2**20:>8.2f}  {answer!r}")
+    if shipped is not None and not same:
+        print(f"(shipped gates: {shipped})")
     return 0
 
 

@@ -70,3 +70,18 @@ def test_untrained_gates_on_request(smollm2):
     b = chat.attachment.gates.state_dict()["b"]
     assert torch.equal(b, torch.full_like(b, GateConfig.for_model(model).bias_init))  # untrained: the initial bias
     chat.model.retention.detach()
+
+
+def test_demo_compares_with_the_shipped_gates(capsys):
+    """`retention demo` (the README's main command ends with it): full cache, the gates asked for
+    (untrained here) and the shipped checkpoint under the same budget; the shipped gates keep the code."""
+    from retention.cli import main
+
+    assert main(["demo", "--max-new-tokens", "14"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:22].strip(): line for line in out.splitlines() if line.startswith(("full ", "global", "  with"))}
+    assert set(rows) == {"full", next(k for k in rows if k.startswith("global top-B")), "with shipped gates"}
+    assert "4512" in rows["full"] and "4512" in rows["with shipped gates"]
+    kept = {k: int(v[22:39].replace(",", "")) for k, v in rows.items()}  # fixed-width columns
+    assert kept["with shipped gates"] < kept["full"] / 2
+    assert "shipped gates: " in out and "smollm2-135m-global" in out
