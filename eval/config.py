@@ -59,7 +59,13 @@ class EvalConfig:
         return [TaskSpec(t) if isinstance(t, str) else TaskSpec(t["name"], dict(t.get("params") or {})) for t in self.tasks]
 
     def method_list(self) -> list[Method]:
-        return [make_method(m if isinstance(m, dict) else {"name": m}) for m in self.methods]
+        """The methods, built once per config: a method's own gates, loaded when the sweep is prepared,
+        stay with it for the sweep (not loaded a second time)."""
+        built = self.__dict__.get("_methods")
+        if built is None or built[0] != repr(self.methods):
+            built = (repr(self.methods), [make_method(m if isinstance(m, dict) else {"name": m}) for m in self.methods])
+            self.__dict__["_methods"] = built
+        return built[1]
 
     def budget_list(self) -> list[Budget]:
         return [parse_budget(b) for b in self.budgets]

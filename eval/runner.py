@@ -87,7 +87,7 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
             from retention.hub import load_gates
 
             try:
-                load_gates(m.gates, model=model)
+                m._loaded = load_gates(m.gates, model=model).eval()  # kept by the method for the sweep
             except Exception as e:
                 raise RuntimeError(f"method {m.label}: cannot load its gates {m.gates!r}: {e}") from None
     return model, tokenizer

@@ -133,11 +133,13 @@ def test_a_method_scores_with_its_own_gates(tmp_path):
     prepare_model(cfg, model, tok)
     sweep_gates = model.retention.gates
     plain, mine = cfg.method_list()
+    preloaded = mine._loaded  # loaded once by prepare_model, then kept: not loaded again in the sweep
+    assert preloaded is not None and cfg.method_list()[1] is mine
     with plain.active(model):
         assert model.retention.gates is sweep_gates
     with mine.active(model):
         loaded = model.retention.gates
-        assert loaded is not sweep_gates and loaded.config.variant == "trimkv"
+        assert loaded is preloaded and loaded is not sweep_gates and loaded.config.variant == "trimkv"
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), own.state_dict().values()))
     assert model.retention.gates is sweep_gates
     p.write_text(f"model: tiny-llama-random\nmethods: [{{name: trimkv, gates: {tmp_path / 'missing'}, label: x}}]\n")
