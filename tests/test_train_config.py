@@ -60,3 +60,14 @@ def test_overrides_apply_and_are_validated(tmp_path):
 def test_missing_config_lists_available(tmp_path):
     with pytest.raises(ConfigError, match="available: \\[.*'smollm2.yaml'"):
         load_config("nope.yaml")
+
+
+def test_every_shipped_config_loads():
+    """The configs in configs/ are what the README and model cards point at: each must validate."""
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.train.steps > 0 and cfg.data.seq_len > 0, path
