@@ -128,11 +128,15 @@ class PolicyCache(Method):
         """Swap in this method's own gates (loaded once) for its forwards; the sweep's gates otherwise."""
         if self.gates is None:
             return contextlib.nullcontext()
+        return model.retention.use_gates(self.own_gates(model))
+
+    def own_gates(self, model):
+        """This method's own gates (``gates:`` in its config), loaded on first use and kept."""
         if getattr(self, "_loaded", None) is None:
             from retention.hub import load_gates
 
             self._loaded = load_gates(self.gates, model=model).eval()
-        return model.retention.use_gates(self._loaded)
+        return self._loaded
 
 
 def available_methods() -> list[str]:

@@ -84,10 +84,8 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
         print(f"[eval] gates: {source or 'untrained (beta ~ 1: recency only)'}")
     for m in cfg.method_list():  # a method's own gates: fail now, not hours into the sweep
         if getattr(m, "gates", None):
-            from retention.hub import load_gates
-
             try:
-                m._loaded = load_gates(m.gates, model=model).eval()  # kept by the method for the sweep
+                m.own_gates(model)  # loaded now and kept by the method for the sweep
             except Exception as e:
                 raise RuntimeError(f"method {m.label}: cannot load its gates {m.gates!r}: {e}") from None
     return model, tokenizer
