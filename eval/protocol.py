@@ -123,14 +123,8 @@ class SharedPrefill:
 
     def cache_for(self, method: Method):
         """A fresh cache of ``method`` holding the shared prefill (budget unset: see ``set_budget``)."""
-        import copy
-
         cache = method.new_cache(self.model, None, streaming=False)
-        src = self.cache
-        cache.store, cache._seen, cache._pad_entries = copy.deepcopy(src.store), list(src._seen), src._pad_entries.clone()
-        cache._last_query_len, cache.peak_entries = src._last_query_len, src.peak_entries
-        for layer in cache.layers:
-            layer.is_initialized = True
+        cache.copy_from(self.cache)
         if cache.policy.needs_queries:
             for layer, (query, qpos) in sorted(self.recorder.queries.items()):
                 cache.policy.observe(layer, query, cache.store.gather_layer(layer), qpos)

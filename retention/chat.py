@@ -263,12 +263,16 @@ class RetentionChat:
 # -- command line ----------------------------------------------------------------------------------
 def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
+    from .policies import GlobalGatesPolicy
 
+    if args.sink < 0:
+        print(f"error: --sink must be >= 0 (tokens always kept at the start), got {args.sink}", file=sys.stderr)
+        return 2
     model, processor = load_model(args.model)
     try:
         chat = RetentionChat(
             model, processor, args.gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
-            max_new_tokens=args.max_new_tokens, system=args.system,
+            max_new_tokens=args.max_new_tokens, system=args.system, policy=GlobalGatesPolicy(sink=args.sink),
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -315,6 +319,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo; default: the gates shipped "
                    "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
     p.add_argument("--budget", type=int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
+    p.add_argument("--sink", type=int, default=4, help="first tokens always kept in every head (attention sinks); "
+                   "0: the gates alone decide")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--system", default=None, help="system prompt")

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from retention.attach import attach_gates
+from retention.policies import get_policy
 from retention.cache import RetentionCache
 from tiny_models import BUILDERS, vl_inputs
 
@@ -59,22 +60,24 @@ def test_qwen3_vl_unlimited_budget_matches_dynamic_cache():
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("budget_tokens", [None, 6])
-def test_batch_of_different_lengths_equals_each_alone(budget_tokens):
+@pytest.mark.parametrize("budget_tokens,policy", [(None, "global_gates"), (6, "global_gates"), (6, "streamingllm")])
+def test_batch_of_different_lengths_equals_each_alone(budget_tokens, policy):
+    """Left padding changes nothing, attention sinks included (they are each sequence's first real tokens)."""
     model = _with_gates("qwen3")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (5, 13, 9)]
     budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
     alone = []
     for p in prompts:
-        out = _generate(model, RetentionCache(model, budget=budget, slack=0), input_ids=p[None], max_new_tokens=10, do_sample=False)
+        out = _generate(model, RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0), input_ids=p[None],
+                        max_new_tokens=10, do_sample=False)
         alone.append(out[0, len(p) :])
     T = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), T, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
         ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
-    cache = RetentionCache(model, budget=budget, slack=0)
+    cache = RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0)
     out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     for i in range(len(prompts)):
         assert torch.equal(out[i, T:], alone[i])

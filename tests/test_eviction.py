@@ -39,6 +39,7 @@ def _filled_cache(model, lb: torch.Tensor, pads: int = 0, **opts) -> RetentionCa
                            lb[:, layer].reshape(B * H, T), pos[:, None].expand(B, H, T).reshape(B * H, T))
     cache._seen = [T] * L
     cache._pad_entries = torch.zeros(B, dtype=torch.long)
+    cache._start = torch.full((B,), pads, dtype=torch.long)
     return cache
 
 
@@ -55,14 +56,16 @@ def _kept(cache: RetentionCache, b: int) -> set[tuple[int, int, int]]:
     return out
 
 
-def _brute_force(lb: torch.Tensor, budget: int, horizon: int, window: int = 0, pads: int = 0) -> set:
-    """Top-``budget`` by (score desc, pos desc, layer asc, head asc), protected window always in."""
+def _brute_force(lb: torch.Tensor, budget: int, horizon: int, window: int = 0, pads: int = 0, sink: int = 0) -> set:
+    """Top-``budget`` by (score desc, pos desc, layer asc, head asc), protected window always in,
+    then the first ``sink`` real tokens (score +inf) before every scored entry."""
     T = lb.shape[-1]
     rows = []
     for layer in range(L):
         for h in range(H):
             for i in range(pads, T):
                 s = float(lookahead_log_score(lb[layer, h, i], torch.tensor(T - i), horizon))
+                s = math.inf if i - pads < sink else s  # the first real tokens
                 forced = i >= T - window
                 rows.append((not forced, -s, -i, layer, h, (layer, h, i)))
     rows.sort(key=lambda r: r[:5])
@@ -85,7 +88,7 @@ def test_global_eviction_equals_brute_force(model, seed, T, budget, horizon, tie
     lb = -torch.rand(batch, L, H, T, generator=g) * 3
     if ties:  # few distinct values: tie-breaking decides
         lb = (lb * 2).round() / 2
-    cache = _filled_cache(model, lb, budget=budget, policy=GlobalGatesPolicy(horizon=horizon), slack=0)
+    cache = _filled_cache(model, lb, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=0), slack=0)
     cache.evict(torch.arange(batch), torch.full((batch,), budget))
     cache.store.check()
     for b in range(batch):
@@ -97,17 +100,35 @@ def test_protected_window_and_padding_tokens(model):
     g = torch.Generator().manual_seed(1)
     lb = -torch.rand(1, L, H, 10, generator=g) * 3
     lb[..., 7:] = -50.0  # the newest tokens score worst but sit in the protected window
-    cache = _filled_cache(model, lb, pads=2, budget=24, protected_window=3, slack=0)
+    cache = _filled_cache(model, lb, pads=2, budget=24, protected_window=3, slack=0, policy=GlobalGatesPolicy(sink=0))
     cache.evict(torch.tensor([0]), torch.tensor([24]))
     kept = _kept(cache, 0)
     assert kept == _brute_force(lb[0], 24, 1, window=3, pads=2)
     assert all(p >= 2 for _, _, p in kept), "padding tokens must be dropped"
 
 
+@pytest.mark.parametrize("horizon,pads", [(1, 0), (64, 0), (1, 3)])
+def test_sink_tokens_are_kept_whatever_their_gates_say(model, horizon, pads):
+    g = torch.Generator().manual_seed(2)
+    lb = -torch.rand(1, L, H, 12, generator=g)
+    lb[..., pads : pads + 2] = -50.0  # the first real tokens score worst: without sinks they go first
+    budget = 2 * L * H + 5
+    cache = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=2), slack=0)
+    cache.evict(torch.tensor([0]), torch.tensor([budget]))
+    kept = _kept(cache, 0)
+    assert kept == _brute_force(lb[0], budget, horizon, pads=pads, sink=2)
+    assert {(layer, h, p) for layer in range(L) for h in range(H) for p in (pads, pads + 1)} <= kept
+    plain = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=0), slack=0)
+    plain.evict(torch.tensor([0]), torch.tensor([budget]))
+    assert not any(p < pads + 2 for _, _, p in _kept(plain, 0))
+    with pytest.raises(ValueError, match="sink must be >= 0"):
+        GlobalGatesPolicy(sink=-1)
+
+
 def test_min_per_head_keeps_starved_heads(model):
     lb = torch.zeros(1, L, H, 8)
     lb[:, 2, 1] = -30.0  # layer 2 head 1 loses every global comparison
-    cache = _filled_cache(model, lb, budget=18, min_per_head=2, slack=0)
+    cache = _filled_cache(model, lb, budget=18, min_per_head=2, slack=0, policy=GlobalGatesPolicy(sink=0))
     cache.evict(torch.tensor([0]), torch.tensor([18]))
     per_head = cache.store.entries_per_head()[0]
     assert per_head[2, 1] == 2 and int(per_head.sum()) == 18
@@ -119,7 +140,7 @@ def test_trimkv_per_head_budgets(model):
     g = torch.Generator().manual_seed(3)
     lb = -torch.rand(1, L, H, 9, generator=g)
     hb = torch.tensor([[1, 2], [3, 4], [5, 6]])
-    cache = _filled_cache(model, lb, budget=21, policy=TrimKVPolicy(head_budgets=hb), slack=0)
+    cache = _filled_cache(model, lb, budget=21, policy=TrimKVPolicy(head_budgets=hb, sink=0), slack=0)
     cache.evict(torch.tensor([0]), torch.tensor([21]))
     assert torch.equal(cache.store.entries_per_head()[0], hb)
     for layer in range(L):  # each head keeps its own top by myopic score

@@ -129,6 +129,7 @@ class RetentionCache(Cache):
         self._views: dict[int, tuple[Any, torch.Tensor]] = {}
         self._last_query_len = 0
         self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped
+        self._start: torch.Tensor | None = None  # (B,) left-padding tokens: position of the first real one
         self.evictions = 0
         self.peak_entries = 0
 
@@ -195,6 +196,7 @@ class RetentionCache(Cache):
             for layer in self.layers:
                 layer.is_initialized = True
             self._pad_entries = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
+            self._start = torch.zeros_like(self._pad_entries)
         elif self.store.batch != B:
             raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}; use a new cache")
         if layer_idx == 0:
@@ -205,6 +207,8 @@ class RetentionCache(Cache):
         if token_valid is not None:
             pos[~token_valid.to(pos.device)] = -1
             self._pad_entries += (pos < 0).sum(1).to(self._pad_entries.device) * H
+            if layer_idx == 0:
+                self._start += (pos < 0).sum(1).to(self._start.device)
         rows = self.store.streams(layer_idx)
         self.store.append(
             rows,
@@ -272,7 +276,23 @@ class RetentionCache(Cache):
         self._last_query_len = 0
         if self._pad_entries is not None:
             self._pad_entries.zero_()
+            self._start.zero_()
         self.policy.reset()
+
+    def copy_from(self, other: "RetentionCache") -> None:
+        """Hold a deep copy of ``other``'s contents (same model), keeping this cache's policy and budget:
+        one prefill scored by several policies (the eval harness's shared prefill)."""
+        import copy
+
+        if other.num_layers != self.num_layers or other.num_kv_heads != self.num_kv_heads:
+            raise ValueError("copy_from needs a cache of the same model (layers and KV heads differ)")
+        self.store = copy.deepcopy(other.store)
+        self._seen = list(other._seen)
+        self._pad_entries = None if other._pad_entries is None else other._pad_entries.clone()
+        self._start = None if other._start is None else other._start.clone()
+        self._last_query_len, self.peak_entries = other._last_query_len, other.peak_entries
+        for layer in self.layers:
+            layer.is_initialized = other.store is not None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("RetentionCache does not support beam search (num_beams > 1); use sampling or greedy")
@@ -288,6 +308,7 @@ class RetentionCache(Cache):
         if self.store is not None:
             self.store.select_batch(indices.to(self.store.lengths.device))
             self._pad_entries = self._pad_entries[indices.to(self._pad_entries.device)]
+            self._start = self._start[indices.to(self._start.device)]
             if not isinstance(self.budget, int) and self.budget is not None:
                 self.budget = [self.budget[i] for i in indices.tolist()]
 
@@ -328,7 +349,7 @@ class RetentionCache(Cache):
         layer = torch.arange(L, device=dev).repeat_interleave(H).repeat(len(seqs))
         head = torch.arange(H, device=dev).repeat(L * len(seqs))
         step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
-        entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head)
+        entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head, self._start[seqs][local])
         self.policy.set_budget(int(budgets[0]), L, H)
         score = self.policy.score(entries)
         valid = view.valid & (view.pos >= 0)  # padding tokens are dropped at the first eviction

@@ -29,9 +29,11 @@ MODES = ("streaming", "one_shot")
 class EntryView:
     """Cache entries of the streams being scored, padded per stream.
 
-    ``log_beta`` ``(R, Lpad)`` float32, ``pos`` ``(R, Lpad)`` int64 (true position; -1 marks padding
-    tokens of left-padded batches), ``valid`` ``(R, Lpad)`` bool, ``step`` ``(R,)`` int64: position of
-    the newest token of the stream's sequence; ``seq``, ``layer``, ``head`` ``(R,)`` identify each stream.
+    ``log_beta`` ``(R, Lpad)`` float32, ``pos`` ``(R, Lpad)`` int64 (position in the batch's padded
+    rows; -1 marks padding tokens of left-padded batches), ``valid`` ``(R, Lpad)`` bool, ``step``
+    ``(R,)`` int64: position of the newest token of the stream's sequence; ``seq``, ``layer``, ``head``
+    ``(R,)`` identify each stream; ``start`` ``(R,)`` int64: position of the sequence's first real
+    token (its left padding; ``None``: no padding).
     """
 
     log_beta: torch.Tensor
@@ -41,6 +43,12 @@ class EntryView:
     seq: torch.Tensor
     layer: torch.Tensor
     head: torch.Tensor
+    start: torch.Tensor | None = None
+
+    def sinks(self, n: int) -> torch.Tensor:
+        """``(R, Lpad)`` bool: the entries among each sequence's first ``n`` real tokens (attention sinks)."""
+        rel = self.pos if self.start is None else self.pos - self.start[:, None]
+        return (self.pos >= 0) & (rel < n)
 
 
 class EvictionPolicy(ABC):

@@ -34,9 +34,18 @@ def lookahead_log_score(log_beta: torch.Tensor, age: torch.Tensor, horizon: int)
 
 @dataclass
 class GlobalGatesPolicy(EvictionPolicy):
-    """Keep the global top-B over all layers, heads and modalities by ``sum_{k=1..H} beta_i^(t-i+k)``."""
+    """Keep the global top-B over all layers, heads and modalities by ``sum_{k=1..H} beta_i^(t-i+k)``.
+
+    ``sink``: each sequence's first ``sink`` tokens are always kept in every head (attention sinks, as
+    in StreamingLLM; 4 * L * H_kv entries of the budget). Gates trained on short rows give the sink a
+    beta that is high but not high enough for contexts several times longer, and a head that loses its
+    sink loses its attention pattern: SmolLM2's gates trained on 1k-token rows keep position 0 in only
+    19 of 90 heads at 10% of a 4k context, and next-token top-1 agreement falls to 55% (95% with the
+    sinks). ``sink=0`` leaves every decision to the gates (the paper's method as written).
+    """
 
     horizon: int = 1
+    sink: int = 4
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
@@ -45,7 +54,12 @@ class GlobalGatesPolicy(EvictionPolicy):
         self.validate()
         if self.horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {self.horizon}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0 (tokens always kept at the start), got {self.sink}")
 
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
-        return lookahead_log_score(entries.log_beta, age, self.horizon)
+        score = lookahead_log_score(entries.log_beta, age, self.horizon)
+        if self.sink:
+            score = torch.where(entries.sinks(self.sink), torch.full_like(score, float("inf")), score)
+        return score

@@ -28,4 +28,4 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     def score(self, entries: EntryView) -> torch.Tensor:
         recency = entries.pos.float()
-        return torch.where(entries.pos < self.sink, torch.full_like(recency, float("inf")), recency)
+        return torch.where(entries.sinks(self.sink), torch.full_like(recency, float("inf")), recency)
