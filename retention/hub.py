@@ -36,6 +36,20 @@ _CARD_INTRO = {  # what the gates are, by GateConfig.variant
 }
 
 
+# the cache each variant is meant for; both policies keep 4 attention-sink tokens per head by default
+_CARD_CACHE = {
+    "global": [
+        "from retention.cache import RetentionCache  # global top-B over all layers and heads",
+        "cache = RetentionCache(model, budget=RetentionCache.budget_for(model, tokens=64))",
+    ],
+    "trimkv": [
+        "from retention.cache import RetentionCache  # every KV head keeps its own top-B / (L * H)",
+        "from retention.policies import TrimKVPolicy",
+        "cache = RetentionCache(model, budget=RetentionCache.budget_for(model, tokens=64), policy=TrimKVPolicy())",
+    ],
+}
+
+
 def model_card(config: dict[str, Any]) -> str:
     gc = config["gate_config"]
     base = config.get("base_model") or gc.get("base_model") or "unknown"
@@ -73,7 +87,9 @@ def model_card(config: dict[str, Any]) -> str:
         "from retention import load_model, attach_gates, load_gates",
         f'model, tok = load_model("{base}")',
         f'gates = load_gates("<this repo or folder>", model=model)',
-        "attach_gates(model, gates)",
+        'attach_gates(model, gates, mode="score")',
+        *_CARD_CACHE.get(gc["variant"], _CARD_CACHE["global"]),
+        "# model.generate(**inputs, past_key_values=cache)",
         "```",
         "",
     ]

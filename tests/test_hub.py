@@ -49,9 +49,13 @@ def test_load_round_trip_and_attach(checkpoint):
     attach_gates(model, loaded)
 
 
-def test_model_card_usage_snippet_runs(checkpoint):
-    """The card's "Use" block is what people copy: its imports and calls must work as written."""
-    path, gates, model = checkpoint
+@pytest.mark.parametrize("variant", ["global", "trimkv"])
+def test_model_card_usage_snippet_runs(tmp_path, variant):
+    """The card's "Use" block is what people copy: its imports and calls must work as written, and its
+    cache uses the policy the variant was trained for."""
+    model = tiny_llama()
+    gates = RetentionGates(GateConfig.for_model(model, variant=variant, bias_init=2.0))
+    path = export_gates(gates, tmp_path / "ckpt", base_model="tiny-llama")
     card = (path / "README.md").read_text()
     code = card.split("```python\n", 1)[1].split("```", 1)[0]
     code = code.replace('"<this repo or folder>"', repr(str(path)))
@@ -62,6 +66,8 @@ def test_model_card_usage_snippet_runs(checkpoint):
     exec(code, scope)
     attached = scope["gates"]
     assert all(torch.equal(attached.state_dict()[k], v) for k, v in gates.state_dict().items())
+    assert scope["cache"].budget == 64 * model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert scope["cache"].policy.name == {"global": "global_gates", "trimkv": "trimkv"}[variant]
 
 
 def test_load_refuses_gates_of_another_model(checkpoint):
