@@ -213,7 +213,7 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
     means = _task_means(rows)
     tasks = _common_tasks(means)
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    fig, ax = plt.subplots(figsize=(9.0, 4.6))
     methods = sorted({m for m, b in means if b != "full"})
     learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
     baselines = [m for m in methods if m not in learned]
@@ -235,7 +235,7 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     ax.set_xlabel("KV cache kept (% of the full cache)")
     ax.set_ylabel(f"mean score over {len(tasks)} tasks (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot: never over a line
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

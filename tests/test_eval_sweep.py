@@ -250,3 +250,12 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         publish(results, None, readme)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "eval" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_eval_config_loads(path):
+    """Each published command's config is valid, and every method's policy parameters are accepted
+    (checked when the config loads, before a model does)."""
+    cfg = load_eval_config(path)
+    methods = cfg.method_list()
+    assert methods and len({m.label for m in methods}) == len(methods), "labels must be unique: rows are keyed by them"
