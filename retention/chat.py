@@ -265,14 +265,16 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy
 
-    if args.sink < 0:
-        print(f"error: --sink must be >= 0 (tokens always kept at the start), got {args.sink}", file=sys.stderr)
+    try:  # the policy checks --sink before the model loads
+        policy = GlobalGatesPolicy(sink=args.sink)
+    except ValueError as e:
+        print(f"error: --sink: {e}", file=sys.stderr)
         return 2
     model, processor = load_model(args.model)
     try:
         chat = RetentionChat(
             model, processor, args.gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
-            max_new_tokens=args.max_new_tokens, system=args.system, policy=GlobalGatesPolicy(sink=args.sink),
+            max_new_tokens=args.max_new_tokens, system=args.system, policy=policy,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
