@@ -79,7 +79,8 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval", description="evaluation sweeps and reports")
+    # "eval" is prepended below, so the subcommand parser prints as "python -m eval ..."
+    parser = argparse.ArgumentParser(prog="python -m", description="evaluation sweeps and reports")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])

@@ -259,3 +259,12 @@ def test_every_shipped_eval_config_loads(path):
     cfg = load_eval_config(path)
     methods = cfg.method_list()
     assert methods and len({m.label for m in methods}) == len(methods), "labels must be unique: rows are keyed by them"
+
+
+def test_cli_usage_names_the_command_users_type(capsys):
+    from eval.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m eval run ")
