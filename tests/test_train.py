@@ -181,3 +181,15 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
     resumed = train(load_config(cfg_file, over[:-1]), resume="latest")
     assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4]
     assert (Path(resumed["export_dir"]) / "lora" / "adapter_config.json").is_file()
+
+
+def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
+    """``gates.init_from``: the run starts from those gates, and its card names them with their training."""
+    cfg_file, over = config_for(tiny_setup, tmp_path / "first")
+    first = train(load_config(cfg_file, over + ["train.steps=2"]))["export_dir"]
+    cfg_file, over = config_for(tiny_setup, tmp_path / "second")
+    second = train(load_config(cfg_file, over + ["train.steps=2", f"gates.init_from={first}", "train.lr=1e-12"]))
+    for k, v in load_gates(first).state_dict().items():  # lr ~0: still the starting gates
+        torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
+    card = (Path(second["export_dir"]) / "README.md").read_text()
+    assert f"| init_from | {first} (2 steps, 32-token rows) |" in card

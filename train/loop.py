@@ -172,6 +172,23 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
     return ckpts[-1]
 
 
+def init_from_note(cfg: Config) -> str | None:
+    """What a run continued from, for its card: ``init_from`` and, for a local checkpoint, its steps,
+    config and row length (read at export time, before anything may overwrite the folder)."""
+    src = cfg.gates.init_from
+    if not src:
+        return None
+    meta = Path(src) / "config.json"
+    if not meta.is_file():
+        return str(src)  # a Hub repo id: its own card says how it was trained
+    parent = json.loads(meta.read_text()).get("training", {})
+    said = [f"{parent['steps']} steps" if "steps" in parent else None,
+            f"{parent['tokens_per_step']}-token rows" if "tokens_per_step" in parent else None,
+            parent.get("config")]
+    said = [x for x in said if x]
+    return f"{src} ({', '.join(said)})" if said else str(src)
+
+
 def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path | None = None) -> Path:
     """Export the gates of a training checkpoint (an unfinished run, e.g. one spread over sessions) as
     a self-describing gate checkpoint, without loading the base model; the card says how far it got."""
@@ -198,6 +215,8 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     }
     if meta.get("before"):
         training["held_out_kl_before"] = round(meta["before"]["kl"], 5)
+    if init_from_note(cfg):
+        training["init_from"] = init_from_note(cfg)
     spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
@@ -462,6 +481,8 @@ def train(
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
+    if init_from_note(cfg):
+        summary["init_from"] = init_from_note(cfg)
     export_dir = Path(cfg.export.dir or out_dir / "final")
     with gathered(accelerator, attachment.gates.parameters()):
         if main:
