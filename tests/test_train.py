@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,13 +93,14 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     from train import main
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
-    train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4"]))
+    train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4", "train.eval_every=3"]))
     assert main(["--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to", str(tmp_path / "partial")]) == 0
     gates = load_gates(tmp_path / "partial")
     saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-4" / "gates.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in gates.state_dict().items())
     card = (tmp_path / "partial" / "README.md").read_text()
     assert "| steps | 4 of 8 (unfinished run) |" in card and "kl_last_10_steps" in card
+    assert re.search(r"\| held_out_kl \| \d\.\d{5} \(step 3\) \|", card), card
     with pytest.raises(SystemExit):
         main(["--config", str(cfg_file), "--set", f"train.output_dir={tmp_path / 'none'}", "--export"])
 

@@ -215,6 +215,9 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     }
     if meta.get("before"):
         training["held_out_kl_before"] = round(meta["before"]["kl"], 5)
+    evals = [r for r in history if "eval_kl" in r]
+    if evals:  # the latest held-out evaluation (every train.eval_every steps)
+        training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
     if init_from_note(cfg):
         training["init_from"] = init_from_note(cfg)
     spec = EMBEDDED_MODELS.get(cfg.model.name)
