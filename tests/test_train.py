@@ -195,3 +195,10 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
     assert f"| init_from | {first} (2 steps, 32-token rows) |" in card
+
+
+def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    missing = tmp_path / "stage1" / "final"
+    with pytest.raises(SystemExit, match="not a folder here: train the run that writes it first"):
+        train(load_config(cfg_file, over + [f"gates.init_from={missing}", "model.name=/nonexistent/model"]))

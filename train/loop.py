@@ -254,6 +254,11 @@ def train(
     from accelerate.utils import set_seed
 
     out_dir = Path(cfg.train.output_dir)
+    src = cfg.gates.init_from
+    # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
+    if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
+        raise SystemExit(f"gates.init_from = {src!r} is not a folder here: train the run that writes it first "
+                         f"(a stage-1 config's export.dir), or point init_from at a gate checkpoint folder or Hub repo")
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
