@@ -218,8 +218,8 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     evals = [r for r in history if "eval_kl" in r]
     if evals:  # the latest held-out evaluation (every train.eval_every steps)
         training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
-    if init_from_note(cfg):
-        training["init_from"] = init_from_note(cfg)
+    if note := init_from_note(cfg):
+        training["init_from"] = note
     spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
@@ -489,8 +489,8 @@ def train(
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
-    if init_from_note(cfg):
-        summary["init_from"] = init_from_note(cfg)
+    if note := init_from_note(cfg):
+        summary["init_from"] = note
     export_dir = Path(cfg.export.dir or out_dir / "final")
     with gathered(accelerator, attachment.gates.parameters()):
         if main:
