@@ -17,21 +17,48 @@ def _run(args: argparse.Namespace) -> int:
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    problem = _publish_problem(args)
+    if problem:  # before the sweep: a typo here should not cost an hour of evaluation
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     results = run_sweep(cfg, progress=not args.quiet)
     print(markdown_table(read_results(results)))
     print(f"\nresults: {results}\nreport: {write_report(results)}")
     return _publish(args, results)
 
 
+def _publish_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--card`` / ``--readme`` / ``--summary`` cannot be written to, or None."""
+    from pathlib import Path
+
+    from .report import README_END, README_START
+
+    if args.card and not (Path(args.card) / "config.json").is_file():
+        return f"--card {args.card} is not a gate checkpoint (no config.json); export one with train.py --export"
+    if args.readme:
+        if not Path(args.readme).is_file():
+            return f"--readme {args.readme} does not exist"
+        body = Path(args.readme).read_text()
+        if README_START not in body or README_END not in body:
+            return f"--readme {args.readme} has no {README_START} ... {README_END} markers to put the results between"
+    if args.summary and Path(args.summary).suffix != ".md":
+        return f"--summary {args.summary}: give a .md file (the rows are copied beside it as .jsonl)"
+    return None
+
+
 def _publish(args: argparse.Namespace, results) -> int:
-    """``--card`` / ``--readme``: the summary into a checkpoint's model card and a README."""
-    if not (args.card or args.readme):
+    """``--card`` / ``--readme`` / ``--summary``: the summary into a checkpoint's model card, a README
+    and a stand-alone results page."""
+    if not (args.card or args.readme or args.summary):
         return 0
-    from .report import publish, summary_table
+    from .report import publish, summary_table, write_summary
     from .runner import read_results
 
     try:
-        for path in publish(results, args.card, args.readme):
+        written = publish(results, args.card, args.readme) if (args.card or args.readme) else []
+        if args.summary:
+            written += write_summary(results, args.summary, args.title)
+        for path in written:
             print(f"published: {path}")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -59,6 +86,10 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                    help="gate checkpoint folder whose model card gets the summary table and plot")
     p.add_argument("--readme", default=None, metavar="FILE",
                    help="README with <!-- results:start --> / <!-- results:end --> markers to fill")
+    p.add_argument("--summary", default=None, metavar="FILE.md",
+                   help="write a results page (summary, per-task table, full table) and copy the rows beside it "
+                        "as FILE.jsonl")
+    p.add_argument("--title", default=None, help="heading of the --summary page")
 
 
 def register(subparsers) -> None:

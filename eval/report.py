@@ -243,6 +243,48 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
+    """What a card, a README and a summary file say: the setting, :func:`summary_table` and the per-task
+    view at the goal budget (10% where it was run, else the smallest budget)."""
+    models = sorted({str(r.get("model", "?")) for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
+            f"(the context is compressed before the question arrives). Produced by `python -m eval run` "
+            f"({src}).\n\n" + summary_table(rows))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
+    if budgets:
+        text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])
+    return text
+
+
+def write_summary(results: str | Path, path: str | Path, title: str | None = None) -> list[Path]:
+    """A stand-alone results page at ``path`` (markdown: the summary of :func:`publish`, then the table
+    per task, length, method and budget) and a copy of the rows beside it (``path`` with ``.jsonl``),
+    so the page names the rows it came from; returns both paths."""
+    import shutil
+
+    from retention.io import atomic_write_bytes
+
+    rows = read_results(results)
+    if not rows:
+        raise ValueError(f"{results} holds no results")
+    path = Path(path)
+    if path.suffix != ".md":
+        raise ValueError(f"--summary {path}: give a .md file (the rows are copied beside it as .jsonl)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows_copy = path.with_suffix(".jsonl")
+    if Path(results).resolve() != rows_copy.resolve():
+        shutil.copyfile(results, rows_copy)
+    title = title or f"Results: {Path(results).parent.name}"
+    body = (f"# {title}\n\nRows: `{rows_copy.name}` ({len(rows)} rows, copied from {results}).\n\n"
+            + _summary_text(rows, Path(results))
+            + "\n\n## Per task, length, method and budget\n\nscore: the task's metric in % (fidelity: top-1 "
+            "agreement with the full cache); KL: the answer's KL to the full cache in nats; KV kept: entries "
+            "(token x KV head x layer) when the question arrives.\n\n" + markdown_table(rows) + "\n")
+    atomic_write_bytes(path, body.encode())
+    return [path, rows_copy]
+
+
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
@@ -260,14 +302,7 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         raise ValueError(f"{results} holds no results")
     src = Path(results)
     plot_path = summary_plot(rows, src.parent / "summary.png")
-    models = sorted({str(r.get("model", "?")) for r in rows})
-    lengths = sorted({r["length"] for r in rows})
-    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
-            f"(the context is compressed before the question arrives). Produced by `python -m eval run` "
-            f"({src}).\n\n" + summary_table(rows))
-    budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
-    if budgets:  # the per-task view at the goal budget (10% where it was run, else the smallest)
-        text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])
+    text = _summary_text(rows, src)
     written = []
     if card is not None:
         card = Path(card)

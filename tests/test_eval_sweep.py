@@ -268,3 +268,40 @@ def test_cli_usage_names_the_command_users_type(capsys):
         main(["run", "--help"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m eval run ")
+
+
+def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
+    from eval.cli import main
+
+    def row(task, method, budget, score, kv=0.1):
+        return {"task": task, "length": 4096, "item": "a", "method": method, "budget": budget, "score": score,
+                "kept_entries": 10, "kv_bytes": kv * 2**22, "full_cache_bytes": 2**22, "metric": "recall", "model": "m"}
+
+    rows = [row("a", "full", "full", 90.0, kv=1.0), row("a", "global_gates", "fraction=0.1", 80.0),
+            row("a", "snapkv", "fraction=0.1", 30.0)]
+    results = tmp_path / "run" / "results.jsonl"
+    results.parent.mkdir()
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = tmp_path / "published" / "goal.md"
+    assert main(["report", str(results), "--summary", str(page), "--title", "Goal check"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Goal check\n") and "`goal.jsonl` (3 rows" in text
+    assert "| global_gates | 10% | 80.0 | -10.0 | +50.0 (snapkv) |" in text  # the summary
+    assert "| method | a |" in text and "| snapkv | 30.0 |" in text  # the per-task view
+    assert "| a | 4096 | snapkv | 10% | 30.0 |" in text  # the full table
+    assert page.with_suffix(".jsonl").read_text() == results.read_text()
+
+
+def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, monkeypatch):
+    import eval.cli as cli
+    import eval.runner
+
+    monkeypatch.setattr(eval.runner, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    cfg = sorted((Path(__file__).parents[1] / "eval" / "configs").glob("tiny*.yaml"))[0]
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers")
+    for flags, words in ((["--summary", str(tmp_path / "x.txt")], "give a .md file"),
+                         (["--card", str(tmp_path)], "not a gate checkpoint"),
+                         (["--readme", str(readme)], "markers")):
+        assert cli.main(["run", "--config", str(cfg), *flags]) == 2
+        assert words in capsys.readouterr().err
