@@ -101,7 +101,10 @@ def model_card(config: dict[str, Any]) -> str:
 def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     """Write a self-describing checkpoint atomically. ``info``: base_model, base_revision, budget, training..."""
     path = Path(path)
-    config = {"gate_config": gates.config.to_dict(), "format": "retention-gates/1", **info}
+    gate_config = gates.config.to_dict()
+    if info.get("base_model"):  # one name for the base: the gates' own may be a local folder they were trained from
+        gate_config["base_model"] = info["base_model"]
+    config = {"gate_config": gate_config, "format": "retention-gates/1", **info}
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))

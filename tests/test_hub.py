@@ -16,7 +16,8 @@ from tiny_models import tiny_llama, tiny_qwen3
 @pytest.fixture
 def checkpoint(tmp_path):
     model = tiny_llama()
-    gates = RetentionGates(GateConfig.for_model(model, bias_init=2.0))
+    # gates trained from a local copy of the base name that folder; the checkpoint must name the base
+    gates = RetentionGates(GateConfig.for_model(model, bias_init=2.0, base_model="/home/me/.cache/tiny-llama-0f3a"))
     path = export_gates(gates, tmp_path / "ckpt", base_model="tiny-llama", budget="64 entries", training={"steps": 3})
     return path, gates, model
 
@@ -25,7 +26,8 @@ def test_export_writes_a_self_describing_checkpoint(checkpoint):
     path, gates, _ = checkpoint
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["gate_config"] == gates.config.to_dict() and cfg["budget"] == "64 entries"
+    assert cfg["gate_config"] == {**gates.config.to_dict(), "base_model": "tiny-llama"} and cfg["budget"] == "64 entries"
+    assert RetentionGates.from_pretrained(path).config.base_model == "tiny-llama"
     card = (path / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: retention\nbase_model: tiny-llama\n")
     assert "| steps | 3 |" in card

@@ -194,7 +194,9 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
     for k, v in load_gates(first).state_dict().items():  # lr ~0: still the starting gates
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
-    assert f"| init_from | {first} (2 steps, 32-token rows) |" in card
+    kl = json.loads((Path(first) / "config.json").read_text())["training"]
+    assert f"| init_from | {first} (2 steps, 32-token rows, held-out KL {kl['held_out_kl_before']:.4g} -> " \
+           f"{kl['held_out_kl']:.4g}) |" in card
 
 
 def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):

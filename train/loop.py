@@ -185,6 +185,11 @@ def init_from_note(cfg: Config) -> str | None:
     said = [f"{parent['steps']} steps" if "steps" in parent else None,
             f"{parent['tokens_per_step']}-token rows" if "tokens_per_step" in parent else None,
             parent.get("config")]
+    if "held_out_kl" in parent:  # a float (finished run) or "0.0125 (step 50)" (an exported unfinished one)
+        kl = parent["held_out_kl"]
+        kl = f"{kl:.4g}" if isinstance(kl, float) else str(kl)
+        before = parent.get("held_out_kl_before")
+        said.append(f"held-out KL {before:.4g} -> {kl}" if isinstance(before, float) else f"held-out KL {kl}")
     said = [x for x in said if x]
     return f"{src} ({', '.join(said)})" if said else str(src)
 
