@@ -101,6 +101,9 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     card = (tmp_path / "partial" / "README.md").read_text()
     assert "| steps | 4 of 8 (unfinished run) |" in card and "kl_last_10_steps" in card
     assert re.search(r"\| held_out_kl \| \d\.\d{5} \(step 3\) \|", card), card
+    # the card names the config it came from (with overrides) and the data mix
+    assert f"| config | {cfg_file.as_posix()} with --set train.steps=8 |" in card, card
+    assert f"| data | 32-token rows: text {tiny_setup / 'text'} (train) |" in card, card
     with pytest.raises(SystemExit):
         main(["--config", str(cfg_file), "--set", f"train.output_dir={tmp_path / 'none'}", "--export"])
 
@@ -195,7 +198,7 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
     kl = json.loads((Path(first) / "config.json").read_text())["training"]
-    assert f"| init_from | {first} (2 steps, 32-token rows, held-out KL {kl['held_out_kl_before']:.4g} -> " \
+    assert f"| init_from | {first} (2 steps, 32-token rows, {kl['config']}, held-out KL {kl['held_out_kl_before']:.4g} -> " \
            f"{kl['held_out_kl']:.4g}) |" in card
 
 

@@ -127,6 +127,33 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # where load_config read it from, and its --set overrides (not config keys: no annotation)
+    source = None
+    overrides = ()
+
+    def describe_source(self) -> str | None:
+        """``configs/x.yaml`` (relative to the working directory where it can be) plus its overrides,
+        for checkpoint cards; None for a config built in code."""
+        if self.source is None:
+            return None
+        p = Path(self.source)
+        try:
+            p = p.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            pass
+        return p.as_posix() + (f" with --set {' '.join(self.overrides)}" if self.overrides else "")
+
+    def describe_data(self) -> str:
+        """The data mix in a line, for checkpoint cards."""
+        parts = []
+        for s in self.data.sources:
+            n = "" if s.max_docs is None else f"{s.max_docs} {'items' if s.kind == 'synthetic' else 'docs'}"
+            if s.kind == "synthetic":
+                n += f" of {s.length or self.data.seq_len - 128} tokens"
+            else:
+                n = f"{s.split}" + (f", {n}" if n else "")
+            parts.append(f"{s.kind} {s.path} ({n.strip()})")
+        return f"{self.data.seq_len}-token rows: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -355,4 +382,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         lines[key] = f"--set {assignment}"  # type: ignore[assignment]
     cfg = _build(Config, data, "", lines, source)
     _validate(cfg, lines, source)
+    if path is not None:
+        cfg.source, cfg.overrides = source, tuple(overrides)
     return cfg

@@ -194,6 +194,14 @@ def init_from_note(cfg: Config) -> str | None:
     return f"{src} ({', '.join(said)})" if said else str(src)
 
 
+def run_facts(cfg: Config) -> dict[str, str]:
+    """The config file and data mix a run used, for its checkpoint card."""
+    facts = {"data": cfg.describe_data()}
+    if src := cfg.describe_source():
+        facts["config"] = src
+    return facts
+
+
 def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path | None = None) -> Path:
     """Export the gates of a training checkpoint (an unfinished run, e.g. one spread over sessions) as
     a self-describing gate checkpoint, without loading the base model; the card says how far it got."""
@@ -225,6 +233,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
         training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
     if note := init_from_note(cfg):
         training["init_from"] = note
+    training.update(run_facts(cfg))
     spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
@@ -502,7 +511,7 @@ def train(
             base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
             export_gates(
                 attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
-                training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
+                training={**{k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()}, **run_facts(cfg)},
             )
             (out_dir / "history.json").write_text(json.dumps(history, indent=1))
             if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
