@@ -195,10 +195,12 @@ def init_from_note(cfg: Config) -> str | None:
 
 
 def run_facts(cfg: Config) -> dict[str, str]:
-    """The config file and data mix a run used, for its checkpoint card."""
+    """The config file, data mix and starting gates a run used, for its checkpoint card."""
     facts = {"data": cfg.describe_data()}
     if src := cfg.describe_source():
         facts["config"] = src
+    if note := init_from_note(cfg):
+        facts["init_from"] = note
     return facts
 
 
@@ -231,8 +233,6 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     evals = [r for r in history if "eval_kl" in r]
     if evals:  # the latest held-out evaluation (every train.eval_every steps)
         training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
-    if note := init_from_note(cfg):
-        training["init_from"] = note
     training.update(run_facts(cfg))
     spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
@@ -503,15 +503,14 @@ def train(
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
-    if note := init_from_note(cfg):
-        summary["init_from"] = note
+    summary.update(run_facts(cfg))
     export_dir = Path(cfg.export.dir or out_dir / "final")
     with gathered(accelerator, attachment.gates.parameters()):
         if main:
             base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
             export_gates(
                 attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
-                training={**{k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()}, **run_facts(cfg)},
+                training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
             )
             (out_dir / "history.json").write_text(json.dumps(history, indent=1))
             if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
