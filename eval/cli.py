@@ -17,33 +17,17 @@ def _run(args: argparse.Namespace) -> int:
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    problem = _publish_problem(args)
-    if problem:  # before the sweep: a typo here should not cost an hour of evaluation
-        print(f"error: {problem}", file=sys.stderr)
+    from .report import check_publish_targets
+
+    try:  # before the sweep: a typo here should not cost an hour of evaluation
+        check_publish_targets(args.card, args.readme, args.summary)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     results = run_sweep(cfg, progress=not args.quiet)
     print(markdown_table(read_results(results)))
     print(f"\nresults: {results}\nreport: {write_report(results)}")
     return _publish(args, results)
-
-
-def _publish_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--card`` / ``--readme`` / ``--summary`` cannot be written to, or None."""
-    from pathlib import Path
-
-    from .report import README_END, README_START
-
-    if args.card and not (Path(args.card) / "config.json").is_file():
-        return f"--card {args.card} is not a gate checkpoint (no config.json); export one with train.py --export"
-    if args.readme:
-        if not Path(args.readme).is_file():
-            return f"--readme {args.readme} does not exist"
-        body = Path(args.readme).read_text()
-        if README_START not in body or README_END not in body:
-            return f"--readme {args.readme} has no {README_START} ... {README_END} markers to put the results between"
-    if args.summary and Path(args.summary).suffix != ".md":
-        return f"--summary {args.summary}: give a .md file (the rows are copied beside it as .jsonl)"
-    return None
 
 
 def _publish(args: argparse.Namespace, results) -> int:

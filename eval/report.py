@@ -257,6 +257,22 @@ def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
     return text
 
 
+def check_publish_targets(card: str | Path | None = None, readme: str | Path | None = None,
+                          summary: str | Path | None = None) -> None:
+    """Raise (FileNotFoundError / ValueError, naming the fix) if a model card folder, README or summary
+    page cannot take the results; cheap, so callers run it before an evaluation."""
+    if card is not None and not (Path(card) / "config.json").is_file():
+        raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no config.json); export one with train.py --export")
+    if readme is not None:
+        if not Path(readme).is_file():
+            raise FileNotFoundError(f"--readme {readme} does not exist")
+        body = Path(readme).read_text()
+        if README_START not in body or README_END not in body:
+            raise ValueError(f"{readme} has no {README_START} ... {README_END} markers to put the results between")
+    if summary is not None and Path(summary).suffix != ".md":
+        raise ValueError(f"--summary {summary}: give a .md file (the rows are copied beside it as .jsonl)")
+
+
 def write_summary(results: str | Path, path: str | Path, title: str | None = None) -> list[Path]:
     """A stand-alone results page at ``path`` (markdown: the summary of :func:`publish`, then the table
     per task, length, method and budget) and a copy of the rows beside it (``path`` with ``.jsonl``),
@@ -265,12 +281,11 @@ def write_summary(results: str | Path, path: str | Path, title: str | None = Non
 
     from retention.io import atomic_write_bytes
 
+    check_publish_targets(summary=path)
     rows = read_results(results)
     if not rows:
         raise ValueError(f"{results} holds no results")
     path = Path(path)
-    if path.suffix != ".md":
-        raise ValueError(f"--summary {path}: give a .md file (the rows are copied beside it as .jsonl)")
     path.parent.mkdir(parents=True, exist_ok=True)
     rows_copy = path.with_suffix(".jsonl")
     if Path(results).resolve() != rows_copy.resolve():
@@ -297,6 +312,7 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     from retention.hub import model_card
     from retention.io import atomic_write_bytes
 
+    check_publish_targets(card, readme)
     rows = read_results(results)
     if not rows:
         raise ValueError(f"{results} holds no results")
@@ -307,8 +323,6 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     if card is not None:
         card = Path(card)
         cfg_file = card / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{card} is not a gate checkpoint (no config.json)")
         config = json.loads(cfg_file.read_text())
         config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
         atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
@@ -318,8 +332,6 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     if readme is not None:
         readme = Path(readme)
         body = readme.read_text()
-        if README_START not in body or README_END not in body:
-            raise ValueError(f"{readme} has no {README_START} ... {README_END} markers to put the results between")
         rel = Path(card, "results.png").as_posix() if card is not None else plot_path.as_posix()
         new = (body[: body.index(README_START) + len(README_START)] + "\n" + text + f"\n\n![quality vs KV budget]({rel})\n"
                + body[body.index(README_END):])
