@@ -110,6 +110,16 @@ def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor
     return torch.cat([starts, end]).to(torch.int32)
 
 
+def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: int, device: torch.device) -> torch.Tensor:
+    """``(batch, seqlen)`` bool: the first ``sink`` tokens of every sequence (each packed document)."""
+    if cu_seqlens is None:
+        return (torch.arange(seqlen, device=device) < sink).expand(batch, seqlen)
+    flat = torch.arange(batch * seqlen, device=device)
+    starts = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.searchsorted(starts, flat, right=True) - 1
+    return ((flat - starts[doc]) < sink).view(batch, seqlen)
+
+
 def retention_attention_function(
     module: nn.Module,
     query: torch.Tensor,
@@ -149,6 +159,11 @@ def retention_attention_function(
                 "start generation from an empty cache after switching to student mode"
             )
     cu = _cu_seqlens(kwargs, query.shape[0], Tq) if Tq == Tk else None
+    sink = state.attachment.sink
+    if sink and Tq == Tk:
+        # the inference policy always keeps each sequence's first tokens: never decay them here either,
+        # so the gates learn the rest with the sink in place (the losses read the masked scores)
+        state.log_beta = state.history = log_beta.masked_fill(sink_mask(query.shape[0], Tq, cu, sink, log_beta.device)[:, None], 0.0)
     out = retention_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -190,6 +205,9 @@ class RetentionAttachment:
     modules: list[nn.Module]
     base_impl: str
     mode: str = "student"
+    # student mode: each sequence's first ``sink`` tokens keep log_beta = 0 (train as the inference
+    # policy's attention sinks are kept); 0 leaves every token to the gates
+    sink: int = 0
     _hooks: list[Any] = field(default_factory=list)
 
     def set_mode(self, mode: str) -> None:

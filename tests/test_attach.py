@@ -85,6 +85,60 @@ def test_packed_documents_equal_each_document_alone(arch, mode):
             start += d.shape[1]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sink_tokens_never_decay_in_each_packed_document(arch, monkeypatch):
+    """With ``sink=2`` the first 2 tokens of every packed document get log_beta 0 (what the losses read)
+    and the attention equals the oracle run on those masked scores; without it they decay."""
+    model = BUILDERS[arch]()
+    att = attach_gates(model, bias_init=0.0)  # beta ~ 0.5 everywhere
+    g = torch.Generator().manual_seed(2)
+    lens = (7, 12, 5)
+    ids = torch.randint(0, 100, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    starts = [0, 7, 19]
+    sinks = torch.zeros(sum(lens), dtype=torch.bool)
+    for s0 in starts:
+        sinks[s0 : s0 + 2] = True
+    with torch.no_grad():
+        plain = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        assert all((lb[..., sinks] < 0).all() for lb in att.log_betas())
+        att.sink = 2
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        for lb in att.log_betas():
+            assert (lb[..., sinks] == 0).all() and (lb[..., ~sinks] < 0).all()
+        seen = []
+
+        def naive(q, k, v, lb, scale=None, cu_seqlens=None):
+            seen.append(lb.clone())
+            return retention_attention_naive(q, k, v, lb, scale, cu_seqlens)[0]
+
+        monkeypatch.setattr(attach_mod, "retention_attention", naive)
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert all((lb[..., sinks] == 0).all() for lb in seen)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-4)  # keeping the sinks changed the output
+
+
+def test_a_sink_as_long_as_the_row_makes_the_student_the_teacher():
+    model = tiny_llama()
+    att = attach_gates(model, bias_init=0.0)
+    x = inputs_for("llama")
+    with torch.no_grad():
+        with att.teacher():
+            want = model(**x).logits
+        att.sink = x["input_ids"].shape[1]
+        got = model(**x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sink_mask_marks_the_start_of_each_document():
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    m = attach_mod.sink_mask(2, 5, cu, 2, torch.device("cpu"))
+    want = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(m, want)
+    assert torch.equal(attach_mod.sink_mask(2, 4, None, 3, torch.device("cpu")), torch.tensor([[1, 1, 1, 0]] * 2, dtype=torch.bool))
+
+
 def test_explicit_cu_seqlens_match_position_restarts():
     model = tiny_llama()
     attach_gates(model, bias_init=0.0)

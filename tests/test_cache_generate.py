@@ -102,3 +102,67 @@ def test_smollm2_unlimited_budget_matches_dynamic_cache():
     _generate(model, cache, **kw)
     report = cache.memory_report()
     assert report["kv_bytes"] < report["full_cache_bytes"]
+
+
+def test_beam_search_with_unlimited_budget_matches_dynamic_cache():
+    model = _with_gates("llama")
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(3))
+    kw = dict(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, num_beams=3, num_return_sequences=2)
+    ref = _generate(model, DynamicCache(config=model.config), **kw)
+    got = _generate(model, RetentionCache(model), **kw)
+    assert torch.equal(got, ref)
+
+
+def _replay_logprob(model, cache, prompt: torch.Tensor, new: torch.Tensor) -> float:
+    """Sum of log p(new tokens) decoding ``prompt`` then ``new`` one token at a time in a one-row cache."""
+    total = 0.0
+    with torch.no_grad():
+        logits = model(input_ids=prompt[None], past_key_values=cache, use_cache=True).logits[0, -1]
+        for tok in new.tolist():
+            total += float(torch.log_softmax(logits.float(), -1)[tok])
+            logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    return total
+
+
+@pytest.mark.parametrize("policy", ["global_gates", "h2o"])
+def test_beam_search_under_eviction_equals_replaying_each_beam_alone(policy):
+    """With a budget, every beam's score is the log-probability of its tokens decoded alone with the same
+    budget: reordering copies pages, padding state and the policy's statistics to the right rows."""
+    model = _with_gates("qwen3")
+    prompt = torch.randint(1, 100, (17,), generator=torch.Generator().manual_seed(4))
+    budget = RetentionCache.budget_for(model, 8)
+    cache = RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt[None], past_key_values=cache, pad_token_id=0, max_new_tokens=10,
+                             min_new_tokens=10, do_sample=False, num_beams=3, num_return_sequences=3,
+                             length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
+    assert cache.evictions > 0 and cache.store.batch == 3
+    cache.store.check()
+    assert len({tuple(s.tolist()) for s in out.sequences}) == 3  # three different beams
+    for seq, score in zip(out.sequences, out.sequences_scores):
+        alone = RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0)
+        assert _replay_logprob(model, alone, prompt, seq[len(prompt):]) == pytest.approx(float(score), abs=1e-4)
+
+
+def test_several_continuations_of_a_filled_cache():
+    """One prefill, several continuations: batch_repeat_interleave copies the filled cache, and each copy
+    continues exactly as the single cache would (transformers does not repeat a cache it was handed)."""
+    model = _with_gates("llama")
+    prompt = torch.randint(1, 100, (1, 15), generator=torch.Generator().manual_seed(6))
+    budget = RetentionCache.budget_for(model, 6)
+    cache = RetentionCache(model, budget=budget, policy=get_policy("h2o"), slack=0)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    cache.compress()
+    twin = RetentionCache(model, budget=budget, policy=get_policy("h2o"), slack=0)
+    twin.copy_from(cache)
+    twin.policy.stats.tables = {k: v.clone() for k, v in cache.policy.stats.tables.items()}
+    ids = torch.cat([prompt, torch.randint(1, 100, (1, 3), generator=torch.Generator().manual_seed(7))], 1)
+    with pytest.raises(RuntimeError, match=r"call cache.batch_repeat_interleave\(2\) first"):
+        _generate(model, cache, input_ids=ids.repeat(2, 1), max_new_tokens=2, do_sample=False)
+    cache.batch_repeat_interleave(2)
+    cache.store.check()
+    assert cache.store.batch == 2 and all(t.shape[0] == 2 for t in cache.policy.stats.tables.values())
+    got = _generate(model, cache, input_ids=ids.repeat(2, 1), max_new_tokens=8, do_sample=False)
+    one = _generate(model, twin, input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert cache.evictions > 1 and torch.equal(got[0], one[0]) and torch.equal(got[1], one[0])

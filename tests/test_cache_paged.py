@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,3 +134,26 @@ def test_random_append_evict_never_leaks_or_mixes(ops, page_size, batch):
     store.clear()
     store.check()
     assert store.pool.num_used == 0
+
+
+def test_select_batch_copies_a_sequence_named_twice():
+    """Beam search / repeated samples: duplicates get their own pages with the same entries."""
+    store = PagedKVStore(batch=3, num_layers=2, num_kv_heads=2, head_dim=4, page_size=2)
+    for layer in range(2):
+        _fill(store, store.streams(layer), 5, 0)
+    before = [store.gather(store.sequence_streams(b)) for b in range(3)]
+    order = torch.tensor([2, 0, 2, 2])
+    store.select_batch(order)
+    store.check()  # no page in two tables, owners renumbered, nothing leaked
+    assert store.batch == 4 and store.pool.num_used == 4 * 4 * 3  # 4 sequences x 4 streams x ceil(5 / 2)
+    for new, old in enumerate(order.tolist()):
+        got, want = store.gather(store.sequence_streams(new)), before[old]
+        for name in ("keys", "values", "log_beta", "pos", "valid"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (new, name)
+    # the copies are independent: growing one leaves its twin as it was
+    _fill(store, store.sequence_streams(2), 3, 5)
+    store.check()
+    assert store.lengths.view(4, -1)[2].tolist() == [8] * 4 and store.lengths.view(4, -1)[0].tolist() == [5] * 4
+    assert torch.equal(store.gather(store.sequence_streams(3)).keys, before[2].keys)
+    with pytest.raises(IndexError, match=r"must lie in \[0, 4\)"):
+        store.select_batch(torch.tensor([4]))

@@ -202,6 +202,22 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
            f"{kl['held_out_kl']:.4g}) |" in card
 
 
+def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
+    """``gates.sink``: a sink as long as the row leaves nothing to gate (KL 0, every entry counted); a
+    short one is named on the card."""
+    cfg_file, over = config_for(tiny_setup, tmp_path / "all")
+    whole = train(load_config(cfg_file, over + ["train.steps=2", "gates.sink=32"]))
+    assert all(r["kl"] < 1e-6 for r in whole["history"])
+    assert all(r["beta_mean"] == pytest.approx(1.0, abs=1e-6) for r in whole["history"])
+    cfg_file, over = config_for(tiny_setup, tmp_path / "four")
+    four = train(load_config(cfg_file, over + ["train.steps=2", "gates.sink=4"]))
+    assert four["history"][0]["kl"] > 1e-4
+    card = (Path(four["export_dir"]) / "README.md").read_text()
+    assert "| sink | the first 4 tokens of each sequence never decayed" in card, card
+    with pytest.raises(Exception, match="gates.sink must be >= 0"):
+        load_config(cfg_file, over + ["gates.sink=-1"])
+
+
 def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     missing = tmp_path / "stage1" / "final"

@@ -38,6 +38,9 @@ class GatesConfig:
     bias_init: float = 18.0
     activation: str = "silu"
     init_from: str | None = None  # a gate checkpoint to start from
+    # first tokens of each sequence that never decay in training, as the inference policy's attention
+    # sinks (GlobalGatesPolicy(sink=4)) are always kept; 0: the gates decide every token
+    sink: int = 0
 
 
 @dataclass
@@ -176,7 +179,7 @@ POSITIVE = {
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs",
 }
-NON_NEGATIVE = {"loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
+NON_NEGATIVE = {"gates.sink", "loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
 
 
 def _lines(text: str) -> dict[str, int]:

@@ -201,6 +201,8 @@ def run_facts(cfg: Config) -> dict[str, str]:
         facts["config"] = src
     if note := init_from_note(cfg):
         facts["init_from"] = note
+    if cfg.gates.sink:
+        facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
 
 
@@ -313,6 +315,7 @@ def train(
         g = cfg.gates
         gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init, activation=g.activation)
     attachment = attach_gates(model, gates)
+    attachment.sink = cfg.gates.sink
     if cfg.lora.enabled:  # attach_gates froze the base; LoRA weights co-train with the gates
         for n, p in model.named_parameters():
             if "lora_" in n:

@@ -198,7 +198,9 @@ class RetentionCache(Cache):
             self._pad_entries = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
             self._start = torch.zeros_like(self._pad_entries)
         elif self.store.batch != B:
-            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}; use a new cache")
+            hint = (f"; to continue each held sequence {B // self.store.batch} times call "
+                    f"cache.batch_repeat_interleave({B // self.store.batch}) first" if B % self.store.batch == 0 else "")
+            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; or use a new cache")
         if layer_idx == 0:
             self._maybe_evict(T)
             self._last_query_len = T
@@ -295,22 +297,34 @@ class RetentionCache(Cache):
             layer.is_initialized = other.store is not None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("RetentionCache does not support beam search (num_beams > 1); use sampling or greedy")
+        """Beam search: row ``i`` continues from row ``beam_idx[i]`` (rows named twice are copied)."""
+        self.batch_select_indices(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("RetentionCache cannot crop (assisted / speculative decoding); evicted tokens are gone")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1 and self.store is not None:
-            raise NotImplementedError("RetentionCache cannot repeat a filled cache; start generate from an empty one")
+        """Several continuations of each sequence (``num_return_sequences``, beams) from one prefill."""
+        if repeats == 1:
+            return
+        if self.store is None:  # nothing cached yet: only per-row budgets follow the new batch
+            if self.budget is not None and not isinstance(self.budget, int):
+                self.budget = [b for b in self.budget for _ in range(repeats)]
+            return
+        self.batch_select_indices(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.store is not None:
-            self.store.select_batch(indices.to(self.store.lengths.device))
-            self._pad_entries = self._pad_entries[indices.to(self._pad_entries.device)]
-            self._start = self._start[indices.to(self._start.device)]
-            if not isinstance(self.budget, int) and self.budget is not None:
-                self.budget = [self.budget[i] for i in indices.tolist()]
+        """Keep rows ``indices`` ``(B',)`` in that order (repeats allowed): pages, padding, per-row budgets
+        and the policy's per-sequence statistics all follow."""
+        if self.store is None:
+            return
+        indices = indices.to(self.store.lengths.device, torch.long)
+        self.store.select_batch(indices)
+        self._pad_entries = self._pad_entries[indices]
+        self._start = self._start[indices]
+        if self.budget is not None and not isinstance(self.budget, int):
+            self.budget = [self.budget[i] for i in indices.tolist()]
+        self.policy.select_batch(indices)
 
     # -- eviction ----------------------------------------------------------------------------------
     def _maybe_evict(self, query_len: int) -> None:

@@ -166,17 +166,43 @@ class PagedKVStore:
         self.lengths.zero_()
 
     def select_batch(self, indices: torch.Tensor) -> None:
-        """Keep only sequences ``indices`` (in that order); free the pages of the others."""
+        """Keep sequences ``indices`` ``(B',)`` in that order and free the pages of the others.
+
+        A sequence named more than once (beam search, several samples of one prompt) is copied: its
+        first occurrence keeps its pages, each later one gets fresh pages holding the same entries.
+        """
+        dev = self.block_table.device
         n = self.num_layers * self.num_kv_heads
-        keep_rows = (indices[:, None] * n + torch.arange(n, device=indices.device)[None]).flatten()
-        gone = torch.ones(self.num_streams, dtype=torch.bool, device=indices.device)
-        gone[keep_rows] = False
+        indices = indices.to(dev, torch.long)
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.batch):
+            raise IndexError(f"sequence indices must lie in [0, {self.batch}), got {indices.tolist()}")
+        src = (indices[:, None] * n + torch.arange(n, device=dev)[None]).flatten()  # old stream of each new one
+        gone = torch.ones(self.num_streams, dtype=torch.bool, device=dev)
+        gone[src] = False
         dropped = self.block_table[gone]
         self.pool.free(dropped[dropped >= 0])
-        self.block_table, self.lengths = self.block_table[keep_rows], self.lengths[keep_rows]
-        self.batch, self.num_streams = len(indices), len(keep_rows)
+        table, lengths = self.block_table[src], self.lengths[src]
+        _, inverse = torch.unique(src, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1 if src.numel() else 0,), src.numel(), dtype=torch.long, device=dev)
+        first.scatter_reduce_(0, inverse, torch.arange(src.numel(), device=dev), "amin")
+        copies = torch.ones(src.numel(), dtype=torch.bool, device=dev)
+        copies[first] = False
+        copies = copies.nonzero().flatten()
+        if copies.numel():
+            n_pages = _cdiv(lengths[copies], self.page_size)
+            used = torch.arange(table.shape[1], device=dev)[None] < n_pages[:, None]  # (c, columns)
+            sub = table[copies]
+            old_pages = sub[used]  # row-major: the order of the owners below
+            new_pages = self.pool.alloc(copies.repeat_interleave(n_pages))
+            p = self.pool
+            for t in (p.keys, p.values, p.log_beta, p.pos):
+                t[new_pages] = t[old_pages]
+            sub[used] = new_pages
+            table[copies] = sub
+        self.block_table, self.lengths = table, lengths
+        self.batch, self.num_streams = len(indices), len(src)
         owned = self.block_table >= 0  # page owners follow the renumbered streams
-        self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=indices.device)[:, None].expand_as(self.block_table)[owned]
+        self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=dev)[:, None].expand_as(self.block_table)[owned]
 
     # -- reports -----------------------------------------------------------------------------------
     def entries_per_head(self) -> torch.Tensor:

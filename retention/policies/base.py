@@ -95,5 +95,12 @@ class EvictionPolicy(ABC):
         values ``(B, H, Lmax, D)``, pos, valid ``(B, H, Lmax)``) including this forward's new tokens, and
         ``query_pos`` ``(B, Q)`` true positions. Training-free policies keep statistics here."""
 
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Per-sequence state follows the cache's rows: row ``i`` becomes old row ``indices[i]`` ``(B',)``
+        (beam search, repeated samples). Policies that keep statistics in ``stats`` reorder them."""
+        stats = getattr(self, "stats", None)
+        if stats is not None:
+            stats.select_batch(indices)
+
     def reset(self) -> None:
         """Forget per-sequence state (a new conversation starts)."""

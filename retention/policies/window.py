@@ -38,6 +38,10 @@ class PositionStats:
     def reset(self) -> None:
         self.tables.clear()
 
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Row ``i`` of every table becomes old row ``indices[i]`` (repeats allowed)."""
+        self.tables = {layer: t[indices.to(t.device)] for layer, t in self.tables.items()}
+
     def write(self, layer: int, values: torch.Tensor, view, accumulate: bool = False) -> None:
         """Store (or add) ``values`` ``(B, H, L)`` of the view's entries under their positions."""
         pos = view.pos.clamp_min(0)
