@@ -182,12 +182,9 @@ class PagedKVStore:
         dropped = self.block_table[gone]
         self.pool.free(dropped[dropped >= 0])
         table, lengths = self.block_table[src], self.lengths[src]
-        _, inverse = torch.unique(src, return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1 if src.numel() else 0,), src.numel(), dtype=torch.long, device=dev)
-        first.scatter_reduce_(0, inverse, torch.arange(src.numel(), device=dev), "amin")
-        copies = torch.ones(src.numel(), dtype=torch.bool, device=dev)
-        copies[first] = False
-        copies = copies.nonzero().flatten()
+        order = indices.tolist()
+        repeat = torch.tensor([b in order[:i] for i, b in enumerate(order)], dtype=torch.bool, device=dev)
+        copies = repeat.repeat_interleave(n).nonzero().flatten()  # streams of sequences named before
         if copies.numel():
             n_pages = _cdiv(lengths[copies], self.page_size)
             used = torch.arange(table.shape[1], device=dev)[None] < n_pages[:, None]  # (c, columns)
