@@ -9,12 +9,16 @@ from torch.utils.checkpoint import checkpoint
 from .ops.capacity import capacity_sum
 
 
-def _chunk_kl(h_student, h_teacher, weight, bias, temperature):
-    """Sum over rows of KL(p_teacher || p_student) for one chunk of final hidden states ``(C, D)``."""
+def _chunk_kl(h_student, h_teacher, weight, bias, temperature, row_weight=None):
+    """Sum over rows of KL(p_teacher || p_student) for one chunk of final hidden states ``(C, D)``,
+    each row times ``row_weight`` ``(C,)`` when given."""
     s = F.linear(h_student, weight, bias).float() / temperature
     with torch.no_grad():
         t = F.log_softmax(F.linear(h_teacher, weight, bias).float() / temperature, dim=-1)
-    return F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="sum")
+    if row_weight is None:
+        return F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="sum")
+    kl = F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="none").sum(-1)
+    return (kl * row_weight).sum()
 
 
 def distillation_kl(
@@ -25,11 +29,13 @@ def distillation_kl(
     temperature: float = 1.0,
     chunk_size: int = 256,
     reduction: str = "mean",
-) -> torch.Tensor | tuple[torch.Tensor, int]:
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, float]:
     """Mean over marked positions of ``KL(p_teacher || p_student)``, scaled by ``temperature**2``.
 
     ``h_student``, ``h_teacher``: final hidden states ``(B, T, D)`` (the teacher's without grad);
-    ``mask`` ``(B, T)`` bool marks the positions whose next-token distribution is distilled.
+    ``mask`` ``(B, T)`` bool marks the positions whose next-token distribution is distilled;
+    ``weights`` ``(B, T)`` float (optional) makes it a weighted mean (the count is the weights' sum).
     Logits exist for one chunk of ``chunk_size`` positions at a time, in the forward and (by
     recomputation) in the backward, so memory is bounded by the chunk, never ``T x vocab`` twice.
     ``reduction="sum"`` returns ``(sum, count)`` so data-parallel ranks can divide by a global count.
@@ -38,17 +44,20 @@ def distillation_kl(
         raise ValueError(f"student {tuple(h_student.shape)} and teacher {tuple(h_teacher.shape)} hidden states differ")
     D = h_student.shape[-1]
     hs, ht = h_student.reshape(-1, D), h_teacher.detach().reshape(-1, D)
+    w = None if weights is None else weights.reshape(-1).to(device=hs.device, dtype=torch.float32)
     if mask is not None:
         idx = mask.reshape(-1).nonzero().flatten()
         hs, ht = hs[idx], ht[idx]
-    n = hs.shape[0]
-    if n == 0:
+        w = None if w is None else w[idx]
+    n = hs.shape[0] if w is None else float(w.sum())
+    if hs.shape[0] == 0:
         zero = h_student.sum() * 0.0
         return (zero, 0) if reduction == "sum" else zero
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     total = h_student.new_zeros((), dtype=torch.float32)
-    for c0 in range(0, n, chunk_size):
-        args = (hs[c0 : c0 + chunk_size], ht[c0 : c0 + chunk_size], weight, bias, temperature)
+    for c0 in range(0, hs.shape[0], chunk_size):
+        args = (hs[c0 : c0 + chunk_size], ht[c0 : c0 + chunk_size], weight, bias, temperature,
+                None if w is None else w[c0 : c0 + chunk_size])
         if torch.is_grad_enabled() and hs.requires_grad:
             total = total + checkpoint(_chunk_kl, *args, use_reentrant=False)
         else:

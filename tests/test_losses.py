@@ -30,6 +30,32 @@ def test_chunked_kl_equals_full_logits_kl_with_gradients():
     torch.testing.assert_close(got, one_chunk, rtol=1e-6, atol=1e-7)
 
 
+def test_weighted_kl_is_the_weighted_mean_over_marked_positions():
+    """Source weights (train data.sources.weight): each marked position's KL counts ``weight`` times."""
+    torch.manual_seed(1)
+    B, T, D, V = 2, 9, 6, 40
+    head = torch.nn.Linear(D, V, bias=False)
+    hs = torch.randn(B, T, D, requires_grad=True)
+    ht = torch.randn(B, T, D)
+    mask = torch.rand(B, T) > 0.3
+    w = torch.where(torch.rand(B, T) > 0.5, 10.0, 0.5)
+    got = distillation_kl(hs, ht, head, mask, chunk_size=4, weights=w)
+    (g_got,) = torch.autograd.grad(got, hs)
+    lt, ls = F.log_softmax(head(ht), -1), F.log_softmax(head(hs), -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    want = (kl * w)[mask].sum() / w[mask].sum()
+    (g_want,) = torch.autograd.grad(want, hs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+    total, count = distillation_kl(hs, ht, head, mask, weights=w, reduction="sum")
+    assert count == pytest.approx(float(w[mask].sum()))
+    torch.testing.assert_close(total / count, want, rtol=1e-5, atol=1e-6)
+    # equal weights are the plain mean, and differ from the weighted one
+    plain = distillation_kl(hs, ht, head, mask)
+    torch.testing.assert_close(distillation_kl(hs, ht, head, mask, weights=torch.full((B, T), 3.0)), plain, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, plain)
+
+
 def test_kl_is_zero_for_identical_states():
     head = torch.nn.Linear(4, 9)
     h = torch.randn(1, 5, 4)

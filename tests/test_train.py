@@ -218,6 +218,30 @@ def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
         load_config(cfg_file, over + ["gates.sink=-1"])
 
 
+def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup, tmp_path, monkeypatch):
+    """``data.sources.N.weight`` weights the training KL; the held-out KL stays the plain mean, so runs
+    with different weights report comparable numbers."""
+    import train.loop as loop
+    from retention.losses import distillation_kl
+
+    calls = []
+
+    def spy(*args, weights=None, **kwargs):
+        calls.append((torch.is_grad_enabled(), weights))
+        return distillation_kl(*args, weights=weights, **kwargs)
+
+    monkeypatch.setattr(loop, "distillation_kl", spy)
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    sources = f"data.sources=[{{kind: text, path: {tiny_setup / 'text'}, max_docs: 2}}, " \
+              f"{{kind: chat, path: sharegpt, max_docs: 10, weight: 25}}]"
+    train(load_config(cfg_file, over + [sources, "train.steps=3", "train.batch_size=8", "train.eval_every=2"]))
+    trained = [w for grad, w in calls if grad]
+    held_out = [w for grad, w in calls if not grad]
+    assert len(trained) == 3 and len(held_out) >= 2  # before training, step 2 and the end
+    assert any(w is not None and {1.0, 25.0} <= set(w.unique().tolist()) for w in trained)
+    assert all(w is None for w in held_out)
+
+
 def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     missing = tmp_path / "stage1" / "final"

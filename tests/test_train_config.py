@@ -40,6 +40,18 @@ def test_bad_types_and_ranges(tmp_path):
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - kind: audio\n"))
 
 
+def test_source_weights_are_checked_and_described(tmp_path):
+    head = "budget:\n  tokens_per_head: 8\ndata:\n  seq_len: 256\n  sources:\n"
+    cfg = load_config(write(tmp_path, head + "    - {kind: text, path: sotu}\n"
+                                     "    - {kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 10}\n"))
+    assert [s.weight for s in cfg.data.sources] == [1.0, 10]
+    assert cfg.describe_data() == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)"
+    with pytest.raises(ConfigError, match=r"data.sources.0.weight must be > 0 \(.*line 6\)"):
+        load_config(write(tmp_path, head + "    - {kind: text, path: sotu, weight: 0}\n"))
+    with pytest.raises(ConfigError, match="data.sources.0.weight .*multimodal conversations all weigh 1"):
+        load_config(write(tmp_path, head + "    - {kind: multimodal, path: x.jsonl, weight: 2}\n"))
+
+
 def test_budget_needs_exactly_one_form(tmp_path):
     with pytest.raises(ConfigError, match="exactly one of budget.tokens_per_head or budget.global_entries"):
         load_config(write(tmp_path, "train:\n  steps: 2\n"))

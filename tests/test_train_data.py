@@ -59,7 +59,7 @@ def test_pack_never_cuts_whole_documents():
 def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):
     from eval.haystack import sentences
 
-    cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7)],
+    cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7, weight=4.0)],
                      seq_len=256, eval_fraction=0.0)
     train_rows, held = build_data(cfg, tokenizer)
     assert held == [] and len(train_rows) == 3  # one item per row: each one is whole
@@ -71,6 +71,7 @@ def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(
         answer = tokenizer.decode([r.input_ids[t + 1] for t in range(len(r.input_ids) - 1) if r.loss_mask[t]])
         number = text.split("The special magic number for ")[1].split(" is: ")[1][:7]
         assert number in answer and len(answer) < 120
+        assert all(w == 4.0 for w, m in zip(r.loss_weight, r.loss_mask) if m)  # the source's weight
         assert not any(s in text for s in list(eval_pool)[:2000])  # haystack from the training split only
 
 
@@ -93,6 +94,26 @@ def test_collate_cu_seqlens_over_the_flat_batch():
     assert b["input_ids"].shape == (2, 8)
     starts = (b["position_ids"].flatten() == 0).nonzero().flatten().tolist()
     assert b["cu_seqlens"].tolist() == starts + [16]
+
+
+def test_pack_carries_each_source_weight_to_its_positions():
+    """A document's ``weight`` follows every one of its tokens through packing (cut or whole); rows whose
+    documents all weigh 1 carry no weights, and collate adds ``loss_weight`` only when one row has them."""
+    text = docs(13, 30, 7)
+    whole = [{"input_ids": list(range(1000 * k, 1000 * k + n)), "loss_mask": [True] * n, "whole": True, "weight": 10.0}
+             for k, n in enumerate((6, 9), start=1)]
+    rows = pack(text + whole, seq_len=10, seed=0)
+    for r in rows:
+        weights = r.loss_weight or [1.0] * len(r.input_ids)
+        for i, w in zip(r.input_ids, weights):
+            assert w == (10.0 if i >= 1000 else 1.0)
+    assert any(r.loss_weight is not None for r in rows) and any(r.loss_weight is None for r in rows)
+    plain = next(r for r in rows if r.loss_weight is None)
+    weighted = next(r for r in rows if r.loss_weight is not None)
+    assert "loss_weight" not in collate([plain])
+    b = collate([plain, weighted])
+    assert b["loss_weight"].dtype == torch.float32
+    assert b["loss_weight"][0].tolist() == [1.0] * 10 and b["loss_weight"][1].tolist() == weighted.loss_weight
 
 
 def test_chat_mask_marks_positions_predicting_assistant_tokens(tokenizer):

@@ -71,6 +71,9 @@ class SourceConfig:
     length: int | None = None
     seed: int = 1000
     params: dict[str, Any] | None = None
+    # multiplies the distillation weight of this source's positions: a synthetic item distils only its
+    # answer (a dozen positions against thousands of plain-text ones), so its signal can be raised
+    weight: float = 1.0
 
 
 @dataclass
@@ -155,6 +158,8 @@ class Config:
                 n += f" of {s.length or self.data.seq_len - 128} tokens"
             else:
                 n = f"{s.split}" + (f", {n}" if n else "")
+            if s.weight != 1:
+                n += f", weight {s.weight:g}"
             parts.append(f"{s.kind} {s.path} ({n.strip()})")
         return f"{self.data.seq_len}-token rows: " + "; ".join(parts)
 
@@ -177,7 +182,7 @@ POSITIVE = {
     "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
-    "data.sources.length", "data.sources.max_docs",
+    "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
 NON_NEGATIVE = {"gates.sink", "loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
 
@@ -313,6 +318,9 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
             _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source)
         elif src.length is not None or src.params is not None:
             raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only{_where(f'data.sources.{i}', lines, source)}")
+        if src.kind == "multimodal" and src.weight != 1:
+            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to text, chat and "
+                              "synthetic sources (packed rows); multimodal conversations all weigh 1, so remove it")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
 

@@ -29,7 +29,7 @@ BUILTIN_CORPORA = {
 
 
 # bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources)
-DATA_FORMAT = 2
+DATA_FORMAT = 3
 
 
 class DataError(ValueError):
@@ -172,8 +172,9 @@ def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> It
 
 
 def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: int | None = None) -> list[dict[str, Any]]:
-    """Documents of one source: ``input_ids``, ``loss_mask`` and ``whole`` (synthetic items, which lose
-    their point when cut: the packer keeps each one inside a single row)."""
+    """Documents of one source: ``input_ids``, ``loss_mask``, ``whole`` (synthetic items, which lose
+    their point when cut: the packer keeps each one inside a single row) and ``weight`` (the source's
+    distillation weight)."""
     docs = []
     raws = synthetic_conversations(source, tokenizer, seq_len or 1024) if source.kind == "synthetic" else iter_source(source)
     for raw in raws:
@@ -187,7 +188,7 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: i
             raise DataError(f"a synthetic {source.path} item has {len(ids)} tokens, more than data.seq_len = {seq_len}: "
                             "lower the source's length")
         if len(ids) >= min_tokens and any(mask):
-            docs.append({"input_ids": ids, "loss_mask": mask, "whole": whole})
+            docs.append({"input_ids": ids, "loss_mask": mask, "whole": whole, "weight": float(source.weight)})
     if not docs:
         raise DataError(f"source {source.path!r} gave no usable documents (>= {min_tokens} tokens)")
     return docs
@@ -223,6 +224,7 @@ class PackedRow:
     input_ids: list[int]
     position_ids: list[int]
     loss_mask: list[bool]
+    loss_weight: list[float] | None = None  # per position, the weight of its document's source (None: all 1)
 
 
 def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]:
@@ -239,32 +241,34 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
     ids: list[int] = []
     pos: list[int] = []
     mask: list[bool] = []
+    weight: list[float] = []
     waiting: list[dict[str, Any]] = []  # whole documents for the next row
     holds_whole = False  # the open row holds a whole document
 
-    def add(piece: list[int], pmask: list[bool]) -> None:
+    def add(piece: list[int], pmask: list[bool], w: float = 1.0) -> None:
         ids.extend(piece)
         pos.extend(range(len(piece)))
         mask.extend(pmask)
+        weight.extend([w] * len(piece))
 
     def close_if_full() -> None:
-        nonlocal ids, pos, mask, holds_whole
+        nonlocal ids, pos, mask, weight, holds_whole
         while len(ids) == seq_len:
             mask[-1] = False  # the row's last token has no next token in this row
-            rows.append(PackedRow(ids, pos, mask))
-            ids, pos, mask, holds_whole = [], [], [], False
+            rows.append(PackedRow(ids, pos, mask, weight if any(w != 1.0 for w in weight) else None))
+            ids, pos, mask, weight, holds_whole = [], [], [], [], False
             while waiting and len(waiting[0]["input_ids"]) <= seq_len - len(ids):
                 w = waiting.pop(0)
-                add(w["input_ids"], list(w["loss_mask"]))
+                add(w["input_ids"], list(w["loss_mask"]), w.get("weight", 1.0))
                 holds_whole = True
 
     for i in order:
-        d_ids, d_mask = docs[i]["input_ids"], docs[i]["loss_mask"]
+        d_ids, d_mask, d_w = docs[i]["input_ids"], docs[i]["loss_mask"], docs[i].get("weight", 1.0)
         if docs[i].get("whole"):
             if len(d_ids) > seq_len:
                 raise ValueError(f"a whole document of {len(d_ids)} tokens does not fit a row of {seq_len}")
             if len(d_ids) <= seq_len - len(ids):
-                add(list(d_ids), list(d_mask))
+                add(list(d_ids), list(d_mask), d_w)
                 holds_whole = True
                 close_if_full()
             else:
@@ -275,13 +279,13 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
             pmask[-1] = False  # the next token is in another piece
             while piece:
                 room = seq_len - len(ids)
-                add(piece[:room], pmask[:room])
+                add(piece[:room], pmask[:room], d_w)
                 piece, pmask = piece[room:], pmask[room:]
                 close_if_full()
     while holds_whole or waiting:  # no text left to fill around them: pad
         if not ids and waiting:
             w = waiting.pop(0)
-            add(w["input_ids"], list(w["loss_mask"]))
+            add(w["input_ids"], list(w["loss_mask"]), w.get("weight", 1.0))
         add([0] * (seq_len - len(ids)), [False] * (seq_len - len(ids)))
         holds_whole = True
         close_if_full()
@@ -289,13 +293,17 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
 
 
 def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
-    """Rows -> ``input_ids``, ``position_ids``, ``loss_mask`` ``(B, T)`` and ``cu_seqlens`` over ``B * T``."""
+    """Rows -> ``input_ids``, ``position_ids``, ``loss_mask`` ``(B, T)`` and ``cu_seqlens`` over ``B * T``;
+    ``loss_weight`` ``(B, T)`` float32 too when a row weights its sources unequally."""
     ids = torch.tensor([r.input_ids for r in rows])
     pos = torch.tensor([r.position_ids for r in rows])
     B, T = ids.shape
     start = pos.flatten() == 0
     cu = torch.cat([start.nonzero().flatten(), torch.tensor([B * T])]).to(torch.int32)
-    return {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]), "cu_seqlens": cu}
+    out = {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]), "cu_seqlens": cu}
+    if any(r.loss_weight is not None for r in rows):
+        out["loss_weight"] = torch.tensor([r.loss_weight or [1.0] * T for r in rows], dtype=torch.float32)
+    return out
 
 
 def collate_any(rows: list) -> dict[str, torch.Tensor]:

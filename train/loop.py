@@ -384,13 +384,14 @@ def train(
         if tracker_note:
             print(f"[retention] {tracker_note}")
 
-    def global_mean(total: torch.Tensor, count: int) -> torch.Tensor:
+    def global_mean(total: torch.Tensor, count: float) -> torch.Tensor:
         """Sum over this rank / count over all ranks, times the world size (DDP averages gradients):
         the gradient equals one process's pooled mean over the same global batch."""
         n = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
-        return total * accelerator.num_processes / n.clamp_min(1)
+        return total * accelerator.num_processes / torch.where(n > 0, n, torch.ones_like(n))  # counts may be weights < 1
 
-    def losses(batch: dict[str, torch.Tensor]):
+    def losses(batch: dict[str, torch.Tensor], weighted: bool = True):
+        """``weighted=False``: the plain mean KL (held-out KL stays comparable whatever the sources' weights)."""
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
         # packed rows carry positions restarting in each document (the teacher's block-diagonal mask and
@@ -400,7 +401,8 @@ def train(
             position_ids = torch.cat([position_ids[None], mrope_positions(model, batch)])
         h_s, h_t, log_betas = distiller(batch["input_ids"], position_ids, **vision)
         kl_sum, kl_n = distillation_kl(
-            h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum"
+            h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum",
+            weights=batch.get("loss_weight") if weighted else None,
         )
         cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"], reduction="sum")
         kl, cap = global_mean(kl_sum, kl_n), global_mean(cap_sum, cap_stats["capacity_terms"])
@@ -420,7 +422,7 @@ def train(
         vals: dict[str, list[float]] = {"kl": [], "capacity": [], "soft_cache_entries": [], "beta_mean": []}
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
-                _, kl, cap, cap_stats, log_betas = losses(collate_any(eval_rows[i : i + cfg.train.batch_size]))
+                _, kl, cap, cap_stats, log_betas = losses(collate_any(eval_rows[i : i + cfg.train.batch_size]), weighted=False)
                 # every rank evaluates the same rows, so each rank's share of the "global" mean is that mean
                 vals["kl"].append(float(kl))
                 vals["capacity"].append(float(cap))
