@@ -251,6 +251,11 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
         mask.extend(pmask)
         weight.extend([w] * len(piece))
 
+    def add_whole(doc: dict[str, Any]) -> None:
+        nonlocal holds_whole
+        add(doc["input_ids"], list(doc["loss_mask"]), doc.get("weight", 1.0))
+        holds_whole = True
+
     def close_if_full() -> None:
         nonlocal ids, pos, mask, weight, holds_whole
         while len(ids) == seq_len:
@@ -258,9 +263,7 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
             rows.append(PackedRow(ids, pos, mask, weight if any(w != 1.0 for w in weight) else None))
             ids, pos, mask, weight, holds_whole = [], [], [], [], False
             while waiting and len(waiting[0]["input_ids"]) <= seq_len - len(ids):
-                w = waiting.pop(0)
-                add(w["input_ids"], list(w["loss_mask"]), w.get("weight", 1.0))
-                holds_whole = True
+                add_whole(waiting.pop(0))
 
     for i in order:
         d_ids, d_mask, d_w = docs[i]["input_ids"], docs[i]["loss_mask"], docs[i].get("weight", 1.0)
@@ -268,8 +271,7 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
             if len(d_ids) > seq_len:
                 raise ValueError(f"a whole document of {len(d_ids)} tokens does not fit a row of {seq_len}")
             if len(d_ids) <= seq_len - len(ids):
-                add(list(d_ids), list(d_mask), d_w)
-                holds_whole = True
+                add_whole(docs[i])
                 close_if_full()
             else:
                 waiting.append(docs[i])
@@ -284,8 +286,7 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
                 close_if_full()
     while holds_whole or waiting:  # no text left to fill around them: pad
         if not ids and waiting:
-            w = waiting.pop(0)
-            add(w["input_ids"], list(w["loss_mask"]), w.get("weight", 1.0))
+            add_whole(waiting.pop(0))
         add([0] * (seq_len - len(ids)), [False] * (seq_len - len(ids)))
         holds_whole = True
         close_if_full()
@@ -294,7 +295,7 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
 
 def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     """Rows -> ``input_ids``, ``position_ids``, ``loss_mask`` ``(B, T)`` and ``cu_seqlens`` over ``B * T``;
-    ``loss_weight`` ``(B, T)`` float32 too when a row weights its sources unequally."""
+    ``loss_weight`` ``(B, T)`` float32 too when a row holds a source weighted other than 1."""
     ids = torch.tensor([r.input_ids for r in rows])
     pos = torch.tensor([r.position_ids for r in rows])
     B, T = ids.shape
