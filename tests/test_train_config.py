@@ -46,6 +46,10 @@ def test_source_weights_are_checked_and_described(tmp_path):
                                      "    - {kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 10}\n"))
     assert [s.weight for s in cfg.data.sources] == [1.0, 10]
     assert cfg.describe_data() == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)"
+    # the card says its training-KL rows are weighted (held-out rows are not); an unweighted run says nothing
+    from train.loop import run_facts
+    assert "held_out_kl is the plain mean" in run_facts(cfg)["kl_weighting"]
+    assert "kl_weighting" not in run_facts(load_config(write(tmp_path, head + "    - {kind: text, path: sotu}\n")))
     with pytest.raises(ConfigError, match=r"data.sources.0.weight must be > 0 \(.*line 6\)"):
         load_config(write(tmp_path, head + "    - {kind: text, path: sotu, weight: 0}\n"))
     with pytest.raises(ConfigError, match="data.sources.0.weight .*multimodal conversations all weigh 1"):

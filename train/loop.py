@@ -201,6 +201,10 @@ def run_facts(cfg: Config) -> dict[str, str]:
         facts["config"] = src
     if note := init_from_note(cfg):
         facts["init_from"] = note
+    if any(src.weight != 1 for src in cfg.data.sources):
+        # the card's training-KL rows are then the source-weighted mean; held-out rows are always the plain mean
+        facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each source's positions by its "
+                                 "data weight; held_out_kl is the plain mean over the held-out rows")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
