@@ -154,10 +154,46 @@ def _common_tasks(means: dict) -> list[str]:
     return sorted(set.intersection(*[set(d) - set(_STATS) for d in means.values()])) if means else []
 
 
+def paired_gap_interval(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str],
+                        level: float = 0.95, draws: int = 4000, seed: int = 0,
+                        min_items: int = 5) -> tuple[float, float] | None:
+    """A ``level`` interval for the gap ``mean score of a - mean score of b`` (points; ``a`` and ``b`` are
+    (method, budget key) pairs), by a paired bootstrap over items.
+
+    The gap is averaged as the summary averages scores: over each (task, length)'s items, then lengths,
+    then ``tasks``. Each draw resamples, within every (task, length), the items both methods scored (same
+    item ids) with replacement; the interval is the draws' percentiles. ``None`` when some (task, length)
+    has fewer than ``min_items`` such items: with 2 or 3 a bootstrap is far too narrow to mean anything
+    (two items with equal gaps give a zero-width interval). Seeded: the same rows give the same interval.
+    """
+    import numpy as np
+
+    scores: dict[tuple, dict[str, float]] = defaultdict(dict)  # (method, budget, task, length) -> item -> score
+    for r in rows:
+        if r.get("score") is not None and r["task"] in tasks:
+            scores[(r["method"], r["budget"], r["task"], r["length"])][str(r["item"])] = float(r["score"])
+    rng = np.random.default_rng(seed)
+    per_task: dict[str, list] = defaultdict(list)
+    for task, length in sorted({(k[2], k[3]) for k in scores}):
+        sa, sb = scores.get((*a, task, length), {}), scores.get((*b, task, length), {})
+        if not sa and not sb:
+            continue
+        d = np.array([sa[i] - sb[i] for i in sorted(set(sa) & set(sb))])
+        if len(d) < max(min_items, 2):
+            return None
+        per_task[task].append(d[rng.integers(0, len(d), size=(draws, len(d)))].mean(axis=1))
+    if set(per_task) != set(tasks):
+        return None
+    gaps = np.mean([np.mean(v, axis=0) for v in per_task.values()], axis=0)
+    lo, hi = np.quantile(gaps, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Mean score over tasks, one row per method and one column per budget (the full cache first),
     each cell with the KV share and bytes actually kept; then the gap to the full cache and to the best
-    training-free baseline at each budget. Cells average only the tasks every method ran."""
+    training-free baseline at each budget, with a 95% paired-bootstrap interval where every task has five or
+    more items (:func:`paired_gap_interval`). Cells average only the tasks every method ran."""
     means = _task_means(rows)
     budgets = sorted({b for _, b in means if b != "full"}, key=lambda b: parse_budget(b).value)
     methods = sorted({m for m, b in means if b != "full"})
@@ -178,15 +214,27 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
     baselines = [m for m in methods if m not in learned]
     if learned and (baselines or full is not None):
+        shown: list[bool] = []  # whether any cell has an interval (then the note under the table says what it is)
+
+        def gap(m: str, b: str, other: tuple[str, str], value: float) -> str:
+            ci = paired_gap_interval(rows, (m, b), other, tasks)
+            shown.append(ci is not None)
+            return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+
+        full_key = next((k for k in avg if k[1] == "full"), None)
         lines += ["", "| learned | budget | score | vs full cache | vs best training-free (which) |", "|---|---|---|---|---|"]
         for m in learned:
             for b in budgets:
                 if (m, b) not in avg:
                     continue
                 best = max(((avg[(x, b)], x) for x in baselines if (x, b) in avg), default=None)
-                vs_full = "" if full is None else f"{avg[(m, b)] - full:+.1f}"
-                vs_best = "" if best is None else f"{avg[(m, b)] - best[0]:+.1f} ({best[1]})"
+                vs_full = "" if full is None else gap(m, b, full_key, avg[(m, b)] - full)
+                vs_best = "" if best is None else f"{gap(m, b, (best[1], b), avg[(m, b)] - best[0])} ({best[1]})"
                 lines.append(f"| {m} | {budget_label(b)} | {avg[(m, b)]:.1f} | {vs_full} | {vs_best} |")
+        if any(shown):
+            lines += ["", "Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same items "
+                      "resampled for both methods within each task, 4,000 draws). With few items per task one item "
+                      "moves a task's score a lot: read the interval before the point."]
     return "\n".join(lines)
 
 

@@ -1,0 +1,75 @@
+"""The goal summary's gap intervals: a paired bootstrap over items, checked against exact small cases
+and against the normal approximation on many items."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from eval.report import paired_gap_interval, summary_table
+
+
+def _rows(method: str, budget: str, task: str, scores, length: int = 4096) -> list[dict]:
+    return [{"task": task, "length": length, "item": f"{task}-{i}", "method": method, "budget": budget, "score": s,
+             "kept_entries": 10, "kv_bytes": (1.0 if budget == "full" else 0.1) * 2**22, "full_cache_bytes": 2**22,
+             "metric": "recall", "model": "m"} for i, s in enumerate(scores)]
+
+
+A, FULL = ("global_gates", "fraction=0.1"), ("full", "full")
+
+
+def test_two_items_span_their_two_gaps():
+    # with 2 items a resample's mean is d1, d2 (a quarter each) or their mean: the 2.5% / 97.5% points are the two gaps
+    rows = _rows(*A, "t", [50.0, 100.0]) + _rows(*FULL, "t", [100.0, 60.0])
+    assert paired_gap_interval(rows, A, FULL, ["t"], min_items=2) == pytest.approx((-50.0, 40.0))
+    assert paired_gap_interval(rows, A, FULL, ["t"]) is None  # by default 5 items or no interval
+
+
+def test_interval_matches_the_exact_bootstrap_distribution():
+    # 3 items in each of 2 tasks: all 27 x 27 resamples enumerated give the exact percentiles the draws estimate
+    d = {"t": [-30.0, 0.0, 10.0], "u": [5.0, 20.0, -40.0]}
+    rows = []
+    for task, gaps in d.items():
+        rows += _rows(*A, task, [50.0 + g for g in gaps]) + _rows(*FULL, task, [50.0] * 3)
+    exact = sorted((np.mean(a) + np.mean(b)) / 2 for a in itertools.product(d["t"], repeat=3)
+                   for b in itertools.product(d["u"], repeat=3))
+    lo, hi = paired_gap_interval(rows, A, FULL, ["t", "u"], draws=200_000, min_items=3)
+    assert lo == pytest.approx(np.quantile(exact, 0.025), abs=1.0)
+    assert hi == pytest.approx(np.quantile(exact, 0.975), abs=1.0)
+
+
+def test_many_items_agree_with_the_normal_interval_and_pair_by_item():
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0, 100, 200)
+    gaps = rng.normal(-4.0, 10.0, 200)
+    rows = _rows(*A, "t", list(base + gaps)) + _rows(*FULL, "t", list(base))
+    lo, hi = paired_gap_interval(rows, A, FULL, ["t"])
+    half = 1.96 * gaps.std(ddof=1) / np.sqrt(len(gaps))
+    assert lo == pytest.approx(gaps.mean() - half, abs=0.15 * half)
+    assert hi == pytest.approx(gaps.mean() + half, abs=0.15 * half)
+    # unpaired, the item-to-item spread of the scores (sd ~29) would make it about three times wider
+    assert hi - lo < 2.6 * half
+    assert paired_gap_interval(rows, A, FULL, ["t"]) == (lo, hi)  # seeded
+
+
+def test_no_interval_without_enough_paired_items_in_every_task():
+    rows = _rows(*A, "t", [50.0, 60.0]) + _rows(*FULL, "t", [70.0, 80.0])
+    rows += _rows(*A, "u", [50.0]) + _rows(*FULL, "u", [70.0])
+    assert paired_gap_interval(rows, A, FULL, ["t", "u"], min_items=2) is None
+    assert paired_gap_interval(rows, A, FULL, ["t"], min_items=2) is not None
+    failed = _rows(*A, "t", [50.0, None]) + _rows(*FULL, "t", [70.0, 80.0])  # an errored item is not a pair
+    assert paired_gap_interval(failed, A, FULL, ["t"], min_items=2) is None
+    assert paired_gap_interval(failed, A, FULL, ["t"], min_items=1) is None  # one pair has no spread
+
+
+def test_summary_table_shows_the_intervals_and_says_what_they_are():
+    rows = _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0])
+    rows += _rows("streamingllm", "fraction=0.1", "t", [0.0] * 5)
+    table = summary_table(rows)
+    assert paired_gap_interval(rows, A, FULL, ["t"]) == (-60.0, 0.0)  # 0 to 3 of 5 resampled items are the miss
+    assert "| global_gates | 10% | 80.0 | -20.0 [-60.0, +0.0] | +80.0 [+40.0, +100.0] (streamingllm) |" in table
+    assert "paired bootstrap over items" in table
+    few = _rows(*FULL, "t", [100.0] * 4) + _rows(*A, "t", [100.0, 0.0, 0.0, 0.0])
+    assert "[" not in summary_table(few) and "paired bootstrap" not in summary_table(few)
