@@ -20,7 +20,7 @@ def _run(args: argparse.Namespace) -> int:
     from .report import check_publish_targets
 
     try:  # before the sweep: a typo here should not cost an hour of evaluation
-        check_publish_targets(args.card, args.readme, args.summary)
+        check_publish_targets(args.card, args.readme, args.summary, args.card_section)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -33,13 +33,14 @@ def _run(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace, results) -> int:
     """``--card`` / ``--readme`` / ``--summary``: the summary into a checkpoint's model card, a README
     and a stand-alone results page."""
-    if not (args.card or args.readme or args.summary):
+    if not (args.card or args.readme or args.summary or args.card_section):
         return 0
     from .report import publish, summary_table, write_summary
     from .runner import read_results
 
     try:
-        written = publish(results, args.card, args.readme) if (args.card or args.readme) else []
+        written = (publish(results, args.card, args.readme, args.card_section)
+                   if (args.card or args.readme or args.card_section) else [])
         if args.summary:
             written += write_summary(results, args.summary, args.title)
         for path in written:
@@ -74,6 +75,9 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                    help="write a results page (summary, per-task table, full table) and copy the rows beside it "
                         "as FILE.jsonl")
     p.add_argument("--title", default=None, help="heading of the --summary page")
+    p.add_argument("--card-section", default=None, metavar="TITLE",
+                   help="with --card: add the summary to the model card as a further section under this heading "
+                        "(e.g. a goal check), keeping the card's main results and plot")
 
 
 def register(subparsers) -> None:

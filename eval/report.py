@@ -306,9 +306,14 @@ def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
 
 
 def check_publish_targets(card: str | Path | None = None, readme: str | Path | None = None,
-                          summary: str | Path | None = None) -> None:
+                          summary: str | Path | None = None, card_section: str | None = None) -> None:
     """Raise (FileNotFoundError / ValueError, naming the fix) if a model card folder, README or summary
     page cannot take the results; cheap, so callers run it before an evaluation."""
+    if card_section is not None and (card is None or readme is not None):
+        raise ValueError("--card-section adds a section to a model card: give it with --card and without --readme "
+                         "(the README's results block holds the card's main results)")
+    if card_section is not None and not card_section.strip():
+        raise ValueError("--card-section needs a title (the section's heading in the model card)")
     if card is not None and not (Path(card) / "config.json").is_file():
         raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no config.json); export one with train.py --export")
     if readme is not None:
@@ -351,16 +356,20 @@ def write_summary(results: str | Path, path: str | Path, title: str | None = Non
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None) -> list[Path]:
+def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
+            card_section: str | None = None) -> list[Path]:
     """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
-    between the ``<!-- results:start/end -->`` markers of a README; returns the files written."""
+    between the ``<!-- results:start/end -->`` markers of a README; returns the files written.
+
+    ``card_section``: instead, add the summary (no plot) to the card under that heading, after its main
+    results, replacing an earlier section of the same title: for a second result set such as a goal check."""
     import json
     import shutil
 
     from retention.hub import model_card
     from retention.io import atomic_write_bytes
 
-    check_publish_targets(card, readme)
+    check_publish_targets(card, readme, card_section=card_section)
     rows = read_results(results)
     if not rows:
         raise ValueError(f"{results} holds no results")
@@ -372,11 +381,17 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         card = Path(card)
         cfg_file = card / "config.json"
         config = json.loads(cfg_file.read_text())
-        config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
+        if card_section is None:
+            config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
+        else:
+            others = [x for x in config.get("results_sections", []) if x["title"] != card_section]
+            config["results_sections"] = others + [{"title": card_section, "markdown": text}]
         atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
         atomic_write_bytes(card / "README.md", model_card(config).encode())
-        shutil.copyfile(plot_path, card / "results.png")
-        written += [cfg_file, card / "README.md", card / "results.png"]
+        written += [cfg_file, card / "README.md"]
+        if card_section is None:
+            shutil.copyfile(plot_path, card / "results.png")
+            written.append(card / "results.png")
     if readme is not None:
         readme = Path(readme)
         body = readme.read_text()

@@ -93,8 +93,11 @@ def model_card(config: dict[str, Any]) -> str:
         "```",
         "",
     ]
-    if config.get("results_markdown"):
-        lines += ["## Results", "", config["results_markdown"], ""]
+    sections = config.get("results_sections", [])
+    if config.get("results_markdown") or sections:
+        lines += ["## Results", "", *([config["results_markdown"], ""] if config.get("results_markdown") else [])]
+    for section in sections:  # further result sets (e.g. a goal check), in the order they were published
+        lines += [f"### {section['title']}", "", section["markdown"], ""]
     return "\n".join(lines)
 
 

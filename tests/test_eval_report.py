@@ -73,3 +73,38 @@ def test_summary_table_shows_the_intervals_and_says_what_they_are():
     assert "paired bootstrap over items" in table
     few = _rows(*FULL, "t", [100.0] * 4) + _rows(*A, "t", [100.0, 0.0, 0.0, 0.0])
     assert "[" not in summary_table(few) and "paired bootstrap" not in summary_table(few)
+
+
+def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
+    import json
+
+    from eval.cli import main
+    from eval.report import publish
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    def write(name: str, rows: list[dict]):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    sweep = write("sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
+                  + _rows("global_gates", "fraction=0.2", "t", [80.0]))
+    goal = write("goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0]))
+    card = tmp_path / "card"
+    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), card, base_model="m")
+    publish(sweep, card)
+    plot = (card / "results.png").read_bytes()
+    publish(goal, card, card_section="Goal check")
+    publish(goal, card, card_section="Goal check")  # published again: replaced, not repeated
+    publish(sweep, card, card_section="Fresh items")
+    text = (card / "README.md").read_text()
+    assert text.count("## Results") == 1 and text.count("### Goal check") == 1
+    main_at, goal_at, fresh_at = text.index("| global_gates | 70.0 (10%"), text.index("### Goal check"), text.index("### Fresh items")
+    assert main_at < goal_at < fresh_at and "![quality vs KV budget](results.png)" in text[:goal_at]
+    assert "| global_gates | 10% | 80.0 | -20.0 [-60.0, +0.0] |" in text[goal_at:fresh_at]
+    assert (card / "results.png").read_bytes() == plot  # a section brings no plot of its own
+    with pytest.raises(ValueError, match="--card-section"):
+        publish(goal, None, card_section="Goal check")
+    assert main(["report", str(goal), "--card-section", "Goal check"]) == 2  # no --card: refused
+    assert main(["report", str(goal), "--card", str(card), "--card-section", " "]) == 2
