@@ -144,6 +144,13 @@ def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, f
 
 
 _STATS = ("__kv__", "__bytes__")
+LEARNED_POLICIES = ("global_gates", "trimkv")
+
+
+def learned_methods(rows: list[dict[str, Any]]) -> set[str]:
+    """The method labels whose rows ran a learned policy (their ``policy`` field; a label such as
+    ``stage2_sink4`` says nothing). Rows without the field fall back to the label's prefix."""
+    return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(LEARNED_POLICIES)}
 
 
 def _size(n: float) -> str:
@@ -211,7 +218,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         cells = [f"{avg[(m, b)]:.1f} ({means[(m, b)]['__kv__']:.0%}, {_size(means[(m, b)]['__bytes__'])})"
                  if (m, b) in avg else "-" for b in budgets]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
+    learned = sorted(learned_methods(rows) & set(methods))
     baselines = [m for m in methods if m not in learned]
     if learned and (baselines or full is not None):
         shown: list[bool] = []  # whether any cell has an interval (then the note under the table says what it is)
@@ -263,7 +270,7 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     tasks = _common_tasks(means)
     fig, ax = plt.subplots(figsize=(9.0, 4.6))
     methods = sorted({m for m, b in means if b != "full"})
-    learned = [m for m in methods if m.startswith(("global_gates", "trimkv"))]
+    learned = sorted(learned_methods(rows) & set(methods))
     baselines = [m for m in methods if m not in learned]
     # learned methods: strong colours, solid, each its own marker; baselines: the pale half of tab20,
     # dashed, so no two lines share a colour and style with up to 20 methods

@@ -108,3 +108,14 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
         publish(goal, None, card_section="Goal check")
     assert main(["report", str(goal), "--card-section", "Goal check"]) == 2  # no --card: refused
     assert main(["report", str(goal), "--card", str(card), "--card-section", " "]) == 2
+
+
+def test_learned_rows_are_known_by_their_policy_not_their_label():
+    rows = _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0])
+    variant = _rows("stage2", "fraction=0.1", "t", [100.0] * 5)
+    for r in variant:
+        r["policy"] = "global_gates"
+    rows += variant + _rows("streamingllm", "fraction=0.1", "t", [0.0] * 5)
+    table = summary_table(rows)
+    assert "| stage2 | 10% | 100.0 | +0.0 [+0.0, +0.0] | +100.0 [+100.0, +100.0] (streamingllm) |" in table
+    assert "(stage2)" not in table  # never the "best training-free" baseline
