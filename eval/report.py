@@ -381,7 +381,8 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     if not rows:
         raise ValueError(f"{results} holds no results")
     src = Path(results)
-    plot_path = summary_plot(rows, src.parent / "summary.png")
+    # a --card-section brings no plot (and never comes with --readme): only the main results draw one
+    plot_path = summary_plot(rows, src.parent / "summary.png") if card_section is None else None
     text = _summary_text(rows, src)
     written = []
     if card is not None:
