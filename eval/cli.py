@@ -1,4 +1,5 @@
-"""``python -m eval run --config ...`` / ``python -m eval report RESULTS`` (also ``retention eval ...``)."""
+"""``python -m eval run --config ...`` / ``python -m eval report RESULTS`` / ``python -m eval pool A B ... --out P``
+(also ``retention eval ...``)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,24 @@ def _report(args: argparse.Namespace) -> int:
     return _publish(args, args.results)
 
 
+def _pool(args: argparse.Namespace) -> int:
+    from .pool import pool_results
+    from .report import markdown_table
+    from .runner import read_results
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    try:
+        out, dropped = pool_results(args.results, args.out, methods)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dropped:
+        print(f"left out (not in every file, or not in --methods): {', '.join(dropped)}")
+    print(markdown_table(read_results(out)))
+    print(f"\npooled: {out}")
+    return _publish(args, out)
+
+
 def _publish_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--card", default=None, metavar="DIR",
                    help="gate checkpoint folder whose model card gets the summary table and plot")
@@ -95,6 +114,12 @@ def register(subparsers) -> None:
     rep.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: beside RESULTS)")
     _publish_args(rep)
     rep.set_defaults(func=_report)
+    pool = sub.add_parser("pool", help="pool sweeps of the same tasks on different items (seeds) into one results file")
+    pool.add_argument("results", nargs="+", help="results.jsonl files (two or more)")
+    pool.add_argument("--out", required=True, help="the pooled results.jsonl to write")
+    pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
+    _publish_args(pool)
+    pool.set_defaults(func=_pool)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,10 @@ class Method(ABC):
         """Context in which this method's forwards run (e.g. the attachment's mode)."""
         yield
 
+    def gates_id(self, model) -> str | None:
+        """Fingerprint of the gates that score this method's evictions; ``None`` when no gates do."""
+        return None
+
 
 class FullCache(Method):
     """Everything kept, in a plain ``DynamicCache``."""
@@ -123,6 +127,11 @@ class PolicyCache(Method):
     def active(self, model):
         with model.retention.use_mode("score"), self._own_gates(model):
             yield
+
+    def gates_id(self, model) -> str | None:
+        if not self.policy(streaming=False).uses_gates:
+            return None  # training-free: the sweep's gates do not touch its scores
+        return (self.own_gates(model) if self.gates else model.retention.gates).fingerprint()
 
     def _own_gates(self, model):
         """Swap in this method's own gates (loaded once) for its forwards; the sweep's gates otherwise."""

@@ -51,6 +51,28 @@ def _drop_torn_tail(path: Path) -> None:
             fh.truncate(data.rfind(b"\n") + 1)
 
 
+def _set_aside_other_gates(results: Path, gate_ids: dict[str, str | None]) -> list[dict[str, Any]]:
+    """The rows of ``results`` a resumed sweep may keep: rows a gated method scored with other gates than
+    it has now (say the shipped checkpoint changed) move to ``results.replaced.jsonl`` and are scored
+    again, so one table never mixes two sets of gates. Rows written before rows carried ``gates_id``
+    are kept as they are (delete them to rescore)."""
+    rows = read_results(results)
+    stale = [r for r in rows if gate_ids.get(r.get("method")) and r.get("gates_id", gate_ids[r["method"]]) != gate_ids[r["method"]]]
+    if stale:
+        from retention.io import atomic_write_bytes
+
+        aside = results.with_name("results.replaced.jsonl")
+        with open(aside, "a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in stale))
+        gone = {id(r) for r in stale}
+        rows = [r for r in rows if id(r) not in gone]
+        atomic_write_bytes(results, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        changes = sorted({f"{r['method']} ({r['gates_id']} -> {gate_ids[r['method']]})" for r in stale})
+        print(f"[eval] {len(stale)} rows were scored by other gates than the methods have now: {', '.join(changes)}; "
+              f"moved to {aside} and scored again")
+    return rows
+
+
 def _jobs(cfg: EvalConfig, tokenizer, done: set) -> Iterator[tuple]:
     """``(item, method, budgets, rows)`` still to run: the budgets of one (item, method) go together,
     so a one-shot prefill is shared by all of them (see :func:`eval.protocol.run_item_budgets`)."""
@@ -97,12 +119,13 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     _drop_torn_tail(results)
-    done = {row_key(r) for r in read_results(results)}
     if model_and_tokenizer is None:
         from .models import load_eval_model
 
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     model, tok = prepare_model(cfg, *model_and_tokenizer)
+    gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
+    done = {row_key(r) for r in _set_aside_other_gates(results, gate_ids)}
     jobs = list(_jobs(cfg, tok, done))
     references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
@@ -128,7 +151,8 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
                                         reference=ref, shared=share)
             for row, res in zip(rows, results_):
                 res = {**row, "policy": method.name, "metric": item.metric, "model": cfg.model, "seed": cfg.seed,
-                       "split": cfg.split, **res}
+                       "split": cfg.split, **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}),
+                       **res}
                 fh.write(json.dumps(res) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -150,6 +150,18 @@ class RetentionGates(nn.Module):
             )
         return F.logsigmoid(self.logits(layer, x))
 
+    def fingerprint(self) -> str:
+        """12 hex digits of a SHA-256 over every parameter (name, dtype, shape, bytes): which gates scored a
+        result, so results of other gates are never mixed in (see ``eval.runner``)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.state_dict().items()):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:12]
+
     # -- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename)."""

@@ -119,3 +119,55 @@ def test_learned_rows_are_known_by_their_policy_not_their_label():
     table = summary_table(rows)
     assert "| stage2 | 10% | 100.0 | +0.0 [+0.0, +0.0] | +100.0 [+100.0, +100.0] (streamingllm) |" in table
     assert "(stage2)" not in table  # never the "best training-free" baseline
+
+
+def _seed_rows(seed: int, methods: dict[str, list[float]]) -> list[dict]:
+    rows = []
+    for m, scores in methods.items():
+        budget = "full" if m == "full" else "fraction=0.1"
+        for r in _rows(m, budget, "t", scores):
+            rows.append({**r, "item": f"t-{seed}-{r['item']}", "protocol": "query_agnostic", "prefill": "one_shot"})
+    return rows
+
+
+def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
+    from eval.pool import pool_results, pool_rows
+
+    s0 = _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5, "snapkv": [10.0] * 5})
+    s1 = _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})
+    rows, dropped = pool_rows({"s0": s0, "s1": s1})
+    assert dropped == ["snapkv"] and len(rows) == 20
+    # each method's mean is over the same 10 items: 90 vs 70, and the interval is a real pooled one
+    assert "| full cache | 80.0" in summary_table(rows) and "| global_gates | 70.0" in summary_table(rows)
+    assert paired_gap_interval(rows, A, FULL, ["t"]) is not None
+    assert paired_gap_interval(s0, A, FULL, ["t"]) == pytest.approx((-20.0, -20.0))
+    with pytest.raises(ValueError, match="s1 has no rows of \\['snapkv'\\]"):
+        pool_rows({"s0": s0, "s1": s1}, methods=["full", "snapkv"])
+    with pytest.raises(ValueError, match="both hold t item 't-0-t-0'.*another `seed:`"):
+        pool_rows({"s0": s0, "again": s0})
+    with pytest.raises(ValueError, match="two or more"):
+        pool_rows({"s0": s0})
+    with pytest.raises(ValueError, match="nothing to pool"):
+        pool_rows({"s0": _seed_rows(0, {"a": [1.0]}), "s1": _seed_rows(1, {"b": [1.0]})})
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p, rs in ((a, s0), (b, s1)):
+        p.write_text("".join(__import__("json").dumps(r) + "\n" for r in rs))
+    out, dropped = pool_results([a, b], tmp_path / "pooled" / "results.jsonl", methods=["full", "global_gates"])
+    assert dropped == ["snapkv"] and len(out.read_text().splitlines()) == 20
+    with pytest.raises(FileNotFoundError, match="results.jsonl of each sweep"):
+        pool_results([a, tmp_path / "nope.jsonl"], tmp_path / "x.jsonl")
+
+
+def test_pool_command_publishes_a_summary(tmp_path, capsys):
+    import json
+
+    from eval.cli import main
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
+    b.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    page = tmp_path / "pooled.md"
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page), "--title", "All"]) == 0
+    assert page.read_text().startswith("# All") and "| global_gates | 10% | 70.0 | -10.0 [" in page.read_text()
+    assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
+    assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()

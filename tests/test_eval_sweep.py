@@ -305,3 +305,46 @@ def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, mon
                          (["--readme", str(readme)], "markers")):
         assert cli.main(["run", "--config", str(cfg), *flags]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
+    """Rows carry the fingerprint of the gates that scored them; when a method's gates change (a new
+    shipped checkpoint), its rows move to results.replaced.jsonl and are scored again, the others stay."""
+    import torch
+
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    def gates(seed):
+        g = RetentionGates(GateConfig.for_model(model, bias_init=2.0))
+        gen = torch.Generator().manual_seed(seed)
+        for p in g.parameters():
+            p.data = torch.randn(p.shape, generator=gen)
+        return g
+
+    from eval.models import load_eval_model
+
+    model, tok = load_eval_model("tiny-llama-random")
+    first, second = gates(0), gates(1)
+    assert first.fingerprint() == gates(0).fingerprint() != second.fingerprint()
+    export_gates(first, tmp_path / "g", base_model="tiny")
+    assert RetentionGates.from_pretrained(tmp_path / "g").fingerprint() == first.fingerprint()
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nlengths: [128]\n"
+                 f"budgets: [0.25]\nitems: 2\nmax_new_tokens: 2\nmethods: [{{name: snapkv}}, "
+                 f"{{name: global_gates, gates: {tmp_path / 'g'}, label: mine}}]\n")
+    results = run_sweep(load_eval_config(p), progress=False)
+    rows = read_results(results)
+    assert {r["method"]: r.get("gates_id") for r in rows} == {"snapkv": None, "mine": first.fingerprint()}
+    run_sweep(load_eval_config(p), progress=False)  # same gates: nothing to do
+    assert read_results(results) == rows and not (results.parent / "results.replaced.jsonl").exists()
+
+    export_gates(second, tmp_path / "g", base_model="tiny")
+    capsys.readouterr()
+    run_sweep(load_eval_config(p), progress=False)
+    assert f"mine ({first.fingerprint()} -> {second.fingerprint()})" in capsys.readouterr().out
+    again, aside = read_results(results), read_results(results.parent / "results.replaced.jsonl")
+    assert aside == [r for r in rows if r["method"] == "mine"] and len(aside) == 2
+    assert [r for r in again if r["method"] == "snapkv"] == [r for r in rows if r["method"] == "snapkv"]
+    assert sorted(r["item"] for r in again if r.get("gates_id") == second.fingerprint()) == sorted(r["item"] for r in aside)
+    assert len(again) == len(rows)

@@ -59,6 +59,7 @@ class EvictionPolicy(ABC):
     mode: str = "streaming"
     needs_queries: bool = False
     evicts: bool = True  # False: the full cache (never evicts, whatever the budget)
+    uses_gates: bool = False  # True: scores come from the attached retention gates (their beta)
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
 
     def bind(self, model) -> None:

@@ -49,6 +49,7 @@ class GlobalGatesPolicy(EvictionPolicy):
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
+    uses_gates = True  # class attribute, not a parameter
 
     def __post_init__(self) -> None:
         self.validate()
