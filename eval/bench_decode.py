@@ -41,19 +41,20 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk):
     import torch
 
     from retention.cache import RetentionCache
+    from retention.compat import cache_kwargs
 
     budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
     cache = RetentionCache(model, budget=budget)
     x = torch.tensor([ids])
     with torch.no_grad():
         for s in range(0, x.shape[1], chunk):  # chunked prefill: eviction runs between chunks
-            model(input_ids=x[:, s : s + chunk], past_key_values=cache, use_cache=True)
+            model(input_ids=x[:, s : s + chunk], **cache_kwargs(cache), use_cache=True)
         prefill_peak = cache.peak_entries
         tok = x[:, -1:]
         times = []
         for _ in range(new_tokens):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            out = model(input_ids=tok, **cache_kwargs(cache), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t)
     report = cache.memory_report()

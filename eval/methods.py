@@ -20,6 +20,8 @@ from typing import Any, Iterator
 
 import torch
 
+from retention.compat import cache_kwargs
+
 
 def kv_streams(model) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of the text decoder."""
@@ -182,5 +184,5 @@ def prefill(model, cache, ids: list[int], chunk: int | None) -> torch.Tensor:
     step = chunk or x.shape[1]
     logits = None
     for s in range(0, x.shape[1], step):
-        logits = model(input_ids=x[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=x[:, s : s + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
     return logits[0, -1]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from retention.policies.base import EvictionPolicy
+from retention.compat import cache_kwargs
 
 from .budgets import Budget
 from .methods import Method, kv_streams, prefill
@@ -205,12 +206,12 @@ def _answer(model, tokenizer, item: Item, method: Method, cache, row: dict[str, 
     row = {**row, **method.memory(cache, model)}
     if item.metric == "fidelity":
         x = torch.tensor([ids], device=model.device)
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=x, **cache_kwargs(cache), use_cache=True).logits[0]
         ref = reference if reference is not None else reference_logits(model, item)
         kl, top1 = kl_and_top1(ref, logits)
         return {**row, "score": top1, "kl": kl, "reply": ""}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache,
+    out = model.generate(input_ids=torch.tensor([ids], device=model.device), **cache_kwargs(cache),
                          max_new_tokens=item.max_new_tokens or max_new_tokens, do_sample=False,
                          pad_token_id=pad, temperature=None, top_p=None, top_k=None)
     reply = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)

@@ -329,7 +329,8 @@ def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state.log_beta = state.attachment.gates(state.layer, x)
     if mode == "score":
         # a retention cache (anything with this method) takes each new token's log_beta with its K/V
-        cache = kwargs.get("past_key_values")
+        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         state.cache = cache if hasattr(cache, "retention_pre_attention") else None
         if state.cache is not None:
             state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .attach import attach_gates, check_gates_match, text_config_of, unwrap
+from .compat import cache_kwargs
 from .gates import RetentionGates
 from .models import is_multimodal
 from .policies.base import EvictionPolicy
@@ -151,7 +152,7 @@ class RetentionChat:
                     result["out"] = self.model.generate(
                         input_ids=full,
                         attention_mask=torch.ones_like(full),
-                        past_key_values=self.cache,
+                        **cache_kwargs(self.cache),
                         streamer=streamer,
                         pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
                         **kwargs,
@@ -252,7 +253,7 @@ class RetentionChat:
                 image_grid_thw=turn["image_grid_thw"],
                 mm_token_type_ids=mm[:, : T - 1],
                 position_ids=positions,
-                past_key_values=self.cache,
+                **cache_kwargs(self.cache),
                 use_cache=True,
                 logits_to_keep=1,
             )

@@ -25,6 +25,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from . import attach_gates, load_model
     from .cache import RetentionCache
+    from .compat import cache_kwargs
     from .hub import load_gates
     from .models import shipped_gates
 
@@ -54,7 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
         cache = RetentionCache(model, budget=b)
         attachment.reset()
         with attachment.use_gates(other) if other is not None else nullcontext(), torch.no_grad():
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
+            out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=args.max_new_tokens, do_sample=False)
         report = cache.memory_report()
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"{name:<22} {report['kept_entries']:>16,} {report['kv_bytes'] / 2**20:>8.2f}  {answer!r}")

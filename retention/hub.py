@@ -89,7 +89,7 @@ def model_card(config: dict[str, Any]) -> str:
         f'gates = load_gates("<this repo or folder>", model=model)',
         'attach_gates(model, gates, mode="score")',
         *_CARD_CACHE.get(gc["variant"], _CARD_CACHE["global"]),
-        "# model.generate(**inputs, past_key_values=cache)",
+        "# model.generate(**inputs, cache=cache)  # past_key_values=cache before transformers 5.24",
         "```",
         "",
     ]

@@ -255,3 +255,16 @@ def test_use_gates_scores_with_other_gates_and_restores():
     with pytest.raises(ValueError, match="do not match"):
         with att.use_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8))):
             pass
+
+
+def test_cache_kwargs_names_the_argument_this_transformers_takes():
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache``: ours must match the installed one."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaModel
+
+    from retention.compat import CACHE_KWARG, cache_kwargs
+
+    assert CACHE_KWARG in inspect.signature(LlamaModel.forward).parameters
+    assert CACHE_KWARG in inspect.signature(LlamaAttention.forward).parameters
+    assert cache_kwargs("c") == {CACHE_KWARG: "c"}

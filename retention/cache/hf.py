@@ -4,7 +4,7 @@ Use with a model whose gates are attached in ``"score"`` mode::
 
     attachment = attach_gates(model, gates, mode="score")
     cache = RetentionCache(model, budget=RetentionCache.budget_for(model, tokens=512))
-    out = model.generate(**inputs, past_key_values=cache, prefill_chunk_size=256)
+    out = model.generate(**inputs, cache=cache, prefill_chunk_size=256)  # past_key_values= before 5.24
 
 Per forward and layer: the attachment's pre-hook computes ``log_beta`` for the new tokens (from the same
 hidden state the keys come from) and hands it, with the padding mask, to the cache; ``update`` appends

@@ -1,0 +1,19 @@
+"""Differences between the transformers versions we support (``transformers>=5.0,<6``)."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+from packaging.version import Version
+
+# 5.24 renamed the cache argument of forward / generate from `past_key_values` to `cache` (the old name
+# still works, with a FutureWarning, until 5.40 for forward and 6.0 for generate). Read from the package
+# metadata: no transformers import just to know its name.
+CACHE_KWARG = "cache" if Version(version("transformers")).release >= (5, 24) else "past_key_values"
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` under the name this transformers' ``forward`` / ``generate`` take, e.g.
+    ``model.generate(**inputs, **cache_kwargs(cache))``."""
+    return {CACHE_KWARG: cache}
