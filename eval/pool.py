@@ -8,11 +8,10 @@ over the same items.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from .runner import read_results, row_key
+from .runner import jsonl, read_results, row_key
 
 
 def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
@@ -63,5 +62,5 @@ def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | 
     rows, dropped = pool_rows({str(p): read_results(p) for p in paths}, methods)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    atomic_write_bytes(out, jsonl(rows).encode())
     return out, dropped

@@ -41,6 +41,11 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def jsonl(rows: list[dict[str, Any]]) -> str:
+    """Rows as results-file text: one JSON object per line, the inverse of :func:`read_results`."""
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def _drop_torn_tail(path: Path) -> None:
     """Cut a partial last line so the next append starts on a fresh line."""
     if not path.is_file():
@@ -56,17 +61,20 @@ def _set_aside_other_gates(results: Path, gate_ids: dict[str, str | None]) -> li
     it has now (say the shipped checkpoint changed) move to ``results.replaced.jsonl`` and are scored
     again, so one table never mixes two sets of gates. Rows written before rows carried ``gates_id``
     are kept as they are (delete them to rescore)."""
+    def other_gates(r: dict[str, Any]) -> bool:
+        now = gate_ids.get(r.get("method"))
+        return bool(now) and r.get("gates_id", now) != now
+
     rows = read_results(results)
-    stale = [r for r in rows if gate_ids.get(r.get("method")) and r.get("gates_id", gate_ids[r["method"]]) != gate_ids[r["method"]]]
+    stale = [r for r in rows if other_gates(r)]
     if stale:
         from retention.io import atomic_write_bytes
 
         aside = results.with_name("results.replaced.jsonl")
         with open(aside, "a") as fh:
-            fh.write("".join(json.dumps(r) + "\n" for r in stale))
-        gone = {id(r) for r in stale}
-        rows = [r for r in rows if id(r) not in gone]
-        atomic_write_bytes(results, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            fh.write(jsonl(stale))
+        rows = [r for r in rows if not other_gates(r)]
+        atomic_write_bytes(results, jsonl(rows).encode())
         changes = sorted({f"{r['method']} ({r['gates_id']} -> {gate_ids[r['method']]})" for r in stale})
         print(f"[eval] {len(stale)} rows were scored by other gates than the methods have now: {', '.join(changes)}; "
               f"moved to {aside} and scored again")
