@@ -177,3 +177,16 @@ def test_full_cache_never_evicts():
         model(input_ids=torch.randint(0, 100, (1, 20)), past_key_values=cache)
         model(input_ids=torch.randint(0, 100, (1, 1)), past_key_values=cache)
     assert int(cache.store.lengths.sum()) == 21 * 3 * 2
+
+
+def test_global_gates_recent_window_keeps_the_newest_tokens_whatever_their_beta():
+    """The gates rank by beta^age; ``recent`` lifts the newest tokens (and ``sink`` the first) above them."""
+    view = layer_view(L=10)
+    entries = entries_for(view)
+    # fresh tokens get a low beta (dropped at once by the gates alone), old ones a beta near 1
+    entries.log_beta = torch.tensor([[-0.01] * 6 + [-2.0] * 4])
+    assert kept(get_policy("global_gates", sink=0), entries, 4) == [[2, 3, 4, 5]]
+    assert kept(get_policy("global_gates", sink=0, recent=2), entries, 4) == [[4, 5, 8, 9]]
+    assert kept(get_policy("global_gates", sink=1, recent=2), entries, 4) == [[0, 5, 8, 9]]
+    with pytest.raises(ValueError, match="recent must be >= 0"):
+        get_policy("global_gates", recent=-1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import EntryView, EvictionPolicy
+from .window import recent_mask
 
 
 def lookahead_log_score(log_beta: torch.Tensor, age: torch.Tensor, horizon: int) -> torch.Tensor:
@@ -42,10 +43,16 @@ class GlobalGatesPolicy(EvictionPolicy):
     sink loses its attention pattern: SmolLM2's gates trained on 1k-token rows keep position 0 in only
     19 of 90 heads at 10% of a 4k context, and next-token top-1 agreement falls to 55% (95% with the
     sinks). ``sink=0`` leaves every decision to the gates (the paper's method as written).
+
+    ``recent``: the newest ``recent`` tokens are also kept in every head (a local window, as SnapKV and
+    StreamingLLM keep; ``recent * L * H_kv`` entries of the budget). The gates may give a fresh token a
+    low beta and the global top-B then drops it at once, although the next few queries attend to it
+    most; 0 (default) leaves those decisions to the gates.
     """
 
     horizon: int = 1
     sink: int = 4
+    recent: int = 0
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
@@ -57,10 +64,16 @@ class GlobalGatesPolicy(EvictionPolicy):
             raise ValueError(f"horizon must be >= 1, got {self.horizon}")
         if self.sink < 0:
             raise ValueError(f"sink must be >= 0 (tokens always kept at the start), got {self.sink}")
+        if self.recent < 0:
+            raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
 
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
-        if self.sink:
-            score = torch.where(entries.sinks(self.sink), torch.full_like(score, float("inf")), score)
+        keep = entries.sinks(self.sink) if self.sink else None
+        if self.recent:
+            window = recent_mask(entries, self.recent)
+            keep = window if keep is None else keep | window
+        if keep is not None:
+            score = torch.where(keep, torch.full_like(score, float("inf")), score)
         return score
