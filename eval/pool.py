@@ -16,7 +16,7 @@ from .runner import jsonl, read_results, row_key
 
 def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """``(rows, dropped)``: the rows of every set (name -> rows) of the methods scored in all of them
-    (or of ``methods``), and the methods left out. Raises ``ValueError`` naming the set and the fix when
+    (or of ``methods``), each marked with its set (``pooled_from``), and the methods left out. Raises ``ValueError`` naming the set and the fix when
     a set is empty, lacks a requested method, or holds a row (same task, item, method, budget) that
     another set holds too: pooled items must be distinct (different seeds)."""
     if len(sets) < 2:
@@ -45,7 +45,7 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None =
                 raise ValueError(f"{name} and {seen[k]} both hold {r['task']} item {r['item']!r} ({r['method']}, "
                                  f"{r['budget']}): pool sweeps of different items (another `seed:`)")
             seen[k] = name
-            rows.append(r)
+            rows.append({**r, "pooled_from": name})
     dropped = sorted(set.union(*present.values()) - keep)
     return rows, dropped
 

@@ -303,9 +303,11 @@ def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
     view at the goal budget (10% where it was run, else the smallest budget)."""
     models = sorted({str(r.get("model", "?")) for r in rows})
     lengths = sorted({r["length"] for r in rows})
+    sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
+    made = (f"Pooled by `python -m eval pool` ({src}) from the `python -m eval run` results {', '.join(sources)}"
+            if sources else f"Produced by `python -m eval run` ({src})")
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
-            f"(the context is compressed before the question arrives). Produced by `python -m eval run` "
-            f"({src}).\n\n" + summary_table(rows))
+            f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
     budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
     if budgets:
         text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])

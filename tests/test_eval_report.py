@@ -169,5 +169,8 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     page = tmp_path / "pooled.md"
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page), "--title", "All"]) == 0
     assert page.read_text().startswith("# All") and "| global_gates | 10% | 70.0 | -10.0 [" in page.read_text()
+    # the page says it was pooled, and from which files (not "Produced by `python -m eval run`")
+    assert f"Pooled by `python -m eval pool` ({tmp_path / 'p.jsonl'}) from the `python -m eval run` results {a}, {b}." in page.read_text()
+    assert "Produced by" not in page.read_text()
     assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
