@@ -266,10 +266,10 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy
 
-    try:  # the policy checks --sink before the model loads
-        policy = GlobalGatesPolicy(sink=args.sink)
+    try:  # the policy checks --sink / --recent before the model loads
+        policy = GlobalGatesPolicy(sink=args.sink, recent=args.recent)
     except ValueError as e:
-        print(f"error: --sink: {e}", file=sys.stderr)
+        print(f"error: {e} (--sink / --recent)", file=sys.stderr)
         return 2
     model, processor = load_model(args.model)
     try:
@@ -323,6 +323,8 @@ def register(subparsers: Any) -> None:
                    "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
     p.add_argument("--budget", type=int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
     p.add_argument("--sink", type=int, default=4, help="first tokens always kept in every head (attention sinks); "
+                   "0: the gates alone decide")
+    p.add_argument("--recent", type=int, default=0, help="newest tokens always kept in every head (a local window); "
                    "0: the gates alone decide")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256)
