@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from transformers import DynamicCache
 
 from retention.attach import attach_gates
+from retention.compat import cache_kwargs
 from retention.policies import get_policy
 from retention.cache import RetentionCache
 from tiny_models import BUILDERS, vl_inputs
@@ -20,7 +22,7 @@ def _with_gates(name: str):
 
 def _generate(model, cache, **kw):
     with torch.no_grad():
-        return model.generate(past_key_values=cache, pad_token_id=0, **kw)
+        return model.generate(**cache_kwargs(cache), pad_token_id=0, **kw)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
@@ -117,10 +119,10 @@ def _replay_logprob(model, cache, prompt: torch.Tensor, new: torch.Tensor) -> fl
     """Sum of log p(new tokens) decoding ``prompt`` then ``new`` one token at a time in a one-row cache."""
     total = 0.0
     with torch.no_grad():
-        logits = model(input_ids=prompt[None], past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=prompt[None], **cache_kwargs(cache), use_cache=True).logits[0, -1]
         for tok in new.tolist():
             total += float(torch.log_softmax(logits.float(), -1)[tok])
-            logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=torch.tensor([[tok]]), **cache_kwargs(cache), use_cache=True).logits[0, -1]
     return total
 
 
@@ -133,7 +135,7 @@ def test_beam_search_under_eviction_equals_replaying_each_beam_alone(policy):
     budget = RetentionCache.budget_for(model, 8)
     cache = RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt[None], past_key_values=cache, pad_token_id=0, max_new_tokens=10,
+        out = model.generate(input_ids=prompt[None], **cache_kwargs(cache), pad_token_id=0, max_new_tokens=10,
                              min_new_tokens=10, do_sample=False, num_beams=3, num_return_sequences=3,
                              length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
     assert cache.evictions > 0 and cache.store.batch == 3
@@ -152,7 +154,7 @@ def test_several_continuations_of_a_filled_cache():
     budget = RetentionCache.budget_for(model, 6)
     cache = RetentionCache(model, budget=budget, policy=get_policy("h2o"), slack=0)
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **cache_kwargs(cache), use_cache=True)
     cache.compress()
     twin = RetentionCache(model, budget=budget, policy=get_policy("h2o"), slack=0)
     twin.copy_from(cache)

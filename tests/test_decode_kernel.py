@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retention.cache.attention import paged_decode_reference
+from retention.compat import cache_kwargs
 
 kernel = pytest.importorskip("retention.cache.triton_decode")
 
@@ -65,7 +66,7 @@ def test_generate_through_the_paged_kernel_equals_the_padded_path(monkeypatch):
     def generate():
         cache = RetentionCache(model, budget=budget, page_size=4)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+            out = model.generate(input_ids=ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
         return out, cache.evictions
 
     padded, ev = generate()

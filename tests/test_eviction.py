@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retention.attach import attach_gates
+from retention.compat import cache_kwargs
 from retention.cache import PagedKVStore, RetentionCache
 from retention.cache.hf import CacheBudgetError
 from retention.policies import GlobalGatesPolicy, TrimKVPolicy, lookahead_log_score
@@ -168,7 +170,7 @@ def test_generate_sizes_never_exceed_budget_plus_slack(model):
     try:
         torch.manual_seed(0)
         ids = torch.randint(0, 100, (1, 30))
-        model.generate(ids, max_new_tokens=25, do_sample=False, past_key_values=cache, prefill_chunk_size=4)
+        model.generate(ids, max_new_tokens=25, do_sample=False, **cache_kwargs(cache), prefill_chunk_size=4)
     finally:
         hook.remove()
     chunk_entries = 4 * L * H

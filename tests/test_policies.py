@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retention import attach_gates
+from retention.compat import cache_kwargs
 from retention.cache import RetentionCache
 from retention.cache.select import select_keep
 from retention.policies import EntryView, get_policy, policy_params
@@ -152,8 +153,8 @@ def test_every_policy_keeps_exactly_its_budget(name, params, mode):
         setattr(policy, hook, lambda *a, _r=real, _h=hook: used.setdefault(_h, _r(*a)))
     ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(input_ids=ids[:, :30], past_key_values=cache)  # prefill
-        model(input_ids=ids[:, 30:31], past_key_values=cache)  # compresses to the budget, then appends one token
+        model(input_ids=ids[:, :30], **cache_kwargs(cache))  # prefill
+        model(input_ids=ids[:, 30:31], **cache_kwargs(cache))  # compresses to the budget, then appends one token
     per_head = cache.store.lengths.view(L, H) - 1  # minus the token appended after the eviction
     layer_table, head_table = used.get("layer_budget_table"), used.get("head_budget_table")
     if policy.budget_scope == "global":
@@ -174,8 +175,8 @@ def test_full_cache_never_evicts():
     attach_gates(model, mode="score")
     cache = RetentionCache(model, budget=12, policy=get_policy("full"), slack=0)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 100, (1, 20)), past_key_values=cache)
-        model(input_ids=torch.randint(0, 100, (1, 1)), past_key_values=cache)
+        model(input_ids=torch.randint(0, 100, (1, 20)), **cache_kwargs(cache))
+        model(input_ids=torch.randint(0, 100, (1, 1)), **cache_kwargs(cache))
     assert int(cache.store.lengths.sum()) == 21 * 3 * 2
 
 
