@@ -16,9 +16,10 @@ from .runner import jsonl, read_results, row_key
 
 def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """``(rows, dropped)``: the rows of every set (name -> rows) of the methods scored in all of them
-    (or of ``methods``), each marked with its set (``pooled_from``), and the methods left out. Raises ``ValueError`` naming the set and the fix when
-    a set is empty, lacks a requested method, or holds a row (same task, item, method, budget) that
-    another set holds too: pooled items must be distinct (different seeds)."""
+    (or of ``methods``), each marked with its set (``pooled_from``), and the methods left out. Raises
+    ``ValueError`` naming the set and the fix when a set is empty, lacks a requested method, or holds a
+    row (same task, item, method, budget) that another set holds too: pooled items must be distinct
+    (different seeds)."""
     if len(sets) < 2:
         raise ValueError("pooling needs two or more results files")
     for name, rows in sets.items():

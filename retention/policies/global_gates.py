@@ -70,10 +70,5 @@ class GlobalGatesPolicy(EvictionPolicy):
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
-        keep = entries.sinks(self.sink) if self.sink else None
-        if self.recent:
-            window = recent_mask(entries, self.recent)
-            keep = window if keep is None else keep | window
-        if keep is not None:
-            score = torch.where(keep, torch.full_like(score, float("inf")), score)
-        return score
+        keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
+        return torch.where(keep, torch.full_like(score, float("inf")), score)
