@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from retention.policies.registry import POLICIES
+
 from .budgets import parse_budget
 from .runner import read_results
 
@@ -144,7 +146,7 @@ def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, f
 
 
 _STATS = ("__kv__", "__bytes__")
-LEARNED_POLICIES = ("global_gates", "trimkv")
+LEARNED_POLICIES = tuple(n for n, cls in POLICIES.items() if getattr(cls, "uses_gates", False))  # scored by gates
 
 
 def learned_methods(rows: list[dict[str, Any]]) -> set[str]:

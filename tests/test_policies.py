@@ -135,6 +135,7 @@ POLICY_CASES = [
     ("pyramidkv", {"window": 4, "beta": 2.0}), ("trimkv", {}), ("global_gates", {"horizon": 4}),
     ("adakv", {"window": 4}), ("criticalkv", {"window": 4}), ("lava", {"window": 4}), ("cake", {"window": 4}),
     ("restkv", {"window": 4}), ("defensivekv", {"window": 4}), ("layer_defensivekv", {"window": 4}),
+    ("gates_snapkv", {"window": 4, "share": 0.5}),
 ]
 
 
@@ -191,3 +192,33 @@ def test_global_gates_recent_window_keeps_the_newest_tokens_whatever_their_beta(
     assert kept(get_policy("global_gates", sink=1, recent=2), entries, 4) == [[0, 5, 8, 9]]
     with pytest.raises(ValueError, match="recent must be >= 0"):
         get_policy("global_gates", recent=-1)
+
+
+def test_gates_snapkv_gives_each_head_its_attention_share_and_the_gates_the_rest():
+    """Brute force: each head keeps its SnapKV top ``share * B / (L * H)`` (window included); the gates' global
+    ranking (sinks first) fills the rest of the one budget."""
+    view = layer_view(L=12, H=2, seed=1)
+    q = torch.randn(1, 4, 6, D, generator=torch.Generator().manual_seed(2))  # 2 KV heads x G = 2, 6 queries
+    qpos = torch.arange(6, 12)[None]
+    entries = entries_for(view)
+    entries.log_beta = -torch.rand(2, 12, generator=torch.Generator().manual_seed(3))
+    pol = get_policy("gates_snapkv", share=0.5, window=2, kernel=1, sink=1)  # kernel 1: no pooled ties
+    snap = get_policy("snapkv", window=2, kernel=1)
+    pol.observe(0, q, view, qpos)
+    snap.observe(0, q, view, qpos)
+    budget = 16
+    pol.set_budget(budget, 1, 2)  # 4 per head by attention, the window's 2 among them
+    attn, gates = snap.score(entries), get_policy("global_gates", sink=1).score(entries)
+    want = set()
+    for h in range(2):
+        want |= {(h, int(i)) for i in sorted(range(12), key=lambda i: -float(attn[h, i]))[:4]}
+    rest = sorted(((h, i) for h in range(2) for i in range(12) if (h, i) not in want), key=lambda e: -float(gates[e]))
+    want |= set(rest[: budget - len(want)])
+    score = pol.score(entries)
+    keep = select_keep(score, entries.pos, entries.valid, torch.zeros(2, dtype=torch.long), torch.tensor([budget]))
+    assert {(h, int(i)) for h, i in keep.nonzero().tolist()} == want
+    assert {(0, 0), (1, 0)} <= want and {(0, 10), (0, 11), (1, 10), (1, 11)} <= want  # sinks, window
+    pol.set_budget(budget, 1, 2)
+    assert torch.equal(get_policy("gates_snapkv", share=0.0, sink=1).score(entries), gates)  # share 0: the gates alone
+    with pytest.raises(ValueError, match="share must be in \\[0, 1\\]"):
+        get_policy("gates_snapkv", share=1.5)

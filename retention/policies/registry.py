@@ -10,6 +10,7 @@ from .base import EvictionPolicy
 from .cake import CAKEPolicy
 from .defensivekv import DefensiveKVPolicy, LayerDefensiveKVPolicy
 from .full import FullCachePolicy
+from .gates_snapkv import GatesSnapKVPolicy
 from .global_gates import GlobalGatesPolicy
 from .h2o import H2OPolicy
 from .lava import LAVaPolicy
@@ -38,6 +39,7 @@ POLICIES: dict[str, Any] = {
     "layer_defensivekv": LayerDefensiveKVPolicy,
     "trimkv": TrimKVPolicy,
     "global_gates": GlobalGatesPolicy,
+    "gates_snapkv": GatesSnapKVPolicy,
 }
 _INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets", "layer_normalise"}  # not user parameters
 
@@ -46,7 +48,7 @@ def policy_params(name: str) -> list[str]:
     """The parameters a policy accepts."""
     cls = POLICIES[name] if isinstance(POLICIES[name], type) else AdaKVPolicy
     hidden = _INTERNAL | ({"value_norm"} if name == "criticalkv" else set())
-    return sorted(f.name for f in dataclasses.fields(cls) if f.name not in hidden)
+    return sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in hidden)
 
 
 def get_policy(name: str, **params: Any) -> EvictionPolicy:

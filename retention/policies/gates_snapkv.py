@@ -1,0 +1,59 @@
+"""Learned global gates with a share of the budget picked by SnapKV's observation-window attention.
+
+The gates rank entries by what any future query may need (query-agnostic, learned); SnapKV ranks them
+by what the context's last ``window`` queries attend to, the best training-free predictor of the next
+tokens' needs on SmolLM2 (fidelity). This policy gives each (layer, KV head) its SnapKV top
+``share * B / (L * H_kv)`` entries (the window among them) and fills the rest of the one global budget
+B with the gates' top entries, sinks included. ``share=0`` is :class:`GlobalGatesPolicy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import EntryView
+from .global_gates import GlobalGatesPolicy
+from .snapkv import SnapKVPolicy
+
+
+@dataclass
+class GatesSnapKVPolicy(GlobalGatesPolicy):
+    share: float = 0.25
+    window: int = 32
+    kernel: int = 7
+    name: str = "gates_snapkv"
+    needs_queries: bool = True
+    snap: SnapKVPolicy = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"share must be in [0, 1] (the budget's fraction picked by attention), got {self.share}")
+        # one_shot: scores move with every prefill chunk or turn, not with each decoded token
+        self.snap = SnapKVPolicy(window=self.window, kernel=self.kernel, mode="one_shot")
+        self._per_head = 0
+
+    def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
+        self._per_head = int(self.share * total // (num_layers * num_heads))
+
+    def observe(self, layer, query, view, query_pos) -> None:
+        self.snap.observe(layer, query, view, query_pos)
+
+    def score(self, entries: EntryView) -> torch.Tensor:
+        """``(R, Lpad)``: +inf for each stream's SnapKV top ``share * B / (L * H)`` and the sinks, else the
+        gates' log retention."""
+        gates = super().score(entries)
+        k = min(self._per_head, entries.valid.shape[1])
+        if k == 0:
+            return gates
+        attn = self.snap.score(entries).masked_fill(~entries.valid, float("-inf"))
+        picked = torch.zeros_like(entries.valid).scatter_(1, attn.topk(k, dim=1).indices, True) & entries.valid
+        return torch.where(picked, torch.full_like(gates, float("inf")), gates)
+
+    def reset(self) -> None:
+        self.snap.reset()
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        self.snap.select_batch(indices)
