@@ -218,7 +218,9 @@ def test_gates_snapkv_gives_each_head_its_attention_share_and_the_gates_the_rest
     keep = select_keep(score, entries.pos, entries.valid, torch.zeros(2, dtype=torch.long), torch.tensor([budget]))
     assert {(h, int(i)) for h, i in keep.nonzero().tolist()} == want
     assert {(0, 0), (1, 0)} <= want and {(0, 10), (0, 11), (1, 10), (1, 11)} <= want  # sinks, window
-    pol.set_budget(budget, 1, 2)
-    assert torch.equal(get_policy("gates_snapkv", share=0.0, sink=1).score(entries), gates)  # share 0: the gates alone
+    alone = get_policy("gates_snapkv", share=0.0, sink=1)
+    alone.observe(0, q, view, qpos)
+    alone.set_budget(budget, 1, 2)
+    assert torch.equal(alone.score(entries), gates)  # share 0: the gates alone, whatever attention says
     with pytest.raises(ValueError, match="share must be in \\[0, 1\\]"):
         get_policy("gates_snapkv", share=1.5)
