@@ -3,7 +3,7 @@
 One file per method; :func:`get_policy` builds any of them by name.
 """
 
-from .base import BUDGET_SCOPES, EntryView, EvictionPolicy
+from .base import BUDGET_SCOPES, EntryView, EvictionPolicy, protect
 from .gates_snapkv import GatesSnapKVPolicy
 from .global_gates import GlobalGatesPolicy, lookahead_log_score
 from .registry import POLICIES, get_policy, policy_params
@@ -11,5 +11,5 @@ from .trimkv import TrimKVPolicy
 
 __all__ = [
     "BUDGET_SCOPES", "EntryView", "EvictionPolicy", "GatesSnapKVPolicy", "GlobalGatesPolicy", "POLICIES", "TrimKVPolicy",
-    "get_policy", "lookahead_log_score", "policy_params",
+    "get_policy", "lookahead_log_score", "policy_params", "protect",
 ]

@@ -51,6 +51,12 @@ class EntryView:
         return (self.pos >= 0) & (rel < n)
 
 
+def protect(score: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``score`` with the entries where ``keep`` (bool, broadcastable) is set raised to +inf, so the cache's
+    top-B always keeps them (sinks, a recent window, forced picks) whatever else competes."""
+    return torch.where(keep, torch.full_like(score, float("inf")), score)
+
+
 class EvictionPolicy(ABC):
     """Base class: turn cache contents into retention scores (higher = keep)."""
 

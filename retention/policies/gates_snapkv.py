@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import EntryView
+from .base import EntryView, protect
 from .global_gates import GlobalGatesPolicy
 from .snapkv import SnapKVPolicy
 
@@ -50,7 +50,7 @@ class GatesSnapKVPolicy(GlobalGatesPolicy):
             return gates
         attn = self.snap.score(entries).masked_fill(~entries.valid, float("-inf"))
         picked = torch.zeros_like(entries.valid).scatter_(1, attn.topk(k, dim=1).indices, True) & entries.valid
-        return torch.where(picked, torch.full_like(gates, float("inf")), gates)
+        return protect(gates, picked)
 
     def reset(self) -> None:
         self.snap.reset()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
+from .base import EntryView, EvictionPolicy, protect
 from .window import recent_mask
 
 
@@ -71,4 +71,4 @@ class GlobalGatesPolicy(EvictionPolicy):
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
-        return torch.where(keep, torch.full_like(score, float("inf")), score)
+        return protect(score, keep)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import EntryView, EvictionPolicy
+from .base import EntryView, EvictionPolicy, protect
 from .window import PositionStats, recent_mask, window_attention
 
 
@@ -37,7 +37,7 @@ class H2OPolicy(EvictionPolicy):
 
     def score(self, entries: EntryView) -> torch.Tensor:
         acc = self.stats.lookup(entries)
-        return torch.where(recent_mask(entries, self.recent), torch.full_like(acc, float("inf")), acc)
+        return protect(acc, recent_mask(entries, self.recent))
 
     def reset(self) -> None:
         self.stats.reset()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EntryView, EvictionPolicy
+from .base import EntryView, EvictionPolicy, protect
 
 
 @dataclass
@@ -28,4 +28,4 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     def score(self, entries: EntryView) -> torch.Tensor:
         recency = entries.pos.float()
-        return torch.where(entries.sinks(self.sink), torch.full_like(recency, float("inf")), recency)
+        return protect(recency, entries.sinks(self.sink))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import EntryView, EvictionPolicy
+from .base import EntryView, EvictionPolicy, protect
 
 
 def window_attention(query: torch.Tensor, view, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -115,7 +115,7 @@ class WindowPolicy(EvictionPolicy):
 
     def score(self, entries: EntryView) -> torch.Tensor:
         s = self.adjust(self.stats.lookup(entries), entries)
-        return torch.where(recent_mask(entries, self.window), torch.full_like(s, float("inf")), s)
+        return protect(s, recent_mask(entries, self.window))
 
     def reset(self) -> None:
         self.stats.reset()
