@@ -135,7 +135,7 @@ POLICY_CASES = [
     ("pyramidkv", {"window": 4, "beta": 2.0}), ("trimkv", {}), ("global_gates", {"horizon": 4}),
     ("adakv", {"window": 4}), ("criticalkv", {"window": 4}), ("lava", {"window": 4}), ("cake", {"window": 4}),
     ("restkv", {"window": 4}), ("defensivekv", {"window": 4}), ("layer_defensivekv", {"window": 4}),
-    ("gates_snapkv", {"window": 4, "share": 0.5}),
+    ("gates_snapkv", {"window": 4, "share": 0.5}), ("global_gates", {"pool": 3}),
 ]
 
 
@@ -192,6 +192,35 @@ def test_global_gates_recent_window_keeps_the_newest_tokens_whatever_their_beta(
     assert kept(get_policy("global_gates", sink=1, recent=2), entries, 4) == [[0, 5, 8, 9]]
     with pytest.raises(ValueError, match="recent must be >= 0"):
         get_policy("global_gates", recent=-1)
+
+
+def test_global_gates_pool_scores_each_entry_by_its_best_neighbour():
+    """Brute force: with ``pool=k`` an entry's score is the max of the plain scores of the valid entries
+    within k // 2 places of it in its own stream; padding lends nothing and keeps its own score."""
+    g = torch.Generator().manual_seed(3)
+    view = layer_view(L=11, H=2)
+    entries = entries_for(view)
+    entries.log_beta = -torch.rand(2, 11, generator=g) * 0.5
+    entries.valid[1, 8:] = False  # the second stream is shorter: its tail is padding
+    entries.log_beta[1, 8:] = 0.0  # the best score there, if padding could lend it
+    plain = get_policy("global_gates", sink=0).score(entries)
+    for k in (3, 5):
+        pooled = get_policy("global_gates", sink=0, pool=k).score(entries)
+        for r in range(2):
+            for i in range(11):
+                if not entries.valid[r, i]:
+                    assert pooled[r, i] == plain[r, i]
+                    continue
+                near = [plain[r, j] for j in range(max(0, i - k // 2), min(11, i + k // 2 + 1)) if entries.valid[r, j]]
+                assert pooled[r, i] == max(near), (k, r, i)
+    # a high-scoring entry brings its neighbours into a budget that would otherwise take the next best
+    target = torch.tensor([-5.0, -5.0, -0.1, -5.0, -5.0, -1.0, -5.0, -5.0, -5.0, -5.0, -5.0])  # score = age * log beta
+    entries.log_beta = (target / (entries.step[:, None] - entries.pos + 1)).clone()
+    entries.valid[1, 8:] = True
+    assert kept(get_policy("global_gates", sink=0), entries, 2)[0] == [2, 5]
+    assert kept(get_policy("global_gates", sink=0, pool=3), entries, 3)[0] == [1, 2, 3]
+    with pytest.raises(ValueError, match="pool must be odd"):
+        get_policy("global_gates", pool=2)
 
 
 def test_gates_snapkv_gives_each_head_its_attention_share_and_the_gates_the_rest():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import EntryView, EvictionPolicy, protect
+from .scoring import max_pool
 from .window import recent_mask
 
 
@@ -48,11 +49,16 @@ class GlobalGatesPolicy(EvictionPolicy):
     StreamingLLM keep; ``recent * L * H_kv`` entries of the budget). The gates may give a fresh token a
     low beta and the global top-B then drops it at once, although the next few queries attend to it
     most; 0 (default) leaves those decisions to the gates.
+
+    ``pool``: odd width of a max-pool of the scores over neighbouring entries of each (layer, KV head)
+    stream, as SnapKV pools attention, so a span the gates rank high keeps its neighbours (a number
+    that the tokenizer writes one digit per token); 1 (default) ranks every entry on its own score.
     """
 
     horizon: int = 1
     sink: int = 4
     recent: int = 0
+    pool: int = 1
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
@@ -66,9 +72,14 @@ class GlobalGatesPolicy(EvictionPolicy):
             raise ValueError(f"sink must be >= 0 (tokens always kept at the start), got {self.sink}")
         if self.recent < 0:
             raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"pool must be odd and >= 1 (1: no pooling), got {self.pool}")
 
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
+        if self.pool > 1:  # padding must not lend its score to real entries
+            ninf = torch.full_like(score, -float("inf"))
+            score = torch.where(entries.valid, max_pool(torch.where(entries.valid, score, ninf), self.pool), score)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
         return protect(score, keep)
