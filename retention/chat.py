@@ -266,10 +266,10 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy
 
-    try:  # the policy checks --sink / --recent before the model loads
-        policy = GlobalGatesPolicy(sink=args.sink, recent=args.recent)
+    try:  # the policy checks --sink / --recent / --pool before the model loads
+        policy = GlobalGatesPolicy(sink=args.sink, recent=args.recent, pool=args.pool)
     except ValueError as e:
-        print(f"error: {e} (--sink / --recent)", file=sys.stderr)
+        print(f"error: {e} (--sink / --recent / --pool)", file=sys.stderr)
         return 2
     model, processor = load_model(args.model)
     try:
@@ -326,6 +326,8 @@ def register(subparsers: Any) -> None:
                    "0: the gates alone decide")
     p.add_argument("--recent", type=int, default=0, help="newest tokens always kept in every head (a local window); "
                    "0: the gates alone decide")
+    p.add_argument("--pool", type=int, default=1, help="odd width: rank each entry by the best gate score among "
+                   "its neighbours in the head (keeps whole spans such as multi-digit numbers); 1: its own score")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--system", default=None, help="system prompt")

@@ -88,10 +88,12 @@ def test_demo_compares_with_the_shipped_gates(capsys):
 
 
 def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monkeypatch):
-    """`retention chat --recent -1`: exit 2 with the flag named, and no model is loaded first."""
+    """`retention chat --recent -1` / `--pool 4`: exit 2 with the flag named, and no model is loaded first."""
     import retention.models
     from retention.cli import main
 
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert main(["chat", "--recent", "-1"]) == 2
     assert "recent must be >= 0" in capsys.readouterr().err
+    assert main(["chat", "--pool", "4"]) == 2
+    assert "pool must be odd" in capsys.readouterr().err
