@@ -52,7 +52,9 @@ class GlobalGatesPolicy(EvictionPolicy):
 
     ``pool``: odd width of a max-pool of the scores over neighbouring entries of each (layer, KV head)
     stream, as SnapKV pools attention, so a span the gates rank high keeps its neighbours (a number
-    that the tokenizer writes one digit per token); 1 (default) ranks every entry on its own score.
+    that the tokenizer writes one digit per token); 1 (default) ranks every entry on its own score. With
+    SmolLM2's shipped gates, 7 lost 4.7 points at 10% on untouched items: the neighbours of many peaks
+    crowd out lone entries that matter.
     """
 
     horizon: int = 1
