@@ -81,7 +81,7 @@ class GlobalGatesPolicy(EvictionPolicy):
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
         if self.pool > 1:  # padding must not lend its score to real entries
-            ninf = torch.full_like(score, -float("inf"))
-            score = torch.where(entries.valid, max_pool(torch.where(entries.valid, score, ninf), self.pool), score)
+            pooled = max_pool(score.masked_fill(~entries.valid, -float("inf")), self.pool)
+            score = torch.where(entries.valid, pooled, score)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
         return protect(score, keep)
