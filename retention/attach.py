@@ -10,6 +10,9 @@ No modeling file is copied. Two public hooks carry the method:
 * ``"score"`` mode (inference): the pre-hook computes ``log_beta`` of the new tokens and hands it to a
   retention cache (:class:`retention.cache.RetentionCache`), whose kept entries the attention function
   then attends over with standard attention.
+* ``"bias"`` mode (eviction-aware training, :mod:`train.evict`): new tokens attend over a cache of past
+  keys with an additive per-(KV head, key) bias on the past keys (``log`` of a soft keep weight) and
+  causally among themselves; the gates are not run.
 
 One copy of the base weights serves both modes; only gate parameters require grad.
 """
@@ -34,7 +37,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen3_vl": "qwen3_vl_text",
 }
-MODES = ("teacher", "student", "score")
+MODES = ("teacher", "student", "score", "bias")
 
 
 class UnsupportedModelError(ValueError):
@@ -91,6 +94,7 @@ class _LayerState:
     log_beta: torch.Tensor | None = None  # (B, H_kv, T) of the current forward
     history: torch.Tensor | None = None  # (B, H_kv, T_past + T) when decoding with a cache
     cache: Any = None  # score mode: the retention cache of the current forward (retention.cache)
+    key_bias: torch.Tensor | None = None  # bias mode: (B, H_kv, T_past) added to the logits of past keys
 
 
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
@@ -120,6 +124,32 @@ def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: in
     return ((flat - starts[doc]) < sink).view(batch, seqlen)
 
 
+def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                       scale: float | None = None) -> torch.Tensor:
+    """New queries over past + new keys, with ``bias`` added to the logits of the past keys.
+
+    ``query`` ``(B, Hq, Tq, D)``; ``key/value`` ``(B, H, P + Tq, D)`` (the last ``Tq`` are the new tokens,
+    seen causally); ``bias`` ``(B, H, P)`` float (``-inf``: evicted; ``None``: no bias). A KV head's bias
+    applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout).
+    """
+    B, Hq, Tq, D = query.shape
+    H, Tk = key.shape[1], key.shape[2]
+    G, P = Hq // H, Tk - Tq
+    scale = D**-0.5 if scale is None else scale
+    q = query.reshape(B, H, G * Tq, D).float()
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, key.float()) * scale  # (B, H, G*Tq, Tk)
+    # query g * Tq + j (head g of the group, token j) sees every past key and new keys 0..j
+    causal = torch.cat([torch.zeros(Tq, P, device=query.device),
+                        torch.full((Tq, Tq), float("-inf"), device=query.device).triu(1)], dim=1)
+    logits = logits + causal.repeat(G, 1)
+    if bias is not None:
+        if bias.shape != (B, H, P):
+            raise ValueError(f"key bias has shape {tuple(bias.shape)}, the cache holds (B, H, P) = {(B, H, P)} past keys")
+        logits = torch.cat([logits[..., :P] + bias[:, :, None, :].float(), logits[..., P:]], dim=-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(logits, dim=-1), value.float())
+    return out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
+
+
 def retention_attention_function(
     module: nn.Module,
     query: torch.Tensor,
@@ -146,6 +176,8 @@ def retention_attention_function(
         if cache is None:
             return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return cache.retention_attend(state.layer, query, scaling), None
+    if state.attachment.mode == "bias":
+        return key_bias_attention(query, key, value, state.key_bias, scaling), None
     log_beta = state.log_beta
     Tq, Tk = query.shape[2], key.shape[2]
     if Tk == Tq:
@@ -257,6 +289,7 @@ class RetentionAttachment:
             m._retention_state.log_beta = None
             m._retention_state.history = None
             m._retention_state.cache = None
+            m._retention_state.key_bias = None
 
     def detach(self) -> nn.Module:
         """Remove hooks, gates and the attention override; return the plain model."""
@@ -323,7 +356,7 @@ def attach_gates(
 def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state: _LayerState = module._retention_state
     mode = state.attachment.mode
-    if mode == "teacher":
+    if mode in ("teacher", "bias"):
         return
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     state.log_beta = state.attachment.gates(state.layer, x)

@@ -56,6 +56,11 @@ class LossConfig:
     capacity_weight: float = 1.0
     capacity_form: str = "global"  # global | per_head (TRIM-KV)
     ce_weight: float = 0.0
+    # distill: soft decay beta^(t-i) inside attention + capacity loss (the paper's objective); evict: the
+    # continuation of a compressed context read over a relaxed global top-B (train/evict.py)
+    objective: str = "distill"
+    evict_tau: float = 0.5  # softness of the relaxed top-B, in log units of the eviction score
+    evict_fractions: list[float] = field(default_factory=lambda: [0.1])  # budgets, fractions of each context
 
 
 @dataclass
@@ -171,6 +176,7 @@ CHOICES = {
     "gates.variant": ("global", "seed", "trimkv"),
     "gates.activation": ("silu", "gelu", "relu", "tanh"),
     "loss.capacity_form": ("global", "per_head"),
+    "loss.objective": ("distill", "evict"),
     "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
@@ -179,7 +185,7 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager"),
 }
 POSITIVE = {
-    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "data.seq_len", "train.steps",
+    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
@@ -307,7 +313,10 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
 
     walk(cfg, "")
     b = cfg.budget
-    if (b.tokens_per_head is None) == (b.global_entries is None):
+    unset = b.tokens_per_head is None and b.global_entries is None
+    if cfg.loss.objective == "evict" and unset:
+        pass  # its budgets are loss.evict_fractions of each item's context
+    elif (b.tokens_per_head is None) == (b.global_entries is None):
         raise ConfigError(
             f"budget: set exactly one of budget.tokens_per_head or budget.global_entries{_where('budget', lines, source)}"
         )
@@ -315,21 +324,38 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         raise ConfigError(f"data.sources must list at least one source{_where('data.sources', lines, source)}")
     for i, src in enumerate(cfg.data.sources):
         if src.kind == "synthetic":
-            _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source)
+            _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source, cfg.loss.objective == "evict")
         elif src.length is not None or src.params is not None:
             raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only{_where(f'data.sources.{i}', lines, source)}")
         if src.kind == "multimodal" and src.weight != 1:
             raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to text, chat and "
                               "synthetic sources (packed rows); multimodal conversations all weigh 1, so remove it")
+    if cfg.loss.objective == "evict":
+        fr = cfg.loss.evict_fractions
+        if not fr or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fr):
+            raise ConfigError(f"loss.evict_fractions = {fr!r}{_where('loss.evict_fractions', lines, source)}: list budgets "
+                              "as fractions of the context in (0, 1], e.g. [0.05, 0.1, 0.2]")
+        for i, src in enumerate(cfg.data.sources):
+            if src.kind != "synthetic":
+                raise ConfigError(f"data.sources.{i}.kind = {src.kind!r}{_where(f'data.sources.{i}', lines, source)}: objective "
+                                  "'evict' reads items with a context and a continuation, so every source must be kind: synthetic "
+                                  "(fidelity gives plain text; niah_*, document_qa, dialogue_memory give questions)")
+        if cfg.train.batch_size != 1:
+            raise ConfigError(f"train.batch_size = {cfg.train.batch_size}{_where('train.batch_size', lines, source)}: objective "
+                              "'evict' reads one item a micro-step; set train.batch_size: 1 and raise train.grad_accum instead")
+        if cfg.lora.enabled:
+            raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or loss.objective: distill")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
 
 
-def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str) -> None:
+def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,
+                     evicting: bool = False) -> None:
     """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
     from eval.tasks import TASKS  # light: generators only, no model
 
-    usable = sorted(t for t in TASKS if t != "fidelity")  # fidelity is plain text: use a text source
+    # fidelity is plain text (use a text source) except for objective evict, which needs its context/continuation split
+    usable = sorted(t for t in TASKS if t != "fidelity" or evicting)
     if src.path not in usable:
         raise ConfigError(f"{key}.path = {src.path!r}{_where(key + '.path', lines, source)}: a synthetic source "
                           f"names an eval task, one of {usable}")

@@ -31,6 +31,7 @@ from retention.models import cache_dir, load_model
 
 from .config import Config
 from .data import PackedStream, build_data, build_multimodal, collate_any
+from .evict import HARD_TAU, EvictionDistiller, ExampleStream, load_examples
 
 
 class Distiller(nn.Module):
@@ -62,6 +63,11 @@ def budget_total(cfg: Config, streams: int) -> int:
     """The configured budget in KV entries for a model with ``streams`` = layers x KV heads."""
     b = cfg.budget
     return b.global_entries if b.global_entries is not None else b.tokens_per_head * streams
+
+
+def evict_budget_text(cfg: Config) -> str:
+    """Objective ``evict``: its budgets are shares of each item's context (``loss.evict_fractions``)."""
+    return f"global top-B of {', '.join(f'{f:.0%}' for f in cfg.loss.evict_fractions)} of each context"
 
 
 def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
@@ -205,6 +211,10 @@ def run_facts(cfg: Config) -> dict[str, str]:
         # the card's training-KL rows are then the source-weighted mean; held-out rows are always the plain mean
         facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each source's positions by its "
                                  "data weight; held_out_kl is the plain mean over the held-out rows")
+    if cfg.loss.objective == "evict":
+        facts["objective"] = (f"eviction-aware distillation (train/evict.py): each item's continuation read over a relaxed global "
+                              f"top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, budgets "
+                              f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
@@ -224,7 +234,11 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
     gc, history, step = gates.config, meta["history"], meta["step"]
     streams = gc.num_layers * gc.num_kv_heads
-    total = budget_total(cfg, streams)
+    if cfg.loss.objective == "evict":
+        budget_text = evict_budget_text(cfg)
+    else:
+        total = budget_total(cfg, streams)
+        budget_text = f"{total} entries in all ({total / streams:g} per KV head on average), capacity {cfg.loss.capacity_form}"
     tail = history[-10:]
     training: dict[str, Any] = {
         "steps": f"{step} of {cfg.train.steps}" + ("" if step >= cfg.train.steps else " (unfinished run)"),
@@ -243,8 +257,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
-                 budget=f"{total} entries in all ({total / streams:g} per KV head on average), capacity {cfg.loss.capacity_form}",
-                 training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
+                 budget=budget_text, training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
     return dest
 
 
@@ -326,21 +339,31 @@ def train(
                 p.requires_grad_(True)
     if cfg.model.gradient_checkpointing:
         unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    budget, budget_text = budget_entries(cfg, model)
+    evicting = cfg.loss.objective == "evict"
+    if evicting:  # the budget is a share of each item's context, not budget.*
+        budget, budget_text = None, evict_budget_text(cfg)
+    else:
+        budget, budget_text = budget_entries(cfg, model)
     lm_head = unwrap(model).get_output_embeddings()
 
     # -- data ---------------------------------------------------------------------------------------
-    if any(s.kind == "multimodal" for s in cfg.data.sources):
+    # objective "evict": one item (context + continuation) a micro-step; otherwise packed rows
+    if evicting:
+        train_rows, eval_rows = load_examples(cfg.data, tokenizer, cache=cache_dir() / "data")
+        stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+    elif any(s.kind == "multimodal" for s in cfg.data.sources):
         train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
     else:
         train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
-    stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+    if not evicting:
+        stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+    next_input = stream.next_example if evicting else stream.next_batch
 
     # -- optimizer: only trainable (gate, optional LoRA) parameters ----------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    distiller = Distiller(model, attachment)
+    distiller = EvictionDistiller(model, attachment) if evicting else Distiller(model, attachment)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None:  # no DataLoader goes through prepare: give DeepSpeed the batch and clipping
         plugin.deepspeed_config.update(
@@ -383,8 +406,9 @@ def train(
     if main:
         n = sum(p.numel() for p in params)
         world = f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})" if accelerator.num_processes > 1 else "1 process"
-        print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; budget {budget_text}; "
-              f"{len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens; {world}")
+        data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, budget {budget_text}" if evicting else
+                     f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
+        print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; {data_text}; {world}")
         if tracker_note:
             print(f"[retention] {tracker_note}")
 
@@ -394,8 +418,26 @@ def train(
         n = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
         return total * accelerator.num_processes / torch.where(n > 0, n, torch.ones_like(n))  # counts may be weights < 1
 
-    def losses(batch: dict[str, torch.Tensor], weighted: bool = True):
+    def evict_losses(example, fraction: float, weighted: bool = True):
+        """Objective ``evict``: KL over an item's continuation read over a relaxed global top-B of its context;
+        held-out (``weighted=False``) over the hard top-B itself, what inference keeps, whatever ``evict_tau``."""
+        dev = accelerator.device
+        head, tail = torch.tensor([example.head], device=dev), torch.tensor([example.tail], device=dev)
+        tau = cfg.loss.evict_tau if weighted else HARD_TAU
+        h_s, h_t, log_betas, stats = distiller(head, tail, fraction, tau)
+        mask = torch.tensor([example.targets], device=dev)
+        weights = mask.float() * (example.weight if weighted else 1.0)
+        kl_sum, kl_n = distillation_kl(h_s, h_t, lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
+                                       reduction="sum", weights=weights)
+        kl = global_mean(kl_sum, kl_n)
+        # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
+        cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"], "capacity_terms": 1}
+        return kl, kl, torch.zeros((), device=dev), cap_stats, log_betas
+
+    def losses(batch, weighted: bool = True):
         """``weighted=False``: the plain mean KL (held-out KL stays comparable whatever the sources' weights)."""
+        if evicting:
+            return evict_losses(*batch, weighted=weighted)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
         # packed rows carry positions restarting in each document (the teacher's block-diagonal mask and
@@ -426,7 +468,9 @@ def train(
         vals: dict[str, list[float]] = {"kl": [], "capacity": [], "soft_cache_entries": [], "beta_mean": []}
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
-                _, kl, cap, cap_stats, log_betas = losses(collate_any(eval_rows[i : i + cfg.train.batch_size]), weighted=False)
+                # objective evict: each held-out item at the first listed budget fraction
+                batch = (eval_rows[i], cfg.loss.evict_fractions[0]) if evicting else collate_any(eval_rows[i : i + cfg.train.batch_size])
+                _, kl, cap, cap_stats, log_betas = losses(batch, weighted=False)
                 # every rank evaluates the same rows, so each rank's share of the "global" mean is that mean
                 vals["kl"].append(float(kl))
                 vals["capacity"].append(float(cap))
@@ -447,7 +491,7 @@ def train(
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
             with accelerator.accumulate(distiller):
-                loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
+                loss, kl, cap, cap_stats, log_betas = losses(next_input())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.train.clip:
                     accelerator.clip_grad_norm_(params, cfg.train.clip)

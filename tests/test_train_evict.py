@@ -1,0 +1,158 @@
+"""Eviction-aware distillation (loss.objective: evict): the relaxed top-B against brute force and
+against the inference cache it stands for, and a run on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retention.attach import attach_gates, key_bias_attention
+from retention.cache import RetentionCache
+from retention.compat import cache_kwargs
+from retention.gates import GateConfig, RetentionGates
+from retention.policies import GlobalGatesPolicy
+from tiny_models import tiny_llama
+from train.config import ConfigError, load_config
+from train.evict import EvictionDistiller, EvictionExample, ExampleStream, soft_keep_bias
+
+
+def _gated(seed: int = 0, sink: int = 2):
+    model = tiny_llama(seed=seed)
+    torch.manual_seed(seed + 1)
+    gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, bias_init=3.0))
+    with torch.no_grad():
+        gates.W1.normal_(0, 0.5)  # spread the scores: no ties at the threshold
+    att = attach_gates(model, gates)
+    att.sink = sink
+    return model, att
+
+
+def test_key_bias_attention_is_plain_attention_without_the_dropped_keys():
+    torch.manual_seed(0)
+    B, H, G, P, Tq, D = 2, 2, 3, 7, 4, 8
+    q = torch.randn(B, H * G, Tq, D)
+    k, v = torch.randn(B, H, P + Tq, D), torch.randn(B, H, P + Tq, D)
+    drop = torch.rand(B, H, P) < 0.4
+    bias = torch.zeros(B, H, P).masked_fill(drop, float("-inf"))
+    out = key_bias_attention(q, k, v, bias, 0.3)  # (B, Tq, Hq, D)
+    for b in range(B):
+        for hq in range(H * G):
+            h = hq // G
+            for t in range(Tq):
+                keep = torch.cat([~drop[b, h], torch.arange(Tq) <= t])
+                w = torch.softmax(k[b, h, keep] @ q[b, hq, t] * 0.3, dim=0)
+                torch.testing.assert_close(out[b, t, hq], w @ v[b, h, keep], rtol=1e-5, atol=1e-6)
+
+
+def test_soft_keep_bias_keeps_the_brute_force_top_b_as_tau_goes_to_zero():
+    torch.manual_seed(0)
+    L, H, T, sink, budget = 3, 2, 20, 2, 31
+    log_betas = [-torch.rand(1, H, T) * 0.5 for _ in range(L)]
+    biases, stats = soft_keep_bias(log_betas, budget, sink, tau=1e-4)
+    kept = torch.stack([b[0] > -1.0 for b in biases])  # (L, H, T)
+    # brute force: sinks first, then the highest (T - i) * log beta (the inference policy's order)
+    age = torch.arange(T, 0, -1).float()
+    ranked = sorted(((float("inf") if i < sink else float(age[i] * log_betas[l][0, h, i]), l, h, i)
+                     for l in range(L) for h in range(H) for i in range(T)), reverse=True)
+    want = torch.zeros(L, H, T, dtype=torch.bool)
+    for _, l, h, i in ranked[:budget]:
+        want[l, h, i] = True
+    assert torch.equal(kept, want)
+    assert stats["soft_entries"] == pytest.approx(budget, abs=1e-3)
+    # softer tau: every entry keeps some weight, ranks are unchanged and the gradient reaches the evicted ones
+    lbs = [lb.clone().requires_grad_(True) for lb in log_betas]
+    soft, _ = soft_keep_bias(lbs, budget, sink, tau=0.5)
+    sum(b.sum() for b in soft).backward()
+    grads = torch.stack([lb.grad[0] for lb in lbs])
+    assert (grads[..., sink:][~want[..., sink:]] > 0).all(), "raising an evicted entry's beta must raise its weight"
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.45])
+def test_small_tau_reads_the_tail_as_the_evicted_inference_cache_does(fraction):
+    model, att = _gated()
+    torch.manual_seed(3)
+    head, tail = torch.randint(0, 128, (1, 40)), torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        h_s, h_t, log_betas, stats = EvictionDistiller(model, att)(head, tail, fraction, tau=1e-4)
+        student = model.lm_head(h_s)[0]
+        teacher = model.lm_head(h_t)[0]
+        entries = int(stats["budget"])
+        with att.use_mode("score"):
+            cache = RetentionCache(model, budget=entries, policy=GlobalGatesPolicy(sink=2), slack=10**6)
+            model(input_ids=head, **cache_kwargs(cache), use_cache=True)
+            cache.compress()
+            assert cache.memory_report()["kept_entries"] == entries
+            inference = model(input_ids=tail, **cache_kwargs(cache), use_cache=True).logits[0]
+        with att.use_mode("teacher"):
+            full = model(input_ids=torch.cat([head, tail], 1)).logits[0, -5:]
+    torch.testing.assert_close(teacher, full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(student, inference, rtol=1e-4, atol=1e-4)
+    assert (student - teacher).abs().max() > 1e-3, "the eviction must change the tail's logits"
+
+
+def test_example_stream_resumes_and_covers_each_epoch():
+    exs = [EvictionExample([i], [i], [True]) for i in range(5)]
+    a = ExampleStream(exs, [0.1, 0.2], seed=0)
+    seen = [a.next_example() for _ in range(7)]
+    assert sorted(e.head[0] for e, _ in seen[:5]) == list(range(5))
+    b = ExampleStream(exs, [0.1, 0.2], seed=0)
+    b.load_state_dict({"position": 3})
+    assert [(e.head, f) for e, f in (b.next_example() for _ in range(4))] == [(e.head, f) for e, f in seen[3:]]
+
+
+def _config(tmp_path, root, *extra, sources=None):
+    cfg = tmp_path / "evict.yaml"
+    sources = sources or "[{kind: synthetic, path: niah_single, max_docs: 2, length: 200}]"
+    cfg.write_text(f"""
+model: {{name: {root / 'model'}}}
+gates: {{variant: global, gate_hidden: 8, bias_init: 3.0, sink: 2}}
+loss: {{objective: evict, evict_tau: 0.5, evict_fractions: [0.1], kl_chunk: 16}}
+data: {{seq_len: 256, eval_fraction: 0.5, sources: {sources}}}
+train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.005, warmup_steps: 1, log_every: 100, save_every: 3, tracker: none}}
+""")
+    return load_config(cfg, list(extra))
+
+
+def test_bad_evict_configs_name_the_fix(tmp_path):
+    root = tmp_path
+    with pytest.raises(ConfigError, match="every source must be kind: synthetic"):
+        _config(tmp_path, root, sources="[{kind: text, path: sotu}]")
+    with pytest.raises(ConfigError, match="train.grad_accum"):
+        _config(tmp_path, root, "train.batch_size=2")
+    with pytest.raises(ConfigError, match="evict_fractions"):
+        _config(tmp_path, root, "loss.evict_fractions=[1.5]")
+
+
+def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
+    """A tiny Llama with the SmolLM2 tokenizer (the eval generators need real text): the run learns
+    on its items, resumes to the same curve, and exports gates."""
+    from transformers import AutoTokenizer
+
+    from retention.hub import load_gates
+    from retention.models import embedded_model_dir
+    from train.loop import export_checkpoint, train
+
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "tiny"
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    tiny_llama(vocab_size=len(tok)).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    full = train(_config(tmp_path / "a", root))
+    h = full["history"]
+    assert len(h) == 6 and all(r["kl"] >= 0 for r in h)
+    assert {"soft_cache_entries", "budget_entries"} <= set(h[0])
+    # one training item (the other is held out), seen every step: its answer must read better over what is kept
+    assert h[-1]["kl"] < h[0]["kl"]
+    part = train(_config(tmp_path / "b", root, "train.stop_after=3"))
+    assert part.get("stopped_early")
+    unfinished = export_checkpoint(_config(tmp_path / "b", root), dest=tmp_path / "unfinished")
+    assert "global top-B of 10% of each context" in (unfinished / "README.md").read_text()
+    resumed = train(_config(tmp_path / "b", root), resume="latest")["history"]
+    for a, b in zip(h, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9), a["step"]
+    gates = load_gates(full["export_dir"])
+    assert gates.config.gate_hidden == 8
+    card = (tmp_path / "a" / "run" / "final" / "README.md").read_text()
+    assert "eviction-aware distillation" in card and "tau 0.5" in card

@@ -1,0 +1,226 @@
+"""Eviction-aware distillation: train the gates on what inference does with them.
+
+The soft objective (``loss.objective: distill``) decays every past token by ``beta^(t-i)`` inside
+attention and holds the soft cache size to the budget. Inference does something else: the context
+is prefilled with full attention, the global top-B entries by ``(t - i) * log beta`` are kept and the
+rest are dropped, then the question and the answer attend over what was kept. ``objective: evict``
+trains exactly that, relaxed so gradients flow:
+
+1. the teacher prefills an item's context (full attention, no grad) and scores its continuation
+   (the question and reply of a retrieval item, the next tokens of a text);
+2. the gates score every context entry from the same prefill's attention inputs (with grad);
+3. the entries are ranked globally on ``u = -log(-(t - i) * log beta)`` (the order of the inference
+   policy's score); the budget's ``B``-th largest ``u`` is the threshold and an entry's soft keep
+   weight is ``sigmoid((u - threshold) / tau)`` (sinks always kept), a hard top-B as ``tau -> 0``;
+4. the student re-reads the continuation over the teacher's context cache with ``log`` of that weight
+   added to each past key's attention logit (``attach`` mode ``"bias"``), and the loss is
+   ``KL(teacher || student)`` over the continuation's distilled positions.
+
+Only the continuation is recomputed with grad, so a step costs one prefill plus a short pass; the
+budget is a fraction of each item's context, drawn per item from ``loss.evict_fractions``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from retention.attach import RetentionAttachment, unwrap
+
+_SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
+HARD_TAU = 1.0e-4  # the held-out KL's temperature: the policy's own top-B (see tests/test_train_evict.py)
+
+
+@dataclass
+class EvictionExample:
+    """One item: ``head`` (context token ids, compressed), ``tail`` (fed after the compression) and
+    ``targets`` (``len(tail)`` bools: the tail positions whose next-token distribution is distilled;
+    the logits at tail position ``j`` predict ``tail[j + 1]``, the last one what follows)."""
+
+    head: list[int]
+    tail: list[int]
+    targets: list[bool]
+    task: str = ""
+    weight: float = 1.0
+
+
+def example_from_item(tokenizer, item) -> EvictionExample:
+    """Head / tail split of an eval-generator item as the query-agnostic protocol splits it.
+
+    Retrieval and dialogue items: the tail is the question turn (chat template, generation prompt and
+    answer prefix) followed by the reference answer, and the positions that predict the answer's
+    tokens are distilled. Fidelity items: the tail is the continuation, every position distilled.
+    """
+    from eval.protocol import prompt_ids
+
+    if item.metric == "fidelity":
+        head, cont = list(item.meta["context_ids"]), list(item.meta["continuation_ids"])
+        return EvictionExample(head, cont, [True] * len(cont), item.task)
+    ctx, prompt = prompt_ids(tokenizer, item)
+    answer = tokenizer(" " + ", ".join(item.answers), add_special_tokens=False)["input_ids"]
+    tail = prompt[len(ctx):] + answer
+    # the last prompt position predicts the answer's first token; the last answer token predicts nothing kept
+    targets = [False] * (len(prompt) - len(ctx) - 1) + [True] * len(answer) + [False]
+    return EvictionExample(list(ctx), tail, targets, item.task)
+
+
+def eviction_examples(sources, tokenizer, default_length: int) -> list[EvictionExample]:
+    """Examples from the synthetic sources of a config (``kind: synthetic``: an eval task on the training
+    haystacks, ``split="train"``, the source's own seed), weighted by each source's ``weight``."""
+    from tqdm.auto import tqdm
+
+    from eval.tasks import generate
+
+    out: list[EvictionExample] = []
+    for src in sources:
+        length = src.length if src.length is not None else default_length
+        items = generate(src.path, tokenizer, length, src.max_docs, seed=src.seed, split="train", **(src.params or {}))
+        for item in tqdm(items, desc=f"evict {src.path}", unit="item", leave=False):
+            ex = example_from_item(tokenizer, item)
+            ex.weight = float(src.weight)
+            out.append(ex)
+    return out
+
+
+def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], list[EvictionExample]]:
+    """Train and held-out examples of a config's ``data`` (cached as JSON under ``cache``): the held-out
+    ones are the last ``eval_fraction`` of each source's items, taken in turn from each source."""
+    import json
+    from dataclasses import asdict
+
+    from .data import _cache_key
+
+    target = None if cache is None else cache / f"evict-{_cache_key(cfg, tokenizer)}.json"
+    if target is not None and target.is_file():
+        per_source = [[EvictionExample(**e) for e in src] for src in json.loads(target.read_text())]
+    else:
+        per_source = [eviction_examples([src], tokenizer, cfg.seq_len - 128) for src in cfg.sources]
+        if target is not None:
+            from retention.io import atomic_write_bytes
+
+            atomic_write_bytes(target, json.dumps([[asdict(e) for e in src] for src in per_source]).encode())
+    train, held_per_source = [], []
+    for exs in per_source:
+        n_eval = int(len(exs) * cfg.eval_fraction)
+        if cfg.eval_fraction > 0 and len(exs) > 1:
+            n_eval = max(1, n_eval)
+        train += exs[: len(exs) - n_eval]
+        held_per_source.append(exs[len(exs) - n_eval :])
+    # round robin over the sources, so the first train.eval_batches held-out items cover every task
+    held = [ex for group in itertools.zip_longest(*held_per_source) for ex in group if ex is not None]
+    return train, held
+
+
+def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per layer ``(1, H, T)`` additive attention bias ``log sigmoid((u - u_B) / tau)`` for a global top-B.
+
+    ``log_betas``: per layer ``(1, H, T)`` gate scores of a ``T``-token context (<= 0). ``u`` orders the
+    entries as :class:`retention.policies.GlobalGatesPolicy` (horizon 1) does at step ``T``: age
+    ``T - i``, score ``age * log beta``; ``u = -log(-score)``, in log units so ``tau`` reads as a ratio of
+    decay exponents. The first ``sink`` tokens of every head are kept outright (and count in the
+    budget). ``u_B``, halfway between the ``budget``-th and the next largest ``u``, is a constant (no
+    gradient), so ``tau -> 0`` keeps exactly the policy's top-B. Returns the biases and statistics:
+    ``soft_entries`` (the sum of soft keep weights), ``threshold_u`` and ``entries`` (all of them).
+    """
+    T = log_betas[0].shape[-1]
+    age = torch.arange(T, 0, -1, device=log_betas[0].device, dtype=torch.float32)  # T - i
+    us = []
+    for lb in log_betas:
+        score = age * lb.float()
+        u = -torch.log((-score).clamp_min(1e-30))
+        if sink:
+            u = torch.cat([torch.full_like(u[..., :sink], _SINK_U), u[..., sink:]], dim=-1)
+        us.append(u)
+    flat = torch.cat([u.detach().flatten() for u in us])
+    budget = max(1, int(budget))
+    if budget >= flat.numel():  # everything fits: keep it all
+        return [torch.zeros_like(u) for u in us], {"soft_entries": float(flat.numel()), "threshold_u": float("-inf"),
+                                                    "entries": float(flat.numel())}
+    # halfway between the B-th and the (B+1)-th entry: the top B weigh > 1/2, the rest < 1/2
+    top = torch.topk(flat, budget + 1).values
+    threshold = 0.5 * (top[-2] + top[-1])
+    biases = [F.logsigmoid((u - threshold) / tau) for u in us]
+    soft = float(sum(b.detach().exp().sum() for b in biases))
+    return biases, {"soft_entries": soft, "threshold_u": float(threshold), "entries": float(flat.numel())}
+
+
+class EvictionDistiller(nn.Module):
+    """One forward = teacher prefill of the head and pass over the tail, then the student's biased pass
+    over the tail; a single module call so DDP sees the gates' gradients.
+
+    Returns the tail's final hidden states ``(1, T_tail, D)`` of the student and the teacher, the
+    context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics.
+    """
+
+    def __init__(self, model: nn.Module, attachment: RetentionAttachment) -> None:
+        super().__init__()
+        self.model = model
+        self.attachment = attachment
+
+    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float):
+        att = self.attachment
+        decoder = unwrap(self.model).model
+        cfg = att.gates.config
+        inputs: list[torch.Tensor | None] = [None] * len(att.modules)
+
+        def grab(layer: int):
+            def hook(module, args, kwargs):
+                inputs[layer] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+            return hook
+
+        hooks = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(att.modules)]
+        try:
+            with torch.no_grad(), att.teacher():
+                cache = decoder(input_ids=head, use_cache=True).past_key_values
+        finally:
+            for h in hooks:
+                h.remove()
+        P = head.shape[1]
+        with torch.no_grad(), att.teacher():
+            h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+        cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
+        log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
+        budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as eval.budgets.Budget.entries
+        biases, stats = soft_keep_bias(log_betas, budget, att.sink, tau)
+        for m, b in zip(att.modules, biases):
+            m._retention_state.key_bias = b
+        try:
+            with att.use_mode("bias"):
+                h_student = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+        finally:
+            for m in att.modules:
+                m._retention_state.key_bias = None
+        stats["budget"] = float(budget)
+        return h_student, h_teacher, log_betas, stats
+
+
+class ExampleStream:
+    """Examples in a reshuffled order each epoch, resumable (``state_dict``), with each item's budget
+    fraction drawn from ``fractions`` by a per-(epoch, position) seed; ranks take disjoint slices."""
+
+    def __init__(self, examples: list[EvictionExample], fractions: list[float], seed: int, rank: int = 0, world: int = 1):
+        if not examples:
+            raise ValueError("no eviction examples: objective 'evict' needs synthetic sources (data.sources kind: synthetic)")
+        self.examples, self.fractions, self.seed = examples, list(fractions), seed
+        self.rank, self.world, self.position = rank, world, 0
+
+    def next_example(self) -> tuple[EvictionExample, float]:
+        n = len(self.examples)
+        k = self.position * self.world + self.rank
+        epoch, i = divmod(k, n)
+        order = list(range(n))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        self.position += 1
+        return self.examples[order[i]], random.Random(f"{self.seed}/{epoch}/{i}/fraction").choice(self.fractions)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
