@@ -10,8 +10,9 @@ trains exactly that, relaxed so gradients flow:
    (the question and reply of a retrieval item, the next tokens of a text);
 2. the gates score every context entry from the same prefill's attention inputs (with grad);
 3. the entries are ranked globally on ``u = -log(-(t - i) * log beta)`` (the order of the inference
-   policy's score); the budget's ``B``-th largest ``u`` is the threshold and an entry's soft keep
-   weight is ``sigmoid((u - threshold) / tau)`` (sinks always kept), a hard top-B as ``tau -> 0``;
+   policy's score); the threshold lies halfway between the ``B``-th and the next largest ``u``, and an
+   entry's soft keep weight is ``sigmoid((u - threshold) / tau)`` (sinks always kept): the policy's own
+   top-B as ``tau -> 0``;
 4. the student re-reads the continuation over the teacher's context cache with ``log`` of that weight
    added to each past key's attention logit (``attach`` mode ``"bias"``), and the loss is
    ``KL(teacher || student)`` over the continuation's distilled positions.

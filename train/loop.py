@@ -484,7 +484,8 @@ def train(
             print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
                   f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}")
 
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * accelerator.num_processes
+    row_tokens = (sum(len(e.head) + len(e.tail) for e in train_rows) / len(train_rows)) if evicting else cfg.data.seq_len
+    tokens_per_step = round(cfg.train.batch_size * row_tokens * cfg.train.grad_accum * accelerator.num_processes)
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
     t_start = time.perf_counter()
     start_step = step
