@@ -149,6 +149,22 @@ def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int],
     return ids, mask
 
 
+def synthetic_items(source: SourceConfig, tokenizer, seq_len: int) -> list:
+    """A synthetic source's items: its eval task's generator over the training haystacks (``split="train"``)
+    with the source's seed and options; contexts of ``source.length`` tokens (default ``seq_len - 128``,
+    room for the question and answer)."""
+    from eval.tasks import generate
+
+    length = source.length if source.length is not None else seq_len - 128
+    return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train", **(source.params or {}))
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of ``n`` rows / items are held out: ``fraction`` of them, at least one when any is asked."""
+    n_eval = int(n * fraction)
+    return max(1, n_eval) if fraction > 0 and n > 1 else n_eval
+
+
 def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> Iterator[list[dict[str, str]]]:
     """Retrieval / QA conversations from an eval task generator over the training haystacks.
 
@@ -158,12 +174,7 @@ def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> It
     """
     from tqdm.auto import tqdm
 
-    from eval.tasks import generate
-
-    length = source.length if source.length is not None else seq_len - 128
-    items = generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train",
-                     **(source.params or {}))
-    for item in tqdm(items, desc=f"synthetic {source.path}", unit="item", leave=False):
+    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"synthetic {source.path}", unit="item", leave=False):
         reply = (item.answer_prefix + " " + ", ".join(item.answers)).strip()
         if item.messages is not None:
             yield [*item.messages, {"role": "user", "content": item.question}, {"role": "assistant", "content": reply}]
@@ -355,9 +366,7 @@ class PackedStream:
 def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[list[PackedRow], list[PackedRow]]:
     """Train and held-out rows (the last ``eval_fraction`` of the packed rows)."""
     rows = pack(load_documents(cfg, tokenizer, cache), cfg.seq_len, cfg.seed)
-    n_eval = int(len(rows) * cfg.eval_fraction)
-    if cfg.eval_fraction > 0 and len(rows) > 1:
-        n_eval = max(1, n_eval)
+    n_eval = held_out_count(len(rows), cfg.eval_fraction)
     # a held-out row without distilled positions (e.g. the middle of a long user turn) measures no KL
     held = [r for r in rows[len(rows) - n_eval :] if any(r.loss_mask)]
     return rows[: len(rows) - n_eval], held

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retention.attach import RetentionAttachment, unwrap
+from retention.policies import lookahead_log_score
 
 _SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
 HARD_TAU = 1.0e-4  # the held-out KL's temperature: the policy's own top-B (see tests/test_train_evict.py)
@@ -71,21 +72,17 @@ def example_from_item(tokenizer, item) -> EvictionExample:
     return EvictionExample(list(ctx), tail, targets, item.task)
 
 
-def eviction_examples(sources, tokenizer, default_length: int) -> list[EvictionExample]:
-    """Examples from the synthetic sources of a config (``kind: synthetic``: an eval task on the training
-    haystacks, ``split="train"``, the source's own seed), weighted by each source's ``weight``."""
+def source_examples(source, tokenizer, seq_len: int) -> list[EvictionExample]:
+    """Examples of one synthetic source (:func:`train.data.synthetic_items`), weighted by its ``weight``."""
     from tqdm.auto import tqdm
 
-    from eval.tasks import generate
+    from .data import synthetic_items
 
     out: list[EvictionExample] = []
-    for src in sources:
-        length = src.length if src.length is not None else default_length
-        items = generate(src.path, tokenizer, length, src.max_docs, seed=src.seed, split="train", **(src.params or {}))
-        for item in tqdm(items, desc=f"evict {src.path}", unit="item", leave=False):
-            ex = example_from_item(tokenizer, item)
-            ex.weight = float(src.weight)
-            out.append(ex)
+    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"evict {source.path}", unit="item", leave=False):
+        ex = example_from_item(tokenizer, item)
+        ex.weight = float(source.weight)
+        out.append(ex)
     return out
 
 
@@ -95,22 +92,20 @@ def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], li
     import json
     from dataclasses import asdict
 
-    from .data import _cache_key
+    from .data import _cache_key, held_out_count
 
     target = None if cache is None else cache / f"evict-{_cache_key(cfg, tokenizer)}.json"
     if target is not None and target.is_file():
         per_source = [[EvictionExample(**e) for e in src] for src in json.loads(target.read_text())]
     else:
-        per_source = [eviction_examples([src], tokenizer, cfg.seq_len - 128) for src in cfg.sources]
+        per_source = [source_examples(src, tokenizer, cfg.seq_len) for src in cfg.sources]
         if target is not None:
             from retention.io import atomic_write_bytes
 
             atomic_write_bytes(target, json.dumps([[asdict(e) for e in src] for src in per_source]).encode())
     train, held_per_source = [], []
     for exs in per_source:
-        n_eval = int(len(exs) * cfg.eval_fraction)
-        if cfg.eval_fraction > 0 and len(exs) > 1:
-            n_eval = max(1, n_eval)
+        n_eval = held_out_count(len(exs), cfg.eval_fraction)
         train += exs[: len(exs) - n_eval]
         held_per_source.append(exs[len(exs) - n_eval :])
     # round robin over the sources, so the first train.eval_batches held-out items cover every task
@@ -133,7 +128,7 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: f
     age = torch.arange(T, 0, -1, device=log_betas[0].device, dtype=torch.float32)  # T - i
     us = []
     for lb in log_betas:
-        score = age * lb.float()
+        score = lookahead_log_score(lb, age, horizon=1)
         u = -torch.log((-score).clamp_min(1e-30))
         if sink:
             u = torch.cat([torch.full_like(u[..., :sink], _SINK_U), u[..., sink:]], dim=-1)
