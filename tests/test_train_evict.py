@@ -156,3 +156,4 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     assert gates.config.gate_hidden == 8
     card = (tmp_path / "a" / "run" / "final" / "README.md").read_text()
     assert "eviction-aware distillation" in card and "tau 0.5" in card
+    assert "| data | one item a step: synthetic" in card, card  # not "N-token rows": no rows are packed

@@ -166,7 +166,9 @@ class Config:
             if s.weight != 1:
                 n += f", weight {s.weight:g}"
             parts.append(f"{s.kind} {s.path} ({n.strip()})")
-        return f"{self.data.seq_len}-token rows: " + "; ".join(parts)
+        # objective evict reads one whole item a step (its context, then its continuation), not packed rows
+        unit = "one item a step" if self.loss.objective == "evict" else f"{self.data.seq_len}-token rows"
+        return f"{unit}: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

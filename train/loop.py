@@ -214,7 +214,8 @@ def run_facts(cfg: Config) -> dict[str, str]:
     if cfg.loss.objective == "evict":
         facts["objective"] = (f"eviction-aware distillation (train/evict.py): each item's continuation read over a relaxed global "
                               f"top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, budgets "
-                              f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B")
+                              f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B "
+                              f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
