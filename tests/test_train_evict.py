@@ -93,11 +93,11 @@ def test_small_tau_reads_the_tail_as_the_evicted_inference_cache_does(fraction):
 def test_example_stream_resumes_and_covers_each_epoch():
     exs = [EvictionExample([i], [i], [True]) for i in range(5)]
     a = ExampleStream(exs, [0.1, 0.2], seed=0)
-    seen = [a.next_example() for _ in range(7)]
+    seen = [a.next_batch() for _ in range(7)]
     assert sorted(e.head[0] for e, _ in seen[:5]) == list(range(5))
     b = ExampleStream(exs, [0.1, 0.2], seed=0)
     b.load_state_dict({"position": 3})
-    assert [(e.head, f) for e, f in (b.next_example() for _ in range(4))] == [(e.head, f) for e, f in seen[3:]]
+    assert [(e.head, f) for e, f in (b.next_batch() for _ in range(4))] == [(e.head, f) for e, f in seen[3:]]
 
 
 def _config(tmp_path, root, *extra, sources=None):

@@ -198,7 +198,8 @@ class EvictionDistiller(nn.Module):
 
 class ExampleStream:
     """Examples in a reshuffled order each epoch, resumable (``state_dict``), with each item's budget
-    fraction drawn from ``fractions`` by a per-(epoch, position) seed; ranks take disjoint slices."""
+    fraction drawn from ``fractions`` by a per-(epoch, position) seed; ranks take disjoint slices. The loop
+    reads it as it reads :class:`train.data.PackedStream` (``next_batch``, ``state_dict``)."""
 
     def __init__(self, examples: list[EvictionExample], fractions: list[float], seed: int, rank: int = 0, world: int = 1):
         if not examples:
@@ -206,7 +207,8 @@ class ExampleStream:
         self.examples, self.fractions, self.seed = examples, list(fractions), seed
         self.rank, self.world, self.position = rank, world, 0
 
-    def next_example(self) -> tuple[EvictionExample, float]:
+    def next_batch(self) -> tuple[EvictionExample, float]:
+        """The next ``(example, budget fraction)`` of this rank."""
         n = len(self.examples)
         k = self.position * self.world + self.rank
         epoch, i = divmod(k, n)

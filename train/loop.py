@@ -352,13 +352,12 @@ def train(
     if evicting:
         train_rows, eval_rows = load_examples(cfg.data, tokenizer, cache=cache_dir() / "data")
         stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
-    elif any(s.kind == "multimodal" for s in cfg.data.sources):
-        train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
     else:
-        train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
-    if not evicting:
+        if any(s.kind == "multimodal" for s in cfg.data.sources):
+            train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
+        else:
+            train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
         stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
-    next_input = stream.next_example if evicting else stream.next_batch
 
     # -- optimizer: only trainable (gate, optional LoRA) parameters ----------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
@@ -493,7 +492,7 @@ def train(
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
             with accelerator.accumulate(distiller):
-                loss, kl, cap, cap_stats, log_betas = losses(next_input())
+                loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.train.clip:
                     accelerator.clip_grad_norm_(params, cfg.train.clip)
