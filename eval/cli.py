@@ -18,10 +18,11 @@ def _run(args: argparse.Namespace) -> int:
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from .report import check_publish_targets
+    from .report import check_pairs, check_publish_targets, parse_pairs
 
     try:  # before the sweep: a typo here should not cost an hour of evaluation
         check_publish_targets(args.card, args.readme, args.summary, args.card_section)
+        check_pairs(parse_pairs(args.pair), {m.label for m in cfg.method_list()})
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -32,18 +33,21 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace, results) -> int:
-    """``--card`` / ``--readme`` / ``--summary``: the summary into a checkpoint's model card, a README
-    and a stand-alone results page."""
-    if not (args.card or args.readme or args.summary or args.card_section):
-        return 0
-    from .report import publish, summary_table, write_summary
+    """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
+    those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
+    from .report import pair_table, parse_pairs, publish, summary_table, write_summary
     from .runner import read_results
 
     try:
-        written = (publish(results, args.card, args.readme, args.card_section)
+        pairs = parse_pairs(args.pair)
+        if pairs:
+            print("\n" + pair_table(read_results(results), pairs))
+        if not (args.card or args.readme or args.summary or args.card_section):
+            return 0
+        written = (publish(results, args.card, args.readme, args.card_section, pairs)
                    if (args.card or args.readme or args.card_section) else [])
         if args.summary:
-            written += write_summary(results, args.summary, args.title)
+            written += write_summary(results, args.summary, args.title, pairs)
         for path in written:
             print(f"published: {path}")
     except (FileNotFoundError, ValueError) as e:
@@ -54,12 +58,17 @@ def _publish(args: argparse.Namespace, results) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import markdown_table, write_report
+    from .report import check_pairs, markdown_table, parse_pairs, write_report
     from .runner import read_results
 
     rows = read_results(args.results)
     if not rows:
         print(f"no results in {args.results}", file=sys.stderr)
+        return 2
+    try:
+        check_pairs(parse_pairs(args.pair), {r["method"] for r in rows})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     path = write_report(args.results, args.out)
     print(markdown_table(rows))
@@ -69,12 +78,16 @@ def _report(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace) -> int:
     from .pool import pool_results
-    from .report import markdown_table
+    from .report import check_pairs, markdown_table, parse_pairs
     from .runner import read_results
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     try:
+        pairs = parse_pairs(args.pair)
+        if methods:  # before pooling: a pair must be among the kept methods
+            check_pairs(pairs, set(methods))
         out, dropped = pool_results(args.results, args.out, methods)
+        check_pairs(pairs, {r["method"] for r in read_results(out)})
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -94,6 +107,9 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                    help="write a results page (summary, per-task table, full table) and copy the rows beside it "
                         "as FILE.jsonl")
     p.add_argument("--title", default=None, help="heading of the --summary page")
+    p.add_argument("--pair", action="append", default=None, metavar="A,B",
+                   help="also report the gap A minus B between two methods (labels; 'full' is the full cache), "
+                        "with a paired-bootstrap interval over the items both scored; repeatable")
     p.add_argument("--card-section", default=None, metavar="TITLE",
                    help="with --card: add the summary to the model card as a further section under this heading "
                         "(e.g. a goal check), keeping the card's main results and plot")

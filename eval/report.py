@@ -247,6 +247,54 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def parse_pairs(specs: list[str] | None) -> list[tuple[str, str]]:
+    """``["a,b", ...]`` (the ``--pair`` option) -> ``[("a", "b"), ...]``; ValueError naming the fix otherwise."""
+    pairs = []
+    for spec in specs or []:
+        parts = [x.strip() for x in spec.split(",")]
+        if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
+            raise ValueError(f"--pair {spec!r}: give two different method labels as A,B (A minus B is reported), "
+                             "e.g. --pair gates_new,global_gates_sink4")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def check_pairs(pairs: list[tuple[str, str]], labels: set[str]) -> None:
+    """ValueError if a ``--pair`` names a method that the results (or the config) do not have; ``full``
+    is the full cache."""
+    for a, b in pairs:
+        missing = [m for m in (a, b) if m not in labels]
+        if missing:
+            raise ValueError(f"--pair {a},{b}: no method labelled {', '.join(map(repr, missing))}; "
+                             f"the methods are {', '.join(sorted(labels))}")
+
+
+def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
+    """The gap ``A - B`` for each ``(A, B)`` in ``pairs`` (method labels; ``full`` is the full cache) at
+    every budget both ran: mean over the tasks of :func:`summary_table` with its 95% paired-bootstrap
+    interval (:func:`paired_gap_interval`), then the gap on each task. Two learned methods are compared
+    on the same items, which the gaps of each to the full cache hide."""
+    means = _task_means(rows)
+    tasks = _common_tasks(means)
+    check_pairs(pairs, {m for m, _ in means})
+    lines = ["Paired gaps, A minus B in points (the mean over tasks with a 95% paired-bootstrap interval over the "
+             "items both scored, then each task).", "",
+             "| A - B | budget | gap | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
+    for a, b in pairs:
+        for budget in sorted({k[1] for k in means if k[0] == a}, key=lambda x: -1 if x == "full" else parse_budget(x).value):
+            ka = (a, budget)
+            kb = (b, "full") if b == "full" else (b, budget)
+            if kb not in means:
+                continue
+            per_task = [means[ka][t] - means[kb][t] for t in tasks]
+            ci = paired_gap_interval(rows, ka, kb, tasks)
+            gap = f"{statistics.mean(per_task):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+            lines.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | " + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
+    if len(lines) == 4:
+        lines.append("| (no budget that both methods of a pair ran) | | | " + " | ".join("" for _ in tasks) + " |")
+    return "\n".join(lines)
+
+
 def task_table(rows: list[dict[str, Any]], budget: str) -> str:
     """Score per task at one budget (a budget key such as ``fraction=0.1``), one row per method,
     the full cache first: where the mean in :func:`summary_table` comes from."""
@@ -300,9 +348,10 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
-    """What a card, a README and a summary file say: the setting, :func:`summary_table` and the per-task
-    view at the goal budget (10% where it was run, else the smallest budget)."""
+def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, str]] = ()) -> str:
+    """What a card, a README and a summary file say: the setting, :func:`summary_table`, the paired gaps
+    asked for (:func:`pair_table`) and the per-task view at the goal budget (10% where it was run, else
+    the smallest budget)."""
     models = sorted({str(r.get("model", "?")) for r in rows})
     lengths = sorted({r["length"] for r in rows})
     sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
@@ -310,6 +359,8 @@ def _summary_text(rows: list[dict[str, Any]], src: Path) -> str:
             if sources else f"Produced by `python -m eval run` ({src})")
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
             f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
+    if pairs:
+        text += "\n\n" + pair_table(rows, list(pairs))
     budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
     if budgets:
         text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])
@@ -337,10 +388,11 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
         raise ValueError(f"--summary {summary}: give a .md file (the rows are copied beside it as .jsonl)")
 
 
-def write_summary(results: str | Path, path: str | Path, title: str | None = None) -> list[Path]:
+def write_summary(results: str | Path, path: str | Path, title: str | None = None,
+                  pairs: list[tuple[str, str]] = ()) -> list[Path]:
     """A stand-alone results page at ``path`` (markdown: the summary of :func:`publish`, then the table
     per task, length, method and budget) and a copy of the rows beside it (``path`` with ``.jsonl``),
-    so the page names the rows it came from; returns both paths."""
+    so the page names the rows it came from; returns both paths. ``pairs``: :func:`pair_table` rows too."""
     import shutil
 
     from retention.io import atomic_write_bytes
@@ -356,7 +408,7 @@ def write_summary(results: str | Path, path: str | Path, title: str | None = Non
         shutil.copyfile(results, rows_copy)
     title = title or f"Results: {Path(results).parent.name}"
     body = (f"# {title}\n\nRows: `{rows_copy.name}` ({len(rows)} rows, copied from {results}).\n\n"
-            + _summary_text(rows, Path(results))
+            + _summary_text(rows, Path(results), pairs)
             + "\n\n## Per task, length, method and budget\n\nscore: the task's metric in % (fidelity: top-1 "
             "agreement with the full cache); KL: the answer's KL to the full cache in nats; KV kept: entries "
             "(token x KV head x layer) when the question arrives.\n\n" + markdown_table(rows) + "\n")
@@ -368,12 +420,13 @@ README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
-            card_section: str | None = None) -> list[Path]:
+            card_section: str | None = None, pairs: list[tuple[str, str]] = ()) -> list[Path]:
     """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
     between the ``<!-- results:start/end -->`` markers of a README; returns the files written.
 
     ``card_section``: instead, add the summary (no plot) to the card under that heading, after its main
-    results, replacing an earlier section of the same title: for a second result set such as a goal check."""
+    results, replacing an earlier section of the same title: for a second result set such as a goal check.
+    ``pairs``: the paired gaps of :func:`pair_table` go in too."""
     import json
     import shutil
 
@@ -387,7 +440,7 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     src = Path(results)
     # a --card-section brings no plot (and never comes with --readme): only the main results draw one
     plot_path = summary_plot(rows, src.parent / "summary.png") if card_section is None else None
-    text = _summary_text(rows, src)
+    text = _summary_text(rows, src, pairs)
     written = []
     if card is not None:
         card = Path(card)

@@ -174,3 +174,49 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     assert "Produced by" not in page.read_text()
     assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
+
+
+def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
+    from eval.report import pair_table, parse_pairs
+
+    B = ("gates_old", "fraction=0.1")
+    # per task: new - old = +10 on every item of t, 0 on u; the full cache is far above both
+    rows = _rows(*A, "t", [60.0, 70.0, 80.0, 90.0, 100.0]) + _rows(*B, "t", [50.0, 60.0, 70.0, 80.0, 90.0])
+    rows += _rows(*A, "u", [0.0, 100.0, 0.0, 100.0, 0.0]) + _rows(*B, "u", [0.0, 100.0, 0.0, 100.0, 0.0])
+    rows += _rows(*FULL, "t", [100.0] * 5) + _rows(*FULL, "u", [100.0] * 5)
+    table = pair_table(rows, parse_pairs(["global_gates,gates_old", "gates_old,full"]))
+    assert "| A - B | budget | gap | t | u |" in table
+    # every paired difference is +10 on t and 0 on u, so every resample gives +5: a zero-width interval
+    assert paired_gap_interval(rows, A, B, ["t", "u"]) == pytest.approx((5.0, 5.0))
+    assert "| global_gates - gates_old | 10% | +5.0 [+5.0, +5.0] | +10.0 | +0.0 |" in table
+    lo, hi = paired_gap_interval(rows, B, FULL, ["t", "u"])
+    assert f"| gates_old - full | 10% | -45.0 [{lo:+.1f}, {hi:+.1f}] | -30.0 | -60.0 |" in table
+    with pytest.raises(ValueError, match="no method labelled 'nope'; the methods are full, gates_old, global_gates"):
+        pair_table(rows, [("nope", "full")])
+    for bad in ("a", "a,b,c", "a,a", ",b"):
+        with pytest.raises(ValueError, match="two different method labels as A,B"):
+            parse_pairs([bad])
+
+
+def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page(tmp_path, capsys):
+    import json
+
+    from eval.cli import main
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
+    b.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    page = tmp_path / "pooled.md"
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page),
+                 "--pair", "global_gates,full"]) == 0
+    assert "| global_gates - full | 10% | -10.0 [" in page.read_text()
+    assert "| global_gates - full | 10% | -10.0 [" in capsys.readouterr().out
+    # a label that is not there: refused before pooling (with --methods) or before the sweep runs
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "q.jsonl"), "--methods", "full,global_gates",
+                 "--pair", "gates,full"]) == 2
+    assert "no method labelled 'gates'" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
+    assert main(["run", "--config", "tiny.yaml", "--output", str(tmp_path / "sweep"), "--pair", "snapkv_window8,gates"]) == 2
+    assert "no method labelled 'gates'; the methods are full, snapkv_window8, streamingllm" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+    assert main(["report", str(a), "--pair", "global_gates"]) == 2
+    assert "two different method labels" in capsys.readouterr().err
