@@ -277,9 +277,7 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
     means = _task_means(rows)
     tasks = _common_tasks(means)
     check_pairs(pairs, {m for m, _ in means})
-    lines = ["Paired gaps, A minus B in points (the mean over tasks with a 95% paired-bootstrap interval over the "
-             "items both scored, then each task).", "",
-             "| A - B | budget | gap | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
+    body = []
     for a, b in pairs:
         for budget in sorted({k[1] for k in means if k[0] == a}, key=lambda x: -1 if x == "full" else parse_budget(x).value):
             ka = (a, budget)
@@ -289,9 +287,11 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
             per_task = [means[ka][t] - means[kb][t] for t in tasks]
             ci = paired_gap_interval(rows, ka, kb, tasks)
             gap = f"{statistics.mean(per_task):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
-            lines.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | " + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
-    if len(lines) == 4:
-        lines.append("| (no budget that both methods of a pair ran) | | | " + " | ".join("" for _ in tasks) + " |")
+            body.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | " + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
+    lines = ["Paired gaps, A minus B in points (the mean over tasks with a 95% paired-bootstrap interval over the "
+             "items both scored, then each task).", "",
+             "| A - B | budget | gap | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
+    lines += body or ["| (no budget that both methods of a pair ran) | | | " + " | ".join("" for _ in tasks) + " |"]
     return "\n".join(lines)
 
 
