@@ -12,7 +12,7 @@ def _run(args: argparse.Namespace) -> int:
     from .report import markdown_table, write_report
     from .runner import read_results, run_sweep
 
-    overrides = {"output": args.output} if args.output else {}
+    overrides = {k: v for k, v in (("output", args.output), ("seed", args.seed)) if v is not None}
     try:
         cfg = load_eval_config(args.config, **overrides)
     except EvalConfigError as e:
@@ -121,6 +121,9 @@ def register(subparsers) -> None:
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
+    run.add_argument("--seed", type=int, default=None,
+                     help="item seed (overrides the config's): the same sweep on another item set; item ids carry "
+                          "their seed, so a second seed into the same --output adds to the rows, as a pool does")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     _publish_args(run)
     run.set_defaults(func=_run)

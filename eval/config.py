@@ -114,6 +114,12 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             labels.append(make_method(spec).label)
         except (ValueError, TypeError) as e:
             _fail("methods", f"{spec['name']}: {e}")
+    if any(m.name == "oracle" for m in cfg.method_list()):
+        others = sorted({s.name for s in cfg.task_specs()} - {"fidelity"})
+        if others or cfg.prefill != "one_shot":
+            _fail("methods", f"the oracle reads a fidelity item's continuation and compresses once: it needs "
+                             f"tasks: [fidelity] and prefill: one_shot (got tasks {others or ['fidelity']}, prefill "
+                             f"{cfg.prefill!r}); run the other tasks in a config of their own")
     if len(set(labels)) != len(labels):
         _fail("methods", f"labels must be distinct (set 'label' on repeated methods), got {labels}")
     if any(m.uses_budget for m in cfg.method_list()) and not cfg.budgets:

@@ -49,6 +49,9 @@ class Method(ABC):
     def new_cache(self, model, budget_entries: int | None, streaming: bool):
         """A fresh cache for one item; ``streaming``: evict during a chunked prefill, not only after it."""
 
+    def prepare(self, model, item) -> None:
+        """Called with each item before its context is prefilled (the oracle reads its continuation here)."""
+
     def compress(self, cache) -> None:
         """Evict down to the budget now (the context is prefilled, the question has not arrived)."""
 
@@ -151,12 +154,12 @@ class PolicyCache(Method):
 
 
 def available_methods() -> list[str]:
-    """``full`` plus every registered eviction policy (empty registry if the cache package is absent)."""
+    """``full``, ``oracle`` (:mod:`eval.oracle`, fidelity only) and every registered eviction policy."""
     try:
         from retention.policies import POLICIES
     except ImportError:
         return ["full"]
-    return sorted({"full", *POLICIES})
+    return sorted({"full", "oracle", *POLICIES})
 
 
 def make_method(spec: dict[str, Any]) -> Method:
@@ -169,6 +172,10 @@ def make_method(spec: dict[str, Any]) -> Method:
         if params or gates:
             raise ValueError("method 'full' takes no params or gates")
         return FullCache(name, params, label)
+    if name == "oracle":
+        from .oracle import ContinuationOracle
+
+        return ContinuationOracle(name, params, label, gates)
     from retention.policies import get_policy
 
     get_policy(name, **params)  # unknown names / parameters fail here, before any model loads

@@ -163,6 +163,7 @@ def run_item_budgets(model, tokenizer, item: Item, method: Method, budgets: list
     L, H, _ = kv_streams(model)
     streaming = prefill_mode == "streaming"
     with method.active(model):
+        method.prepare(model, item)
         head, rest = context_and_prompt(tokenizer, item, protocol)
 
         def entries_for(budget: Budget | None) -> int | None:

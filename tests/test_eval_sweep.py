@@ -348,3 +348,15 @@ def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
     assert [r for r in again if r["method"] == "snapkv"] == [r for r in rows if r["method"] == "snapkv"]
     assert sorted(r["item"] for r in again if r.get("gates_id") == second.fingerprint()) == sorted(r["item"] for r in aside)
     assert len(again) == len(rows)
+
+
+def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, capsys):
+    from eval.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [fidelity]\nlengths: [96]\n"
+                 "items: 1\nseed: 0\nmethods: [{name: full}]\n")
+    for seed in (3, 4):
+        assert main(["run", "--config", str(p), "--seed", str(seed), "--quiet"]) == 0
+    rows = read_results(tmp_path / "out" / "results.jsonl")
+    assert [(r["seed"], r["item"]) for r in rows] == [(3, "fidelity-eval-96-3-0"), (4, "fidelity-eval-96-4-0")]
