@@ -155,6 +155,15 @@ def learned_methods(rows: list[dict[str, Any]]) -> set[str]:
     return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(LEARNED_POLICIES)}
 
 
+REFERENCE_POLICIES = ("oracle",)  # read the future (eval/oracle.py): ceilings to read a gap against, no baselines
+
+
+def reference_methods(rows: list[dict[str, Any]]) -> set[str]:
+    """The method labels whose rows ran a reference that sees what no method may (their ``policy`` field):
+    never the "best training-free" a learned method is compared with."""
+    return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(REFERENCE_POLICIES)}
+
+
 def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
@@ -221,7 +230,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                  if (m, b) in avg else "-" for b in budgets]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     learned = sorted(learned_methods(rows) & set(methods))
-    baselines = [m for m in methods if m not in learned]
+    references = sorted(reference_methods(rows) & set(methods))
+    baselines = [m for m in methods if m not in learned and m not in references]
     if learned and (baselines or full is not None):
         shown: list[bool] = []  # whether any cell has an interval (then the note under the table says what it is)
 
@@ -244,6 +254,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             lines += ["", "Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same items "
                       "resampled for both methods within each task, 4,000 draws). With few items per task one item "
                       "moves a task's score a lot: read the interval before the point."]
+        if references:
+            lines += ["", f"{', '.join(references)}: references that read the continuation (`eval/oracle.py`), so "
+                      "not counted as the best training-free method."]
     return "\n".join(lines)
 
 
@@ -355,8 +368,14 @@ def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, 
     models = sorted({str(r.get("model", "?")) for r in rows})
     lengths = sorted({r["length"] for r in rows})
     sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
-    made = (f"Pooled by `python -m eval pool` ({src}) from the `python -m eval run` results {', '.join(sources)}"
-            if sources else f"Produced by `python -m eval run` ({src})")
+    carried = sum(1 for r in rows if r.get("pooled_from"))
+    if sources and carried == len(rows):
+        made = f"Pooled by `python -m eval pool` ({src}) from the `python -m eval run` results {', '.join(sources)}"
+    elif sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
+        made = (f"Produced by `python -m eval run` ({src}); {carried} of its {len(rows)} rows were copied in from "
+                f"runs pooled earlier ({', '.join(sources)})")
+    else:
+        made = f"Produced by `python -m eval run` ({src})"
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
             f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
     if pairs:

@@ -220,3 +220,23 @@ def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page
     assert not (tmp_path / "sweep").exists()
     assert main(["report", str(a), "--pair", "global_gates"]) == 2
     assert "two different method labels" in capsys.readouterr().err
+
+
+def test_an_oracle_is_never_the_best_training_free_baseline():
+    # the oracle reads the continuation: the learned method's "vs best training-free" must name the real baseline
+    rows = _rows(*A, "t", [80.0] * 5) + _rows(*FULL, "t", [100.0] * 5)
+    rows += _rows("snapkv", "fraction=0.1", "t", [60.0] * 5)
+    rows += [{**r, "policy": "oracle"} for r in _rows("oracle_head", "fraction=0.1", "t", [95.0] * 5)]
+    table = summary_table(rows)
+    assert "| global_gates | 10% | 80.0 | -20.0 [-20.0, -20.0] | +20.0 [+20.0, +20.0] (snapkv) |" in table
+    assert "| oracle_head | 95.0" in table and "oracle_head: references" in table
+
+
+def test_a_run_seeded_with_pooled_rows_says_it_was_run_not_pooled(tmp_path):
+    from eval.report import _summary_text
+
+    pooled = [{**r, "pooled_from": "runs/a/results.jsonl"} for r in _rows(*FULL, "t", [100.0] * 5)]
+    text = _summary_text(pooled + _rows(*A, "t", [80.0] * 5), tmp_path / "r.jsonl")
+    assert "Pooled by" not in text
+    assert (f"Produced by `python -m eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
+            "pooled earlier (runs/a/results.jsonl)") in text
