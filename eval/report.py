@@ -149,19 +149,24 @@ _STATS = ("__kv__", "__bytes__")
 LEARNED_POLICIES = tuple(n for n, cls in POLICIES.items() if getattr(cls, "uses_gates", False))  # scored by gates
 
 
-def learned_methods(rows: list[dict[str, Any]]) -> set[str]:
-    """The method labels whose rows ran a learned policy (their ``policy`` field; a label such as
-    ``stage2_sink4`` says nothing). Rows without the field fall back to the label's prefix."""
-    return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(LEARNED_POLICIES)}
-
-
 REFERENCE_POLICIES = ("oracle",)  # read the future (eval/oracle.py): ceilings to read a gap against, no baselines
 
 
+def _methods_running(rows: list[dict[str, Any]], policies: tuple[str, ...]) -> set[str]:
+    """The method labels whose rows ran one of ``policies`` (their ``policy`` field; a label such as
+    ``stage2_sink4`` says nothing). Rows without the field fall back to the label's prefix."""
+    return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(policies)}
+
+
+def learned_methods(rows: list[dict[str, Any]]) -> set[str]:
+    """The method labels whose rows ran a learned policy."""
+    return _methods_running(rows, LEARNED_POLICIES)
+
+
 def reference_methods(rows: list[dict[str, Any]]) -> set[str]:
-    """The method labels whose rows ran a reference that sees what no method may (their ``policy`` field):
-    never the "best training-free" a learned method is compared with."""
-    return {r["method"] for r in rows if str(r.get("policy", r["method"])).startswith(REFERENCE_POLICIES)}
+    """The method labels whose rows ran a reference that sees what no method may: never the "best
+    training-free" a learned method is compared with."""
+    return _methods_running(rows, REFERENCE_POLICIES)
 
 
 def _size(n: float) -> str:
@@ -371,11 +376,10 @@ def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, 
     carried = sum(1 for r in rows if r.get("pooled_from"))
     if sources and carried == len(rows):
         made = f"Pooled by `python -m eval pool` ({src}) from the `python -m eval run` results {', '.join(sources)}"
-    elif sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
-        made = (f"Produced by `python -m eval run` ({src}); {carried} of its {len(rows)} rows were copied in from "
-                f"runs pooled earlier ({', '.join(sources)})")
     else:
         made = f"Produced by `python -m eval run` ({src})"
+        if sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
+            made += f"; {carried} of its {len(rows)} rows were copied in from runs pooled earlier ({', '.join(sources)})"
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
             f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
     if pairs:
