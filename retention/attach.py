@@ -95,6 +95,10 @@ class _LayerState:
     history: torch.Tensor | None = None  # (B, H_kv, T_past + T) when decoding with a cache
     cache: Any = None  # score mode: the retention cache of the current forward (retention.cache)
     key_bias: torch.Tensor | None = None  # bias mode: (B, H_kv, T_past) added to the logits of past keys
+    # bias mode: when set, the next forward stores the attention its new queries pay each past key in
+    # ``past_mass`` (B, H_kv, T_past) (summed over the queries, mean over the KV head's query heads)
+    record_past_mass: bool = False
+    past_mass: torch.Tensor | None = None
 
 
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
@@ -125,12 +129,14 @@ def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: in
 
 
 def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, past_mass: bool = False):
     """New queries over past + new keys, with ``bias`` added to the logits of the past keys.
 
     ``query`` ``(B, Hq, Tq, D)``; ``key/value`` ``(B, H, P + Tq, D)`` (the last ``Tq`` are the new tokens,
     seen causally); ``bias`` ``(B, H, P)`` float (``-inf``: evicted; ``None``: no bias). A KV head's bias
-    applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout).
+    applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout); with
+    ``past_mass`` also ``(B, H, P)``: the attention the new queries pay each past key, summed over the
+    queries and averaged over the KV head's query heads (the future-attention oracle's score).
     """
     B, Hq, Tq, D = query.shape
     H, Tk = key.shape[1], key.shape[2]
@@ -146,8 +152,12 @@ def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if bias.shape != (B, H, P):
             raise ValueError(f"key bias has shape {tuple(bias.shape)}, the cache holds (B, H, P) = {(B, H, P)} past keys")
         logits = torch.cat([logits[..., :P] + bias[:, :, None, :].float(), logits[..., P:]], dim=-1)
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(logits, dim=-1), value.float())
-    return out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", probs, value.float())
+    out = out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
+    if past_mass:
+        return out, probs[..., :P].sum(2) / G
+    return out
 
 
 def retention_attention_function(
@@ -177,6 +187,9 @@ def retention_attention_function(
             return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return cache.retention_attend(state.layer, query, scaling), None
     if state.attachment.mode == "bias":
+        if state.record_past_mass:
+            out, state.past_mass = key_bias_attention(query, key, value, state.key_bias, scaling, past_mass=True)
+            return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
     log_beta = state.log_beta
     Tq, Tk = query.shape[2], key.shape[2]
@@ -290,6 +303,8 @@ class RetentionAttachment:
             m._retention_state.history = None
             m._retention_state.cache = None
             m._retention_state.key_bias = None
+            m._retention_state.record_past_mass = False
+            m._retention_state.past_mass = None
 
     def detach(self) -> nn.Module:
         """Remove hooks, gates and the attention override; return the plain model."""

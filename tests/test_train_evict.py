@@ -13,7 +13,7 @@ from retention.gates import GateConfig, RetentionGates
 from retention.policies import GlobalGatesPolicy
 from tiny_models import tiny_llama
 from train.config import ConfigError, load_config
-from train.evict import EvictionDistiller, EvictionExample, ExampleStream, soft_keep_bias
+from train.evict import EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss, soft_keep_bias
 
 
 def _gated(seed: int = 0, sink: int = 2):
@@ -90,6 +90,63 @@ def test_small_tau_reads_the_tail_as_the_evicted_inference_cache_does(fraction):
     assert (student - teacher).abs().max() > 1e-3, "the eviction must change the tail's logits"
 
 
+def test_future_mass_is_the_attention_the_tail_pays_and_leaves_the_teacher_as_it_was():
+    """The ranking loss's target: brute force from eager attention maps of context + tail, no gates."""
+    model, att = _gated()
+    torch.manual_seed(5)
+    head, tail = torch.randint(0, 128, (1, 30)), torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        plain = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25)
+        h_s, h_t, _, stats = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25, future_mass=True)
+        attached, model.config._attn_implementation = model.config._attn_implementation, "eager"
+        try:
+            with att.teacher():
+                maps = model(input_ids=torch.cat([head, tail], 1), output_attentions=True, use_cache=False).attentions
+        finally:
+            model.config._attn_implementation = attached
+    H = model.config.num_key_value_heads
+    for layer, m in enumerate(maps):
+        G = m.shape[1] // H
+        want = m[0, :, -6:, :30].sum(1).reshape(H, G, 30).mean(1)  # (H, P): summed over the tail, mean over the group
+        torch.testing.assert_close(stats["future_mass"][layer][0], want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h_t, plain[1], atol=1e-5, rtol=1e-4)  # the recording pass is the same teacher
+    torch.testing.assert_close(h_s, plain[0], atol=1e-5, rtol=1e-4)
+    assert all(m._retention_state.past_mass is None and not m._retention_state.record_past_mass for m in att.modules)
+
+
+def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_set():
+    torch.manual_seed(0)
+    L, H, T, sink, budget = 3, 2, 50, 2, 40
+    log_betas = [-(torch.rand(1, H, T) * 0.5 + 1e-3) for _ in range(L)]
+    mass = [torch.rand(1, H, T) for _ in range(L)]
+    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25)
+    # brute force: rank every non-sink entry by hand, as GlobalGatesPolicy does at step T
+    k = budget - sink * L * H
+    rows = [(l, h, i) for l in range(L) for h in range(H) for i in range(sink, T)]
+    u = {r: -torch.log((T - r[2]) * -log_betas[r[0]][0, r[1], r[2]]).item() for r in rows}
+    by_u = sorted(rows, key=lambda r: -u[r])
+    oracle = set(sorted(rows, key=lambda r: -mass[r[0]][0, r[1], r[2]].item())[:k])
+    assert stats["rank_recall"] == pytest.approx(len(oracle & set(by_u[:k])) / k)
+    thr = 0.5 * (u[by_u[k - 1]] + u[by_u[k]])
+    z = torch.tensor([(u[r] - thr) / 0.25 for r in rows])
+    y = torch.tensor([float(r in oracle) for r in rows])
+    want = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum") / k
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    us = eviction_u(log_betas, sink)
+    assert all((x[..., :sink] > 1e3).all() for x in us), "sinks rank above everything"
+    # descending the loss on the scores themselves learns the oracle's set
+    params = [lb.clone().neg().log().requires_grad_(True) for lb in log_betas]  # log(-log beta)
+    opt = torch.optim.Adam(params, lr=0.1)
+    for _ in range(150):
+        loss, stats = future_rank_loss([-p.exp() for p in params], mass, budget, sink, tau=0.25)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert stats["rank_recall"] == 1.0
+    # a budget that holds only the sinks leaves nothing to rank
+    assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
+
+
 def test_example_stream_resumes_and_covers_each_epoch():
     exs = [EvictionExample([i], [i], [True]) for i in range(5)]
     a = ExampleStream(exs, [0.1, 0.2], seed=0)
@@ -123,20 +180,27 @@ def test_bad_evict_configs_name_the_fix(tmp_path):
         _config(tmp_path, root, "loss.evict_fractions=[1.5]")
 
 
-def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
-    """A tiny Llama with the SmolLM2 tokenizer (the eval generators need real text): the run learns
-    on its items, resumes to the same curve, and exports gates."""
+def _tiny_model_dir(tmp_path, monkeypatch):
+    """A tiny Llama saved with the SmolLM2 tokenizer (the eval generators need real text); a private cache."""
     from transformers import AutoTokenizer
 
-    from retention.hub import load_gates
     from retention.models import embedded_model_dir
-    from train.loop import export_checkpoint, train
 
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "tiny"
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     tiny_llama(vocab_size=len(tok)).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
+    return root
+
+
+def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
+    """A tiny Llama with the SmolLM2 tokenizer (the eval generators need real text): the run learns
+    on its items, resumes to the same curve, and exports gates."""
+    from retention.hub import load_gates
+    from train.loop import export_checkpoint, train
+
+    root = _tiny_model_dir(tmp_path, monkeypatch)
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
     full = train(_config(tmp_path / "a", root))
@@ -157,3 +221,23 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     card = (tmp_path / "a" / "run" / "final" / "README.md").read_text()
     assert "eviction-aware distillation" in card and "tau 0.5" in card
     assert "| data | one item a step: synthetic" in card, card  # not "N-token rows": no rows are packed
+
+
+def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(tmp_path, monkeypatch):
+    from train.loop import train
+
+    root = _tiny_model_dir(tmp_path, monkeypatch)
+    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "train.steps=3"))
+    for r in out["history"]:
+        assert 0.0 <= r["rank_recall"] <= 1.0 and r["rank_loss"] > 0
+        assert r["loss"] == pytest.approx(r["kl"] + 0.05 * r["rank_loss"], rel=1e-4)
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert "ranking loss against the future-attention oracle" in card
+    assert "held_out_oracle_recall" in out and 0.0 <= out["held_out_oracle_recall"] <= 1.0
+
+
+def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
+    with pytest.raises(ConfigError, match="loss.rank_weight = 0.1.*objective 'evict'"):
+        _config(tmp_path, tmp_path, "loss.objective=distill", "budget.tokens_per_head=8", "loss.rank_weight=0.1")
+    with pytest.raises(ConfigError, match="loss.rank_weight must be >= 0"):
+        _config(tmp_path, tmp_path, "loss.rank_weight=-1")

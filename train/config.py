@@ -61,6 +61,10 @@ class LossConfig:
     objective: str = "distill"
     evict_tau: float = 0.5  # softness of the relaxed top-B, in log units of the eviction score
     evict_fractions: list[float] = field(default_factory=lambda: [0.1])  # budgets, fractions of each context
+    # objective evict: weight of the future-attention ranking loss (train/evict.future_rank_loss: the gates'
+    # keep decisions against the attention oracle's global top-B); 0 trains on the KL alone
+    rank_weight: float = 0.0
+    rank_tau: float = 0.25  # softness of those keep decisions, in log units of the eviction score
 
 
 @dataclass
@@ -187,12 +191,12 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager"),
 }
 POSITIVE = {
-    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "data.seq_len", "train.steps",
+    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau", "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
-NON_NEGATIVE = {"gates.sink", "loss.capacity_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
+NON_NEGATIVE = {"gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
 
 
 def _lines(text: str) -> dict[str, int]:
@@ -347,6 +351,9 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                               "'evict' reads one item a micro-step; set train.batch_size: 1 and raise train.grad_accum instead")
         if cfg.lora.enabled:
             raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or loss.objective: distill")
+    if cfg.loss.rank_weight and cfg.loss.objective != "evict":
+        raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the ranking loss "
+                          "needs a context and a continuation (objective 'evict'); set loss.objective: evict or remove it")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
 

@@ -113,16 +113,12 @@ def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], li
     return train, held
 
 
-def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: float) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """Per layer ``(1, H, T)`` additive attention bias ``log sigmoid((u - u_B) / tau)`` for a global top-B.
+def eviction_u(log_betas: list[torch.Tensor], sink: int) -> list[torch.Tensor]:
+    """Per layer ``(1, H, T)`` eviction rank ``u = -log(-(T - i) * log beta)`` of a ``T``-token context.
 
-    ``log_betas``: per layer ``(1, H, T)`` gate scores of a ``T``-token context (<= 0). ``u`` orders the
-    entries as :class:`retention.policies.GlobalGatesPolicy` (horizon 1) does at step ``T``: age
-    ``T - i``, score ``age * log beta``; ``u = -log(-score)``, in log units so ``tau`` reads as a ratio of
-    decay exponents. The first ``sink`` tokens of every head are kept outright (and count in the
-    budget). ``u_B``, halfway between the ``budget``-th and the next largest ``u``, is a constant (no
-    gradient), so ``tau -> 0`` keeps exactly the policy's top-B. Returns the biases and statistics:
-    ``soft_entries`` (the sum of soft keep weights), ``threshold_u`` and ``entries`` (all of them).
+    ``u`` orders the entries as :class:`retention.policies.GlobalGatesPolicy` (horizon 1) does at step
+    ``T`` (age ``T - i``, score ``age * log beta``), in log units so a temperature reads as a ratio of decay
+    exponents. The first ``sink`` tokens of every head rank above anything the gates can score (always kept).
     """
     T = log_betas[0].shape[-1]
     age = torch.arange(T, 0, -1, device=log_betas[0].device, dtype=torch.float32)  # T - i
@@ -133,6 +129,19 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: f
         if sink:
             u = torch.cat([torch.full_like(u[..., :sink], _SINK_U), u[..., sink:]], dim=-1)
         us.append(u)
+    return us
+
+
+def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per layer ``(1, H, T)`` additive attention bias ``log sigmoid((u - u_B) / tau)`` for a global top-B.
+
+    ``log_betas``: per layer ``(1, H, T)`` gate scores of a ``T``-token context (<= 0), ranked by
+    :func:`eviction_u`. The first ``sink`` tokens of every head are kept outright (and count in the
+    budget). ``u_B``, halfway between the ``budget``-th and the next largest ``u``, is a constant (no
+    gradient), so ``tau -> 0`` keeps exactly the policy's top-B. Returns the biases and statistics:
+    ``soft_entries`` (the sum of soft keep weights), ``threshold_u`` and ``entries`` (all of them).
+    """
+    us = eviction_u(log_betas, sink)
     flat = torch.cat([u.detach().flatten() for u in us])
     budget = max(1, int(budget))
     if budget >= flat.numel():  # everything fits: keep it all
@@ -146,12 +155,40 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: f
     return biases, {"soft_entries": soft, "threshold_u": float(threshold), "entries": float(flat.numel())}
 
 
+def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tensor], budget: int, sink: int,
+                     tau: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Teach the gates the attention oracle's global top-B (:mod:`eval.oracle`, ``scope: global``).
+
+    ``log_betas``: per layer ``(1, H, T)`` gate scores of the context; ``future_mass``: per layer
+    ``(1, H, T)`` attention the continuation pays each context entry (nothing evicted, no grad). The
+    oracle keeps the ``budget`` entries of most future attention (the ``sink`` tokens of every head
+    always, counted in the budget). Each other entry is a binary decision, kept or dropped, with the
+    gates' logit ``(u - u_B) / tau`` (:func:`eviction_u`; ``u_B`` the gates' own top-B threshold, no
+    gradient): the loss is the binary cross-entropy against the oracle's decision, summed and divided by
+    the entries the gates choose (so it reads per kept entry). Returns the loss and ``rank_recall``: the
+    share of the oracle's choices that the gates' hard top-B also keeps.
+    """
+    u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
+    mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
+    k = int(budget) - sink * sum(x.shape[0] * x.shape[1] for x in log_betas)  # non-sink entries kept
+    if k <= 0 or k >= u.numel():  # the budget holds only the sinks, or everything: nothing to rank
+        return u.sum() * 0.0, {"rank_recall": 1.0}
+    oracle = torch.zeros_like(u)
+    oracle[torch.topk(mass, k).indices] = 1.0
+    top = torch.topk(u.detach(), k + 1)
+    threshold = 0.5 * (top.values[-2] + top.values[-1])
+    loss = F.binary_cross_entropy_with_logits((u - threshold) / tau, oracle, reduction="sum") / k
+    return loss, {"rank_recall": float(oracle[top.indices[:k]].mean())}
+
+
 class EvictionDistiller(nn.Module):
     """One forward = teacher prefill of the head and pass over the tail, then the student's biased pass
     over the tail; a single module call so DDP sees the gates' gradients.
 
     Returns the tail's final hidden states ``(1, T_tail, D)`` of the student and the teacher, the
-    context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics.
+    context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics. With ``future_mass`` the
+    teacher's tail pass also records the attention the tail pays each context entry (``key_bias_attention``
+    with no bias: the same attention in float32), per layer ``(1, H, T_head)`` in ``stats["future_mass"]``.
     """
 
     def __init__(self, model: nn.Module, attachment: RetentionAttachment) -> None:
@@ -159,7 +196,7 @@ class EvictionDistiller(nn.Module):
         self.model = model
         self.attachment = attachment
 
-    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float):
+    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False):
         att = self.attachment
         decoder = unwrap(self.model).model
         cfg = att.gates.config
@@ -178,8 +215,19 @@ class EvictionDistiller(nn.Module):
             for h in hooks:
                 h.remove()
         P = head.shape[1]
-        with torch.no_grad(), att.teacher():
-            h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+        if future_mass:
+            for m in att.modules:
+                m._retention_state.record_past_mass = True
+            try:
+                with torch.no_grad(), att.use_mode("bias"):
+                    h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+                masses = [m._retention_state.past_mass for m in att.modules]
+            finally:
+                for m in att.modules:
+                    m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
+        else:
+            with torch.no_grad(), att.teacher():
+                h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
         budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as eval.budgets.Budget.entries
@@ -193,6 +241,8 @@ class EvictionDistiller(nn.Module):
             for m in att.modules:
                 m._retention_state.key_bias = None
         stats["budget"] = float(budget)
+        if future_mass:
+            stats["future_mass"] = masses
         return h_student, h_teacher, log_betas, stats
 
 

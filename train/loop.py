@@ -31,7 +31,7 @@ from retention.models import cache_dir, load_model
 
 from .config import Config
 from .data import PackedStream, build_data, build_multimodal, collate_any
-from .evict import HARD_TAU, EvictionDistiller, ExampleStream, load_examples
+from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
 
 class Distiller(nn.Module):
@@ -216,6 +216,9 @@ def run_facts(cfg: Config) -> dict[str, str]:
                               f"top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, budgets "
                               f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B "
                               f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
+        if cfg.loss.rank_weight:
+            facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
+                                   f"global top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g})")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
@@ -424,7 +427,8 @@ def train(
         dev = accelerator.device
         head, tail = torch.tensor([example.head], device=dev), torch.tensor([example.tail], device=dev)
         tau = cfg.loss.evict_tau if weighted else HARD_TAU
-        h_s, h_t, log_betas, stats = distiller(head, tail, fraction, tau)
+        ranking = bool(cfg.loss.rank_weight)
+        h_s, h_t, log_betas, stats = distiller(head, tail, fraction, tau, future_mass=ranking)
         mask = torch.tensor([example.targets], device=dev)
         weights = mask.float() * (example.weight if weighted else 1.0)
         kl_sum, kl_n = distillation_kl(h_s, h_t, lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
@@ -432,7 +436,14 @@ def train(
         kl = global_mean(kl_sum, kl_n)
         # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
         cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"], "capacity_terms": 1}
-        return kl, kl, torch.zeros((), device=dev), cap_stats, log_betas
+        loss = kl
+        if ranking:  # the gates' keep decisions against the future-attention oracle's global top-B
+            rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]), attachment.sink,
+                                                cfg.loss.rank_tau)
+            rank = global_mean(rank, 1)
+            loss = kl + cfg.loss.rank_weight * rank
+            cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
+        return loss, kl, torch.zeros((), device=dev), cap_stats, log_betas
 
     def losses(batch, weighted: bool = True):
         """``weighted=False``: the plain mean KL (held-out KL stays comparable whatever the sources' weights)."""
@@ -476,13 +487,16 @@ def train(
                 vals["capacity"].append(float(cap))
                 vals["soft_cache_entries"].append(cap_stats["soft_cache_entries"])
                 vals["beta_mean"].append(float(np.mean(beta_stats(log_betas)["beta_mean"])))
+                if "rank_recall" in cap_stats:  # objective evict with the ranking loss: the oracle's top-B kept
+                    vals.setdefault("rank_recall", []).append(cap_stats["rank_recall"])
         return {k: float(np.mean(v)) for k, v in vals.items()}
 
     if before is None and cfg.train.report_before:
         before = evaluate()  # the untrained gates on the held-out rows, for the before/after report
         if main:
             print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
-                  f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}")
+                  f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}"
+                  + (f", oracle top-B recall {before['rank_recall']:.3f}" if "rank_recall" in before else ""))
 
     row_tokens = (sum(len(e.head) + len(e.tail) for e in train_rows) / len(train_rows)) if evicting else cfg.data.seq_len
     tokens_per_step = round(cfg.train.batch_size * row_tokens * cfg.train.grad_accum * accelerator.num_processes)
@@ -520,14 +534,19 @@ def train(
             accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
         if main and step % cfg.train.log_every == 0:
             per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
-            tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} "
+            ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} " if "rank_recall" in record else "")
+            tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
                        f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            record["eval_kl"] = evaluate()["kl"]
+            held = evaluate()
+            record["eval_kl"] = held["kl"]
+            if "rank_recall" in held:
+                record["eval_rank_recall"] = held["rank_recall"]
             if accelerator.trackers:
-                accelerator.log({"eval_kl": record["eval_kl"]}, step=step)
+                accelerator.log({k: record[k] for k in ("eval_kl", "eval_rank_recall") if k in record}, step=step)
             if main:
-                tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}")
+                recall = f", oracle top-B recall {held['rank_recall']:.3f}" if "rank_recall" in held else ""
+                tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}{recall}")
         stopping = cfg.train.stop_after is not None and step >= cfg.train.stop_after
         saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
         with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
@@ -557,6 +576,10 @@ def train(
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
+    if "rank_recall" in after:  # the share of the oracle's top-B that the gates' hard top-B keeps
+        summary["held_out_oracle_recall"] = after["rank_recall"]
+        if before is not None and "rank_recall" in before:
+            summary["held_out_oracle_recall_before"] = before["rank_recall"]
     summary.update(run_facts(cfg))
     export_dir = Path(cfg.export.dir or out_dir / "final")
     with gathered(accelerator, attachment.gates.parameters()):
@@ -572,8 +595,10 @@ def train(
             if before is not None:
                 print(f"[retention] held-out rows, before -> after training (budget {budget_text}):")
                 for k, name in (("kl", "KL(teacher || student)"), ("capacity", "capacity loss"),
-                                ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta")):
-                    print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
+                                ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta"),
+                                ("rank_recall", "oracle top-B recall")):
+                    if k in before and k in after:
+                        print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
             print(f"[retention] held-out KL {after['kl']:.4f}; gates exported to {export_dir}")
             repo = push_to_hub_repo or cfg.export.push_to_hub
             if repo:
