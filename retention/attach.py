@@ -99,6 +99,7 @@ class _LayerState:
     # ``past_mass`` (B, H_kv, T_past) (summed over the queries, mean over the KV head's query heads)
     record_past_mass: bool = False
     past_mass: torch.Tensor | None = None
+    past_mass_queries: torch.Tensor | None = None  # (T_new,) weights of the new queries in that sum; None: all 1
 
 
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
@@ -129,14 +130,16 @@ def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: in
 
 
 def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-                       scale: float | None = None, past_mass: bool = False):
+                       scale: float | None = None, past_mass: bool = False,
+                       query_weights: torch.Tensor | None = None):
     """New queries over past + new keys, with ``bias`` added to the logits of the past keys.
 
     ``query`` ``(B, Hq, Tq, D)``; ``key/value`` ``(B, H, P + Tq, D)`` (the last ``Tq`` are the new tokens,
     seen causally); ``bias`` ``(B, H, P)`` float (``-inf``: evicted; ``None``: no bias). A KV head's bias
     applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout); with
     ``past_mass`` also ``(B, H, P)``: the attention the new queries pay each past key, summed over the
-    queries and averaged over the KV head's query heads (the future-attention oracle's score).
+    queries and averaged over the KV head's query heads (the future-attention oracle's score);
+    ``query_weights`` ``(Tq,)`` weighs each new query in that sum (for example 1 on the answer's tokens only).
     """
     B, Hq, Tq, D = query.shape
     H, Tk = key.shape[1], key.shape[2]
@@ -156,7 +159,12 @@ def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = torch.einsum("bhqk,bhkd->bhqd", probs, value.float())
     out = out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
     if past_mass:
-        return out, probs[..., :P].sum(2) / G
+        past = probs[..., :P]
+        if query_weights is not None:
+            if query_weights.shape != (Tq,):
+                raise ValueError(f"query_weights has shape {tuple(query_weights.shape)}, expected ({Tq},): one per new query")
+            past = past * query_weights.to(past).repeat(G)[:, None]  # rows are g * Tq + j
+        return out, past.sum(2) / G
     return out
 
 
@@ -188,7 +196,8 @@ def retention_attention_function(
         return cache.retention_attend(state.layer, query, scaling), None
     if state.attachment.mode == "bias":
         if state.record_past_mass:
-            out, state.past_mass = key_bias_attention(query, key, value, state.key_bias, scaling, past_mass=True)
+            out, state.past_mass = key_bias_attention(query, key, value, state.key_bias, scaling, past_mass=True,
+                                                      query_weights=state.past_mass_queries)
             return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
     log_beta = state.log_beta
@@ -305,6 +314,7 @@ class RetentionAttachment:
             m._retention_state.key_bias = None
             m._retention_state.record_past_mass = False
             m._retention_state.past_mass = None
+            m._retention_state.past_mass_queries = None
 
     def detach(self) -> nn.Module:
         """Remove hooks, gates and the attention override; return the plain model."""

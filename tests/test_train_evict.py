@@ -98,6 +98,8 @@ def test_future_mass_is_the_attention_the_tail_pays_and_leaves_the_teacher_as_it
     with torch.no_grad():
         plain = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25)
         h_s, h_t, _, stats = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25, future_mass=True)
+        w = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.5])  # rank_queries targets: only some queries count
+        _, _, _, weighted = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25, future_mass=True, mass_queries=w)
         attached, model.config._attn_implementation = model.config._attn_implementation, "eager"
         try:
             with att.teacher():
@@ -109,9 +111,12 @@ def test_future_mass_is_the_attention_the_tail_pays_and_leaves_the_teacher_as_it
         G = m.shape[1] // H
         want = m[0, :, -6:, :30].sum(1).reshape(H, G, 30).mean(1)  # (H, P): summed over the tail, mean over the group
         torch.testing.assert_close(stats["future_mass"][layer][0], want, atol=1e-5, rtol=1e-4)
+        want_w = (m[0, :, -6:, :30] * w[None, :, None]).sum(1).reshape(H, G, 30).mean(1)
+        torch.testing.assert_close(weighted["future_mass"][layer][0], want_w, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(h_t, plain[1], atol=1e-5, rtol=1e-4)  # the recording pass is the same teacher
     torch.testing.assert_close(h_s, plain[0], atol=1e-5, rtol=1e-4)
-    assert all(m._retention_state.past_mass is None and not m._retention_state.record_past_mass for m in att.modules)
+    assert all(m._retention_state.past_mass is None and not m._retention_state.record_past_mass
+               and m._retention_state.past_mass_queries is None for m in att.modules)
 
 
 def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_set():
@@ -227,17 +232,19 @@ def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(t
     from train.loop import train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
-    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "train.steps=3"))
+    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "loss.rank_queries=targets", "train.steps=3"))
     for r in out["history"]:
         assert 0.0 <= r["rank_recall"] <= 1.0 and r["rank_loss"] > 0
         assert r["loss"] == pytest.approx(r["kl"] + 0.05 * r["rank_loss"], rel=1e-4)
     card = (tmp_path / "run" / "final" / "README.md").read_text()
-    assert "ranking loss against the future-attention oracle" in card
+    assert "ranking loss against the future-attention oracle" in card and "distilled positions only" in card
     assert "held_out_oracle_recall" in out and 0.0 <= out["held_out_oracle_recall"] <= 1.0
 
 
 def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
     with pytest.raises(ConfigError, match="loss.rank_weight = 0.1.*objective 'evict'"):
         _config(tmp_path, tmp_path, "loss.objective=distill", "budget.tokens_per_head=8", "loss.rank_weight=0.1")
+    with pytest.raises(ConfigError, match="loss.rank_queries.*'all', 'targets'"):
+        _config(tmp_path, tmp_path, "loss.rank_weight=0.1", "loss.rank_queries=answer")
     with pytest.raises(ConfigError, match="loss.rank_weight must be >= 0"):
         _config(tmp_path, tmp_path, "loss.rank_weight=-1")

@@ -65,6 +65,9 @@ class LossConfig:
     # keep decisions against the attention oracle's global top-B); 0 trains on the KL alone
     rank_weight: float = 0.0
     rank_tau: float = 0.25  # softness of those keep decisions, in log units of the eviction score
+    # which tail queries' attention ranks the oracle: all (question and answer) or targets (the distilled
+    # positions only: a retrieval item's answer, a fidelity item's whole continuation)
+    rank_queries: str = "all"
 
 
 @dataclass
@@ -183,6 +186,7 @@ CHOICES = {
     "gates.activation": ("silu", "gelu", "relu", "tanh"),
     "loss.capacity_form": ("global", "per_head"),
     "loss.objective": ("distill", "evict"),
+    "loss.rank_queries": ("all", "targets"),
     "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),

@@ -188,7 +188,8 @@ class EvictionDistiller(nn.Module):
     Returns the tail's final hidden states ``(1, T_tail, D)`` of the student and the teacher, the
     context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics. With ``future_mass`` the
     teacher's tail pass also records the attention the tail pays each context entry (``key_bias_attention``
-    with no bias: the same attention in float32), per layer ``(1, H, T_head)`` in ``stats["future_mass"]``.
+    with no bias: the same attention in float32), per layer ``(1, H, T_head)`` in ``stats["future_mass"]``;
+    ``mass_queries`` ``(T_tail,)`` weighs the tail's queries in that sum (None: every query counts).
     """
 
     def __init__(self, model: nn.Module, attachment: RetentionAttachment) -> None:
@@ -196,7 +197,8 @@ class EvictionDistiller(nn.Module):
         self.model = model
         self.attachment = attachment
 
-    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False):
+    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False,
+                mass_queries: torch.Tensor | None = None):
         att = self.attachment
         decoder = unwrap(self.model).model
         cfg = att.gates.config
@@ -218,6 +220,7 @@ class EvictionDistiller(nn.Module):
         if future_mass:
             for m in att.modules:
                 m._retention_state.record_past_mass = True
+                m._retention_state.past_mass_queries = mass_queries
             try:
                 with torch.no_grad(), att.use_mode("bias"):
                     h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
@@ -225,6 +228,7 @@ class EvictionDistiller(nn.Module):
             finally:
                 for m in att.modules:
                     m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
+                    m._retention_state.past_mass_queries = None
         else:
             with torch.no_grad(), att.teacher():
                 h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state

@@ -218,7 +218,9 @@ def run_facts(cfg: Config) -> dict[str, str]:
                               f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
         if cfg.loss.rank_weight:
             facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
-                                   f"global top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g})")
+                                   f"global top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
+                                   + (", ranked by the attention of the distilled positions only" if cfg.loss.rank_queries == "targets" else "")
+                                   + ")")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
     return facts
@@ -428,8 +430,10 @@ def train(
         head, tail = torch.tensor([example.head], device=dev), torch.tensor([example.tail], device=dev)
         tau = cfg.loss.evict_tau if weighted else HARD_TAU
         ranking = bool(cfg.loss.rank_weight)
-        h_s, h_t, log_betas, stats = distiller(head, tail, fraction, tau, future_mass=ranking)
         mask = torch.tensor([example.targets], device=dev)
+        # rank_queries targets: the oracle ranks the context by the attention of the distilled positions only
+        queries = mask[0].float() if ranking and cfg.loss.rank_queries == "targets" else None
+        h_s, h_t, log_betas, stats = distiller(head, tail, fraction, tau, future_mass=ranking, mass_queries=queries)
         weights = mask.float() * (example.weight if weighted else 1.0)
         kl_sum, kl_n = distillation_kl(h_s, h_t, lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
                                        reduction="sum", weights=weights)
