@@ -148,6 +148,36 @@ def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_
         loss.backward()
         opt.step()
     assert stats["rank_recall"] == 1.0
+
+
+def test_layer_scoped_rank_loss_keeps_the_gates_split_between_layers():
+    """scope layer: per layer, the oracle keeps as many entries as the gates do there (brute force)."""
+    torch.manual_seed(1)
+    L, H, T, sink, budget = 3, 2, 40, 2, 50
+    log_betas = [-(torch.rand(1, H, T) * (0.2 + l)) - 1e-3 for l in range(L)]  # layers of different decay
+    mass = [torch.rand(1, H, T) for _ in range(L)]
+    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="layer")
+    k = budget - sink * L * H
+    rows = [(l, h, i) for l in range(L) for h in range(H) for i in range(sink, T)]
+    u = {r: -torch.log((T - r[2]) * -log_betas[r[0]][0, r[1], r[2]]).item() for r in rows}
+    kept = set(sorted(rows, key=lambda r: -u[r])[:k])
+    oracle = set()
+    for l in range(L):
+        mine = [r for r in rows if r[0] == l]
+        n_l = sum(r in kept for r in mine)
+        oracle |= set(sorted(mine, key=lambda r: -mass[l][0, r[1], r[2]].item())[:n_l])
+    assert len(oracle) == k and {l for l, _, _ in kept} == {0, 1, 2}
+    assert stats["rank_recall"] == pytest.approx(len(oracle & kept) / k)
+    by_u = sorted(rows, key=lambda r: -u[r])
+    thr = 0.5 * (u[by_u[k - 1]] + u[by_u[k]])
+    z = torch.tensor([(u[r] - thr) / 0.25 for r in rows])
+    y = torch.tensor([float(r in oracle) for r in rows])
+    want = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum") / k
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    glob, _ = future_rank_loss(log_betas, mass, budget, sink, tau=0.25)
+    assert float(glob) != pytest.approx(float(loss))  # the global oracle splits the budget its own way
+    with pytest.raises(ValueError, match="scope 'head'"):
+        future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="head")
     # a budget that holds only the sinks leaves nothing to rank
     assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
 
@@ -232,12 +262,14 @@ def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(t
     from train.loop import train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
-    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "loss.rank_queries=targets", "train.steps=3"))
+    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "loss.rank_queries=targets", "loss.rank_scope=layer",
+                        "train.steps=3"))
     for r in out["history"]:
         assert 0.0 <= r["rank_recall"] <= 1.0 and r["rank_loss"] > 0
         assert r["loss"] == pytest.approx(r["kl"] + 0.05 * r["rank_loss"], rel=1e-4)
     card = (tmp_path / "run" / "final" / "README.md").read_text()
     assert "ranking loss against the future-attention oracle" in card and "distilled positions only" in card
+    assert "within each layer" in card
     assert "held_out_oracle_recall" in out and 0.0 <= out["held_out_oracle_recall"] <= 1.0
 
 

@@ -68,6 +68,9 @@ class LossConfig:
     # which tail queries' attention ranks the oracle: all (question and answer) or targets (the distilled
     # positions only: a retrieval item's answer, a fidelity item's whole continuation)
     rank_queries: str = "all"
+    # global: the oracle's own global top-B; layer: per layer, as many entries as the gates keep there (the
+    # loss then teaches the order within each layer and leaves the layers' shares to the KL)
+    rank_scope: str = "global"
 
 
 @dataclass
@@ -187,6 +190,7 @@ CHOICES = {
     "loss.capacity_form": ("global", "per_head"),
     "loss.objective": ("distill", "evict"),
     "loss.rank_queries": ("all", "targets"),
+    "loss.rank_scope": ("global", "layer"),
     "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),

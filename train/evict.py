@@ -156,7 +156,7 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: f
 
 
 def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tensor], budget: int, sink: int,
-                     tau: float) -> tuple[torch.Tensor, dict[str, float]]:
+                     tau: float, scope: str = "global") -> tuple[torch.Tensor, dict[str, float]]:
     """Teach the gates the attention oracle's global top-B (:mod:`eval.oracle`, ``scope: global``).
 
     ``log_betas``: per layer ``(1, H, T)`` gate scores of the context; ``future_mass``: per layer
@@ -167,16 +167,31 @@ def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tens
     gradient): the loss is the binary cross-entropy against the oracle's decision, summed and divided by
     the entries the gates choose (so it reads per kept entry). Returns the loss and ``rank_recall``: the
     share of the oracle's choices that the gates' hard top-B also keeps.
+
+    ``scope: layer`` leaves the split of the budget between layers to the gates: in each layer the oracle
+    keeps as many entries as the gates' hard top-B keeps there, its choice among that layer's entries, so
+    the loss teaches the order within a layer and not how much each layer gets.
     """
     u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
     mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
     k = int(budget) - sink * sum(x.shape[0] * x.shape[1] for x in log_betas)  # non-sink entries kept
     if k <= 0 or k >= u.numel():  # the budget holds only the sinks, or everything: nothing to rank
         return u.sum() * 0.0, {"rank_recall": 1.0}
-    oracle = torch.zeros_like(u)
-    oracle[torch.topk(mass, k).indices] = 1.0
     top = torch.topk(u.detach(), k + 1)
     threshold = 0.5 * (top.values[-2] + top.values[-1])
+    oracle = torch.zeros_like(u)
+    if scope == "global":
+        oracle[torch.topk(mass, k).indices] = 1.0
+    elif scope == "layer":
+        start = 0
+        for x in log_betas:  # each layer's oracle keeps the gates' count in that layer
+            n = x[..., sink:].numel()
+            k_l = int((u[start:start + n].detach() > threshold).sum())
+            if k_l:
+                oracle[start + torch.topk(mass[start:start + n], k_l).indices] = 1.0
+            start += n
+    else:
+        raise ValueError(f"scope {scope!r}: use 'global' (one top-B over all layers) or 'layer' (the gates' split)")
     loss = F.binary_cross_entropy_with_logits((u - threshold) / tau, oracle, reduction="sum") / k
     return loss, {"rank_recall": float(oracle[top.indices[:k]].mean())}
 

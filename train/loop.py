@@ -220,6 +220,7 @@ def run_facts(cfg: Config) -> dict[str, str]:
             facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
                                    f"global top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
                                    + (", ranked by the attention of the distilled positions only" if cfg.loss.rank_queries == "targets" else "")
+                                   + (", within each layer at the gates' own split of the budget" if cfg.loss.rank_scope == "layer" else "")
                                    + ")")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
@@ -443,7 +444,7 @@ def train(
         loss = kl
         if ranking:  # the gates' keep decisions against the future-attention oracle's global top-B
             rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]), attachment.sink,
-                                                cfg.loss.rank_tau)
+                                                cfg.loss.rank_tau, scope=cfg.loss.rank_scope)
             rank = global_mean(rank, 1)
             loss = kl + cfg.loss.rank_weight * rank
             cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
