@@ -148,6 +148,8 @@ def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_
         loss.backward()
         opt.step()
     assert stats["rank_recall"] == 1.0
+    # a budget that holds only the sinks leaves nothing to rank
+    assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
 
 
 def test_layer_scoped_rank_loss_keeps_the_gates_split_between_layers():
@@ -178,8 +180,6 @@ def test_layer_scoped_rank_loss_keeps_the_gates_split_between_layers():
     assert float(glob) != pytest.approx(float(loss))  # the global oracle splits the budget its own way
     with pytest.raises(ValueError, match="scope 'head'"):
         future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="head")
-    # a budget that holds only the sinks leaves nothing to rank
-    assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
 
 
 def test_example_stream_resumes_and_covers_each_epoch():
