@@ -273,6 +273,26 @@ def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(t
     assert "held_out_oracle_recall" in out and 0.0 <= out["held_out_oracle_recall"] <= 1.0
 
 
+def test_a_sources_rank_weight_scales_its_items_ranking_loss(tmp_path, monkeypatch):
+    """rank_weight 0 on one source: its steps train on the KL alone; 2 on the other doubles its share."""
+    from train.loop import train
+
+    root = _tiny_model_dir(tmp_path, monkeypatch)
+    sources = ("[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0},"
+               " {kind: synthetic, path: niah_multikey, max_docs: 2, length: 200, rank_weight: 2}]")
+    cfg = _config(tmp_path, root, "loss.rank_weight=0.05", "train.steps=6", sources=sources)
+    assert "ranking loss x0" in cfg.describe_data() and "ranking loss x2" in cfg.describe_data()
+    out = train(cfg)
+    kinds = set()
+    for r in out["history"]:
+        assert r["rank_loss"] > 0  # every item still computes it (a collective under DDP)
+        plain = r["loss"] == pytest.approx(r["kl"], rel=1e-6)
+        doubled = r["loss"] == pytest.approx(r["kl"] + 0.1 * r["rank_loss"], rel=1e-4)
+        assert plain != doubled, r
+        kinds.add(plain)
+    assert kinds == {True, False}  # one train item per source, both drawn in 6 steps
+
+
 def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
     with pytest.raises(ConfigError, match="loss.rank_weight = 0.1.*objective 'evict'"):
         _config(tmp_path, tmp_path, "loss.objective=distill", "budget.tokens_per_head=8", "loss.rank_weight=0.1")
@@ -280,3 +300,11 @@ def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
         _config(tmp_path, tmp_path, "loss.rank_weight=0.1", "loss.rank_queries=answer")
     with pytest.raises(ConfigError, match="loss.rank_weight must be >= 0"):
         _config(tmp_path, tmp_path, "loss.rank_weight=-1")
+    with pytest.raises(ConfigError, match="data.sources.0.rank_weight = 0.5.*loss.rank_weight, which is 0"):
+        _config(tmp_path, tmp_path, sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0.5}]")
+    with pytest.raises(ConfigError, match="every source has rank_weight 0"):
+        _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
+                sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0}]")
+    with pytest.raises(ConfigError, match="data.sources.0.rank_weight must be >= 0"):
+        _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
+                sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: -1}]")

@@ -89,6 +89,8 @@ class SourceConfig:
     # multiplies the distillation weight of this source's positions: a synthetic item distils only its
     # answer turns (6% of the distilled positions of configs/smollm2-global-4k.yaml), so their signal can be raised
     weight: float = 1.0
+    # objective evict: multiplies loss.rank_weight on this source's items (0: its items train on the KL alone)
+    rank_weight: float = 1.0
 
 
 @dataclass
@@ -175,6 +177,8 @@ class Config:
                 n = f"{s.split}" + (f", {n}" if n else "")
             if s.weight != 1:
                 n += f", weight {s.weight:g}"
+            if s.rank_weight != 1 and self.loss.rank_weight:
+                n += f", ranking loss x{s.rank_weight:g}"
             parts.append(f"{s.kind} {s.path} ({n.strip()})")
         # objective evict reads one whole item a step (its context, then its continuation), not packed rows
         unit = "one item a step" if self.loss.objective == "evict" else f"{self.data.seq_len}-token rows"
@@ -204,7 +208,7 @@ POSITIVE = {
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
-NON_NEGATIVE = {"gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
+NON_NEGATIVE = {"data.sources.rank_weight", "gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
 
 
 def _lines(text: str) -> dict[str, int]:
@@ -362,6 +366,13 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
     if cfg.loss.rank_weight and cfg.loss.objective != "evict":
         raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the ranking loss "
                           "needs a context and a continuation (objective 'evict'); set loss.objective: evict or remove it")
+    for i, src in enumerate(cfg.data.sources):
+        if src.rank_weight != 1 and not cfg.loss.rank_weight:
+            raise ConfigError(f"data.sources.{i}.rank_weight = {src.rank_weight:g}{_where(f'data.sources.{i}', lines, source)}: it "
+                              "multiplies loss.rank_weight, which is 0 (no ranking loss); set loss.rank_weight or remove it")
+    if cfg.loss.rank_weight and cfg.data.sources and not any(src.rank_weight for src in cfg.data.sources):
+        raise ConfigError(f"data.sources: every source has rank_weight 0{_where('data.sources', lines, source)}, so "
+                          f"loss.rank_weight = {cfg.loss.rank_weight:g} trains nothing; give one source rank_weight > 0 or set loss.rank_weight: 0")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
 

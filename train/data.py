@@ -207,7 +207,7 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: i
 
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
-        [DATA_FORMAT, [vars(s) for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
+        [DATA_FORMAT, [{k: v for k, v in vars(s).items() if k != "rank_weight"} for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
          cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None],
         sort_keys=True,
     )

@@ -50,6 +50,7 @@ class EvictionExample:
     targets: list[bool]
     task: str = ""
     weight: float = 1.0
+    rank_weight: float = 1.0  # its source's multiplier of loss.rank_weight
 
 
 def example_from_item(tokenizer, item) -> EvictionExample:
@@ -103,6 +104,9 @@ def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], li
             from retention.io import atomic_write_bytes
 
             atomic_write_bytes(target, json.dumps([[asdict(e) for e in src] for src in per_source]).encode())
+    for src, exs in zip(cfg.sources, per_source):  # not part of the cached items: it changes no token
+        for ex in exs:
+            ex.rank_weight = float(src.rank_weight)
     train, held_per_source = [], []
     for exs in per_source:
         n_eval = held_out_count(len(exs), cfg.eval_fraction)

@@ -446,8 +446,9 @@ def train(
         if ranking:  # the gates' keep decisions against the future-attention oracle's global top-B
             rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]), attachment.sink,
                                                 cfg.loss.rank_tau, scope=cfg.loss.rank_scope)
-            rank = global_mean(rank, 1)
-            loss = kl + cfg.loss.rank_weight * rank
+            rank = global_mean(rank, 1)  # a collective: every item computes it, so ranks stay in step
+            # a source's rank_weight scales its items' share (0: the KL alone); held-out loss is the plain sum
+            loss = kl + cfg.loss.rank_weight * (example.rank_weight if weighted else 1.0) * rank
             cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
         return loss, kl, torch.zeros((), device=dev), cap_stats, log_betas
 
