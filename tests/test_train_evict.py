@@ -308,3 +308,21 @@ def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
     with pytest.raises(ConfigError, match="data.sources.0.rank_weight must be >= 0"):
         _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
                 sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: -1}]")
+
+
+def test_loaded_examples_carry_their_sources_weights_fresh_and_cached(tmp_path):
+    """Both per-source multipliers reach every example, whether the items were built or read from the cache."""
+    from transformers import AutoTokenizer
+
+    from retention.models import embedded_model_dir
+    from train.evict import load_examples
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    cfg = _config(tmp_path, tmp_path, "loss.rank_weight=0.1", sources=(
+        "[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 3, rank_weight: 0},"
+        " {kind: synthetic, path: fidelity, max_docs: 2, length: 200}]"))
+    for _ in range(2):  # the second call reads the cache the first wrote
+        train, held = load_examples(cfg.data, tok, tmp_path / "cache")
+        got = sorted({(ex.task, ex.weight, ex.rank_weight) for ex in train + held})
+        assert got == [("fidelity", 1.0, 1.0), ("niah_single", 3.0, 0.0)]
+    assert len(list((tmp_path / "cache").glob("evict-*.json"))) == 1

@@ -74,16 +74,15 @@ def example_from_item(tokenizer, item) -> EvictionExample:
 
 
 def source_examples(source, tokenizer, seq_len: int) -> list[EvictionExample]:
-    """Examples of one synthetic source (:func:`train.data.synthetic_items`), weighted by its ``weight``."""
+    """Examples of one synthetic source (:func:`train.data.synthetic_items`); :func:`load_examples` gives them
+    their source's weights."""
     from tqdm.auto import tqdm
 
     from .data import synthetic_items
 
     out: list[EvictionExample] = []
     for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"evict {source.path}", unit="item", leave=False):
-        ex = example_from_item(tokenizer, item)
-        ex.weight = float(source.weight)
-        out.append(ex)
+        out.append(example_from_item(tokenizer, item))
     return out
 
 
@@ -104,9 +103,9 @@ def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], li
             from retention.io import atomic_write_bytes
 
             atomic_write_bytes(target, json.dumps([[asdict(e) for e in src] for src in per_source]).encode())
-    for src, exs in zip(cfg.sources, per_source):  # not part of the cached items: it changes no token
+    for src, exs in zip(cfg.sources, per_source):  # the source's multipliers: they change no token
         for ex in exs:
-            ex.rank_weight = float(src.rank_weight)
+            ex.weight, ex.rank_weight = float(src.weight), float(src.rank_weight)
     train, held_per_source = [], []
     for exs in per_source:
         n_eval = held_out_count(len(exs), cfg.eval_fraction)

@@ -443,7 +443,7 @@ def train(
         # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
         cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"], "capacity_terms": 1}
         loss = kl
-        if ranking:  # the gates' keep decisions against the future-attention oracle's global top-B
+        if ranking:  # the gates' keep decisions against the future-attention oracle's top-B (global or per layer)
             rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]), attachment.sink,
                                                 cfg.loss.rank_tau, scope=cfg.loss.rank_scope)
             rank = global_mean(rank, 1)  # a collective: every item computes it, so ranks stay in step
