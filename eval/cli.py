@@ -21,7 +21,7 @@ def _run(args: argparse.Namespace) -> int:
     from .report import check_pairs, check_publish_targets, parse_pairs
 
     try:  # before the sweep: a typo here should not cost an hour of evaluation
-        check_publish_targets(args.card, args.readme, args.summary, args.card_section)
+        check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         check_pairs(parse_pairs(args.pair), {m.label for m in cfg.method_list()})
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -35,16 +35,17 @@ def _run(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace, results) -> int:
     """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
     those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
-    from .report import pair_table, parse_pairs, publish, summary_table, write_summary
+    from .report import check_publish_targets, pair_table, parse_pairs, publish, summary_table, write_summary
     from .runner import read_results
 
     try:
+        check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         pairs = parse_pairs(args.pair)
         if pairs:
             print("\n" + pair_table(read_results(results), pairs))
         if not (args.card or args.readme or args.summary or args.card_section):
             return 0
-        written = (publish(results, args.card, args.readme, args.card_section, pairs)
+        written = (publish(results, args.card, args.readme, args.card_section, pairs, args.replaces)
                    if (args.card or args.readme or args.card_section) else [])
         if args.summary:
             written += write_summary(results, args.summary, args.title, pairs)
@@ -111,7 +112,11 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                         "with a paired-bootstrap interval over the items both scored; repeatable")
     p.add_argument("--card-section", default=None, metavar="TITLE",
                    help="with --card: add the summary to the model card as a further section under this heading "
-                        "(e.g. a goal check), keeping the card's main results and plot")
+                        "(e.g. a goal check), keeping the card's main results and plot; a section of the same "
+                        "title is replaced in its place")
+    p.add_argument("--replaces", default=None, metavar="TITLE",
+                   help="with --card-section: the new section takes the place of the card's section of this title "
+                        "(a result set renamed as it grows)")
 
 
 def register(subparsers) -> None:

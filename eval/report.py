@@ -391,9 +391,12 @@ def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, 
 
 
 def check_publish_targets(card: str | Path | None = None, readme: str | Path | None = None,
-                          summary: str | Path | None = None, card_section: str | None = None) -> None:
+                          summary: str | Path | None = None, card_section: str | None = None,
+                          replaces: str | None = None) -> None:
     """Raise (FileNotFoundError / ValueError, naming the fix) if a model card folder, README or summary
     page cannot take the results; cheap, so callers run it before an evaluation."""
+    if replaces is not None and card_section is None:
+        raise ValueError("--replaces names the card section a new --card-section takes the place of: give --card-section too")
     if card_section is not None and (card is None or readme is not None):
         raise ValueError("--card-section adds a section to a model card: give it with --card and without --readme "
                          "(the README's results block holds the card's main results)")
@@ -407,6 +410,13 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
         body = Path(readme).read_text()
         if README_START not in body or README_END not in body:
             raise ValueError(f"{readme} has no {README_START} ... {README_END} markers to put the results between")
+    if replaces is not None and card is not None and (Path(card) / "config.json").is_file():
+        import json
+
+        titles = [x["title"] for x in json.loads((Path(card) / "config.json").read_text()).get("results_sections", [])]
+        if replaces not in titles:
+            raise ValueError(f"--replaces {replaces!r}: {card} has no such section; its sections are "
+                             + (", ".join(repr(t) for t in titles) or "none"))
     if summary is not None and Path(summary).suffix != ".md":
         raise ValueError(f"--summary {summary}: give a .md file (the rows are copied beside it as .jsonl)")
 
@@ -443,12 +453,15 @@ README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
-            card_section: str | None = None, pairs: list[tuple[str, str]] = ()) -> list[Path]:
+            card_section: str | None = None, pairs: list[tuple[str, str]] = (),
+            replaces: str | None = None) -> list[Path]:
     """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
     between the ``<!-- results:start/end -->`` markers of a README; returns the files written.
 
     ``card_section``: instead, add the summary (no plot) to the card under that heading, after its main
-    results, replacing an earlier section of the same title: for a second result set such as a goal check.
+    results, replacing an earlier section of the same title in its place: for a second result set such as a goal
+    check. ``replaces``: the title of an earlier section the new one takes the place of (a result set renamed as it
+    grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
     ``pairs``: the paired gaps of :func:`pair_table` go in too."""
     import json
     import shutil
@@ -456,7 +469,7 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     from retention.hub import model_card
     from retention.io import atomic_write_bytes
 
-    check_publish_targets(card, readme, card_section=card_section)
+    check_publish_targets(card, readme, card_section=card_section, replaces=replaces)
     rows = read_results(results)
     if not rows:
         raise ValueError(f"{results} holds no results")
@@ -472,8 +485,14 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         if card_section is None:
             config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
         else:
-            others = [x for x in config.get("results_sections", []) if x["title"] != card_section]
-            config["results_sections"] = others + [{"title": card_section, "markdown": text}]
+            new, sections, placed = {"title": card_section, "markdown": text}, [], False
+            for x in config.get("results_sections", []):  # in the place of what it replaces, else after the others
+                if x["title"] not in (card_section, replaces):
+                    sections.append(x)
+                elif not placed:
+                    sections.append(new)
+                    placed = True
+            config["results_sections"] = sections if placed else sections + [new]
         atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
         atomic_write_bytes(card / "README.md", model_card(config).encode())
         written += [cfg_file, card / "README.md"]

@@ -110,6 +110,38 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
     assert main(["report", str(goal), "--card", str(card), "--card-section", " "]) == 2
 
 
+def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path):
+    import json
+
+    from eval.cli import main
+    from eval.report import publish
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    rows = tmp_path / "goal.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5)))
+    card = tmp_path / "card"
+    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), card, base_model="m")
+    for title in ("First", "Pooled over 10 items", "Last"):
+        publish(rows, card, card_section=title)
+    publish(rows, card, card_section="First")  # the same title again: replaced where it stood
+    publish(rows, card, card_section="Pooled over 12 items", replaces="Pooled over 10 items")
+
+    def titles() -> list[str]:
+        return [x["title"] for x in json.loads((card / "config.json").read_text())["results_sections"]]
+
+    assert titles() == ["First", "Pooled over 12 items", "Last"]
+    text = (card / "README.md").read_text()
+    assert "Pooled over 10 items" not in text and text.index("### First") < text.index("### Pooled over 12") < text.index("### Last")
+    # a title the card does not have, or --replaces without a section, is refused before anything is written
+    before = (card / "config.json").read_bytes()
+    with pytest.raises(ValueError, match="no such section.*'First', 'Pooled over 12 items', 'Last'"):
+        publish(rows, card, card_section="New", replaces="Pooled over 11 items")
+    assert main(["report", str(rows), "--card", str(card), "--replaces", "First"]) == 2
+    assert main(["report", str(rows), "--card", str(card), "--card-section", "New", "--replaces", "Nope"]) == 2
+    assert (card / "config.json").read_bytes() == before
+
+
 def test_learned_rows_are_known_by_their_policy_not_their_label():
     rows = _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0])
     variant = _rows("stage2", "fraction=0.1", "t", [100.0] * 5)
