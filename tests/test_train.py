@@ -108,6 +108,16 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
         main(["--config", str(cfg_file), "--set", f"train.output_dir={tmp_path / 'none'}", "--export"])
 
 
+def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):
+    """TRIM-KV's per-head capacity gives every KV head the same budget (no 'on average'); the global form one total."""
+    from train.loop import capacity_budget_text
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    per_head = load_config(cfg_file, over + ["loss.capacity_form=per_head", "gates.variant=trimkv"])
+    assert capacity_budget_text(per_head, streams=6) == "4 entries per KV head (24 in all)"
+    assert capacity_budget_text(load_config(cfg_file, over), streams=6) == "24 entries in all (4 per KV head on average)"
+
+
 def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path):
     """Two CPU processes (DDP over gloo), launched as users launch them, vs one process with the same
     global batch of 2. On a machine without GPUs ``accelerate launch --multi_gpu`` starts the processes

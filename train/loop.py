@@ -75,9 +75,15 @@ def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
     tc = text_config_of(model)
     streams = tc.num_hidden_layers * tc.num_key_value_heads
     total = budget_total(cfg, streams)
+    return (total / streams if cfg.loss.capacity_form == "per_head" else float(total)), capacity_budget_text(cfg, streams)
+
+
+def capacity_budget_text(cfg: Config, streams: int) -> str:
+    """The capacity budget in words: per KV head for TRIM-KV's per-head form, else one total for the model."""
+    total = budget_total(cfg, streams)
     if cfg.loss.capacity_form == "per_head":
-        return total / streams, f"{total / streams:g} entries per KV head ({total} in all)"
-    return float(total), f"{total} entries in all ({total / streams:g} per KV head on average)"
+        return f"{total / streams:g} entries per KV head ({total} in all)"
+    return f"{total} entries in all ({total / streams:g} per KV head on average)"
 
 
 def mrope_positions(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -245,8 +251,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     if cfg.loss.objective == "evict":
         budget_text = evict_budget_text(cfg)
     else:
-        total = budget_total(cfg, streams)
-        budget_text = f"{total} entries in all ({total / streams:g} per KV head on average), capacity {cfg.loss.capacity_form}"
+        budget_text = f"{capacity_budget_text(cfg, streams)}, capacity {cfg.loss.capacity_form}"
     tail = history[-10:]
     training: dict[str, Any] = {
         "steps": f"{step} of {cfg.train.steps}" + ("" if step >= cfg.train.steps else " (unfinished run)"),
