@@ -20,6 +20,23 @@ def _rows(method: str, budget: str, task: str, scores, length: int = 4096) -> li
 A, FULL = ("global_gates", "fraction=0.1"), ("full", "full")
 
 
+def _write_rows(path, rows: list[dict]):
+    """A results.jsonl of these rows at ``path``."""
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _blank_card(folder):
+    """A one-layer gate checkpoint whose model card the results can be published into."""
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), folder, base_model="m")
+    return folder
+
+
 def test_two_items_span_their_two_gaps():
     # with 2 items a resample's mean is d1, d2 (a quarter each) or their mean: the 2.5% / 97.5% points are the two gaps
     rows = _rows(*A, "t", [50.0, 100.0]) + _rows(*FULL, "t", [100.0, 60.0])
@@ -76,23 +93,14 @@ def test_summary_table_shows_the_intervals_and_says_what_they_are():
 
 
 def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
-    import json
-
     from eval.cli import main
     from eval.report import publish
-    from retention import GateConfig, RetentionGates
-    from retention.hub import export_gates
 
-    def write(name: str, rows: list[dict]):
-        path = tmp_path / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return path
-
-    sweep = write("sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
-                  + _rows("global_gates", "fraction=0.2", "t", [80.0]))
-    goal = write("goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0]))
-    card = tmp_path / "card"
-    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), card, base_model="m")
+    sweep = _write_rows(tmp_path / "sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
+                        + _rows("global_gates", "fraction=0.2", "t", [80.0]))
+    goal = _write_rows(tmp_path / "goal.jsonl",
+                       _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0]))
+    card = _blank_card(tmp_path / "card")
     publish(sweep, card)
     plot = (card / "results.png").read_bytes()
     publish(goal, card, card_section="Goal check")
@@ -115,13 +123,9 @@ def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path)
 
     from eval.cli import main
     from eval.report import publish
-    from retention import GateConfig, RetentionGates
-    from retention.hub import export_gates
 
-    rows = tmp_path / "goal.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5)))
-    card = tmp_path / "card"
-    export_gates(RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8)), card, base_model="m")
+    rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5))
+    card = _blank_card(tmp_path / "card")
     for title in ("First", "Pooled over 10 items", "Last"):
         publish(rows, card, card_section=title)
     publish(rows, card, card_section="First")  # the same title again: replaced where it stood
