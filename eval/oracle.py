@@ -12,6 +12,12 @@ scored as for every other method (:mod:`eval.protocol`).
 It reads the future, so it is no method to serve; it shows what ranking single entries by the attention
 they will receive keeps at a budget, a reference to read a fidelity gap against. In an eval config:
 ``{name: oracle, params: {scope: head}}``, with ``tasks: [fidelity]`` and a one-shot prefill.
+
+Where a global ranking loses to the oracle, it either splits the budget between KV heads differently or
+orders the entries within a head differently. Two crossings tell the two apart: ``scope: gates`` ranks
+by the oracle within each KV head, each head keeping as many entries as the gates' global top-B keeps
+there (``GlobalGatesPolicy(sink=4)``, the shipped policy); ``rank: gates, scope: oracle`` ranks by the
+gates within each head, each keeping what the oracle's global top-B keeps there.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from retention.policies.base import EntryView
+from retention.policies.global_gates import GlobalGatesPolicy
 from retention.policies.window import WindowPolicy, window_attention
 
 from .methods import PolicyCache, prefill
 
-SCOPES = ("head", "global")
+RANKS = ("oracle", "gates")
+# per KV head (even), one global top-B, or each head keeping what the other ranking's global top-B keeps there
+SCOPES = {"oracle": ("head", "global", "gates"), "gates": ("head", "global", "oracle")}
 
 
 @dataclass
@@ -50,18 +59,38 @@ class FutureAttention(WindowPolicy):
 
 
 class ContinuationOracle(PolicyCache):
-    """The oracle as an eval method: :meth:`prepare` records each fidelity item's future attention."""
+    """The oracle as an eval method: :meth:`prepare` records each fidelity item's future attention.
+
+    ``params``: ``rank`` (``oracle`` | ``gates``: whose scores order the entries) and ``scope`` (see
+    :data:`SCOPES`; a ranking's own global top-B is ``global``, the other ranking's split names it)."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.params) - {"scope"}
+        unknown = set(self.params) - {"scope", "rank"}
         if unknown:
-            raise ValueError(f"oracle takes only 'scope' ({list(SCOPES)}), got {sorted(unknown)}")
-        if self.params.get("scope", "head") not in SCOPES:
-            raise ValueError(f"oracle scope must be one of {list(SCOPES)}, got {self.params['scope']!r}")
+            raise ValueError(f"oracle takes only 'scope' and 'rank', got {sorted(unknown)}")
+        rank = self.params.get("rank", "oracle")
+        if rank not in RANKS:
+            raise ValueError(f"oracle rank must be one of {list(RANKS)}, got {rank!r}")
+        if self.params.get("scope", "head") not in SCOPES[rank]:
+            raise ValueError(f"oracle scope must be one of {list(SCOPES[rank])} with rank {rank!r}, "
+                             f"got {self.params['scope']!r}")
         if self.gates is not None:
-            raise ValueError("oracle takes no gates: it ranks by attention alone")
+            raise ValueError("oracle takes no gates of its own: rank: gates uses the sweep's gates")
         super().__post_init__()
         self._scores: FutureAttention | None = None
+        self._model = None
+
+    @property
+    def _rank(self) -> str:
+        return self.params.get("rank", "oracle")
+
+    @property
+    def _scope(self) -> str:
+        return self.params.get("scope", "head")
+
+    @property
+    def _split_from_other(self) -> bool:
+        return self._scope not in ("head", "global")
 
     @torch.no_grad()
     def prepare(self, model, item) -> None:
@@ -71,18 +100,47 @@ class ContinuationOracle(PolicyCache):
         from retention.cache import RetentionCache
 
         ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
-        scores = FutureAttention(window=len(cont), budget_scope=self.params.get("scope", "head"))
+        # the oracle's scores take the scope they rank in: their own split, a split handed to them (head,
+        # filled in by compress), or the global top-B whose split they hand to the gates
+        scope = self._scope if self._rank == "oracle" and not self._split_from_other else (
+            "head" if self._rank == "oracle" else "global")
+        scores = FutureAttention(window=len(cont), budget_scope=scope)
         model.retention.reset()
         prefill(model, RetentionCache(model, budget=None, policy=scores), ctx + cont, None)
         scores.frozen = True
-        self._scores = scores
+        self._scores, self._model = scores, model
 
     def policy(self, streaming: bool):
         if streaming:
             raise ValueError("the oracle compresses once after a one-shot prefill (prefill: one_shot)")
         if self._scores is None:
             raise RuntimeError("oracle: prepare(model, item) records the continuation's attention first")
-        return self._scores
+        if self._rank == "oracle":
+            return self._scores
+        return GlobalGatesPolicy(sink=4, budget_scope="head" if self._split_from_other else self._scope)
+
+    def _split_policy(self):
+        """The policy whose global top-B sets each head's share under ``scope: gates | oracle``."""
+        return self._scores if self._rank == "gates" else GlobalGatesPolicy(sink=4)
+
+    def compress(self, cache) -> None:
+        if self._split_from_other and cache.budget is not None:
+            cache.policy.head_budgets = self.head_split(cache)
+        cache.compress()
+
+    @torch.no_grad()
+    def head_split(self, cache) -> torch.Tensor:
+        """``(L, H)`` entries each KV head keeps when a copy of ``cache`` is cut to its budget by the
+        other ranking's global top-B (the split this method's own ranking is held to)."""
+        from .protocol import _snapshot
+
+        probe = _snapshot(cache, self._model)
+        probe.policy = self._split_policy()
+        probe.policy.bind(self._model)
+        probe.compress()
+        return probe.store.entries_per_head()[0]
 
     def gates_id(self, model) -> str | None:
-        return None  # attention only: the sweep's gates never touch its scores
+        if self._rank == "oracle" and self._scope != "gates":
+            return None  # attention only: the sweep's gates never touch its scores
+        return model.retention.gates.fingerprint()

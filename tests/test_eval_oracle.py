@@ -35,6 +35,15 @@ def _eager_attention(model, ids):
     return [a[0].float() for a in out.attentions]
 
 
+def _continuation_attention(model, ctx, cont):
+    """``(L, H, T)``: the attention the continuation's queries pay each context entry, summed over them and
+    averaged over each KV head's query heads (what the oracle records), from the eager maps."""
+    maps = _eager_attention(model, ctx + cont)
+    H = model.config.num_key_value_heads
+    G = maps[0].shape[0] // H
+    return torch.stack([m[:, -len(cont):, : len(ctx)].sum(1).reshape(H, G, -1).mean(1) for m in maps])
+
+
 @pytest.mark.parametrize("scope", ["head", "global"])
 def test_oracle_scores_are_the_continuations_attention_and_it_keeps_their_top(tiny, scope):
     model, tok, item = tiny
@@ -42,10 +51,8 @@ def test_oracle_scores_are_the_continuations_attention_and_it_keeps_their_top(ti
     oracle = make_method({"name": "oracle", "params": {"scope": scope}})
     with oracle.active(model):
         oracle.prepare(model, item)
-    maps = _eager_attention(model, ctx + cont)
-    L, H = len(maps), model.config.num_key_value_heads
-    G = maps[0].shape[0] // H
-    expect = torch.stack([m[:, -len(cont):, : len(ctx)].sum(1).reshape(H, G, -1).mean(1) for m in maps])  # (L, H, Tc)
+    expect = _continuation_attention(model, ctx, cont)
+    L, H = expect.shape[:2]
     got = torch.stack([oracle.policy(False).stats.tables[layer][0, :, : len(ctx)] for layer in range(L)])
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-4)
 
@@ -59,11 +66,7 @@ def test_oracle_scores_are_the_continuations_attention_and_it_keeps_their_top(ti
         cache.set_budget(total)
         oracle.compress(cache)
     assert isinstance(cache, RetentionCache)
-    kept = torch.zeros(L, H, len(ctx), dtype=torch.bool)
-    for layer in range(L):
-        view = cache.store.gather_layer(layer)
-        for h in range(H):
-            kept[layer, h, view.pos[0, h][view.valid[0, h]]] = True
+    kept = _kept(cache, L, H, len(ctx))
     if scope == "head":
         for layer in range(L):
             for h in range(H):
@@ -73,6 +76,71 @@ def test_oracle_scores_are_the_continuations_attention_and_it_keeps_their_top(ti
     else:
         assert int(kept.sum()) == total
         assert set(expect.flatten().topk(total).indices.tolist()) == set(kept.flatten().nonzero().flatten().tolist())
+
+
+def _kept(cache, L, H, T):
+    """``(L, H, T)`` bool: which context positions each KV head of ``cache`` holds."""
+    kept = torch.zeros(L, H, T, dtype=torch.bool)
+    for layer in range(L):
+        view = cache.store.gather_layer(layer)
+        for h in range(H):
+            kept[layer, h, view.pos[0, h][view.valid[0, h]]] = True
+    return kept
+
+
+def _top_per_head(score, counts):
+    """``(L, H, T)`` bool: each head's ``counts[l, h]`` entries of highest ``score``."""
+    keep = torch.zeros_like(score, dtype=torch.bool)
+    for layer in range(score.shape[0]):
+        for h in range(score.shape[1]):
+            keep[layer, h, score[layer, h].topk(int(counts[layer, h])).indices] = True
+    return keep
+
+
+def _global_counts(score, total):
+    """``(L, H)``: how many of the global top-``total`` entries of ``score`` ``(L, H, T)`` each head holds."""
+    L, H, T = score.shape
+    top = score.flatten().topk(total).indices // T
+    return torch.bincount(top, minlength=L * H).reshape(L, H)
+
+
+@pytest.mark.parametrize("rank", ["oracle", "gates"])
+def test_oracle_and_gates_crossed_keep_one_rankings_order_at_the_others_split(rank):
+    """``scope: gates``: the oracle's top entries in each head, as many as the gates' global top-B keeps
+    there; ``rank: gates, scope: oracle``: the other way round. Brute force from the attention maps and
+    the gates' stored scores (``age * log beta``, the first 4 tokens always kept)."""
+    from retention import attach_gates
+
+    model, tok = load_eval_model("tiny-llama-random")
+    gates = attach_gates(model, None, mode="score").gates
+    torch.manual_seed(0)
+    with torch.no_grad():  # untrained gates score every token alike: spread them so ranks have no ties
+        for p in gates.parameters():
+            p.normal_(0.0, 0.5)
+    item = generate("fidelity", tok, 160, 1, seed=4)[0]
+    ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
+    attention = _continuation_attention(model, ctx, cont)
+    (L, H), T = attention.shape[:2], len(ctx)
+    total = parse_budget(0.25).entries(T, L * H)
+
+    method = make_method({"name": "oracle", "params": {"rank": rank, "scope": "gates" if rank == "oracle" else "oracle"}})
+    with method.active(model), torch.no_grad():
+        method.prepare(model, item)
+        cache = method.new_cache(model, None, streaming=False)
+        model(input_ids=torch.tensor([ctx]), **cache_kwargs(cache), use_cache=True)
+        log_beta = torch.stack([cache.store.gather_layer(layer).log_beta[0, :, :T] for layer in range(L)])  # (L, H, T)
+        cache.set_budget(total)
+        method.compress(cache)
+    age = torch.arange(T, 0, -1, dtype=torch.float32)  # t - i + 1 at the last context token
+    gate_score = (age * log_beta).clone()
+    gate_score[..., :4] = float("inf")  # attention sinks
+    split_by, order_by = (gate_score, attention) if rank == "oracle" else (attention, gate_score)
+    counts = _global_counts(split_by, total)
+    kept = _kept(cache, L, H, T)
+    assert torch.equal(kept.sum(2), counts)
+    assert int(counts.sum()) == total and counts.min() < counts.max()  # an uneven split, not the even one
+    assert torch.equal(kept, _top_per_head(order_by, counts))
+    assert method.gates_id(model) == gates.fingerprint()
 
 
 def test_oracle_with_the_whole_budget_matches_the_full_cache(tiny):

@@ -152,22 +152,24 @@ def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_
     assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
 
 
-def test_layer_scoped_rank_loss_keeps_the_gates_split_between_layers():
-    """scope layer: per layer, the oracle keeps as many entries as the gates do there (brute force)."""
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_scoped_rank_loss_keeps_the_gates_split(scope):
+    """scope layer / head: per layer / KV head, the oracle keeps as many entries as the gates do there (brute force)."""
     torch.manual_seed(1)
     L, H, T, sink, budget = 3, 2, 40, 2, 50
     log_betas = [-(torch.rand(1, H, T) * (0.2 + l)) - 1e-3 for l in range(L)]  # layers of different decay
     mass = [torch.rand(1, H, T) for _ in range(L)]
-    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="layer")
+    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope=scope)
     k = budget - sink * L * H
     rows = [(l, h, i) for l in range(L) for h in range(H) for i in range(sink, T)]
     u = {r: -torch.log((T - r[2]) * -log_betas[r[0]][0, r[1], r[2]]).item() for r in rows}
     kept = set(sorted(rows, key=lambda r: -u[r])[:k])
     oracle = set()
-    for l in range(L):
-        mine = [r for r in rows if r[0] == l]
-        n_l = sum(r in kept for r in mine)
-        oracle |= set(sorted(mine, key=lambda r: -mass[l][0, r[1], r[2]].item())[:n_l])
+    groups = [(l, h) for l in range(L) for h in range(H)] if scope == "head" else [(l, None) for l in range(L)]
+    for l, h in groups:
+        mine = [r for r in rows if r[0] == l and h in (None, r[1])]
+        n_g = sum(r in kept for r in mine)
+        oracle |= set(sorted(mine, key=lambda r: -mass[l][0, r[1], r[2]].item())[:n_g])
     assert len(oracle) == k and {l for l, _, _ in kept} == {0, 1, 2}
     assert stats["rank_recall"] == pytest.approx(len(oracle & kept) / k)
     by_u = sorted(rows, key=lambda r: -u[r])
@@ -176,10 +178,12 @@ def test_layer_scoped_rank_loss_keeps_the_gates_split_between_layers():
     y = torch.tensor([float(r in oracle) for r in rows])
     want = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum") / k
     assert float(loss) == pytest.approx(float(want), rel=1e-4)
-    glob, _ = future_rank_loss(log_betas, mass, budget, sink, tau=0.25)
-    assert float(glob) != pytest.approx(float(loss))  # the global oracle splits the budget its own way
-    with pytest.raises(ValueError, match="scope 'head'"):
-        future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="head")
+    other = "layer" if scope == "head" else "head"
+    for rival in (future_rank_loss(log_betas, mass, budget, sink, tau=0.25)[0],  # the oracle splits its own way
+                  future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope=other)[0]):
+        assert float(rival) != pytest.approx(float(loss))
+    with pytest.raises(ValueError, match="scope 'kv'"):
+        future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="kv")
 
 
 def test_example_stream_resumes_and_covers_each_epoch():

@@ -194,7 +194,7 @@ CHOICES = {
     "loss.capacity_form": ("global", "per_head"),
     "loss.objective": ("distill", "evict"),
     "loss.rank_queries": ("all", "targets"),
-    "loss.rank_scope": ("global", "layer"),
+    "loss.rank_scope": ("global", "layer", "head"),
     "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),

@@ -173,7 +173,10 @@ def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tens
 
     ``scope: layer`` leaves the split of the budget between layers to the gates: in each layer the oracle
     keeps as many entries as the gates' hard top-B keeps there, its choice among that layer's entries, so
-    the loss teaches the order within a layer and not how much each layer gets.
+    the loss teaches the order within a layer and not how much each layer gets. ``scope: head`` does the
+    same per KV head: only the order within each head is taught, the whole split stays the gates' (at 10%
+    of SmolLM2's 4k context the oracle's order at the gates' split keeps nearly the oracle's own fidelity,
+    the gates' order at the oracle's split no more than the gates: ``eval/results/experiments/smollm2-fidelity-split.md``).
     """
     u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
     mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
@@ -185,16 +188,19 @@ def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tens
     oracle = torch.zeros_like(u)
     if scope == "global":
         oracle[torch.topk(mass, k).indices] = 1.0
-    elif scope == "layer":
+    elif scope in ("layer", "head"):
+        # u is laid out layer by layer, each (1, H, T - sink) flattened: one group a layer, or a head
+        sizes = ([x[..., sink:].numel() for x in log_betas] if scope == "layer" else
+                 [x.shape[-1] - sink for x in log_betas for _ in range(x.shape[0] * x.shape[1])])
         start = 0
-        for x in log_betas:  # each layer's oracle keeps the gates' count in that layer
-            n = x[..., sink:].numel()
-            k_l = int((u[start:start + n].detach() > threshold).sum())
-            if k_l:
-                oracle[start + torch.topk(mass[start:start + n], k_l).indices] = 1.0
+        for n in sizes:  # each group's oracle keeps the gates' count in that group
+            k_g = int((u[start:start + n].detach() > threshold).sum())
+            if k_g:
+                oracle[start + torch.topk(mass[start:start + n], k_g).indices] = 1.0
             start += n
     else:
-        raise ValueError(f"scope {scope!r}: use 'global' (one top-B over all layers) or 'layer' (the gates' split)")
+        raise ValueError(f"scope {scope!r}: use 'global' (one top-B over all layers), 'layer' or 'head' "
+                         "(the gates' split between layers or KV heads)")
     loss = F.binary_cross_entropy_with_logits((u - threshold) / tau, oracle, reduction="sum") / k
     return loss, {"rank_recall": float(oracle[top.indices[:k]].mean())}
 

@@ -223,11 +223,12 @@ def run_facts(cfg: Config) -> dict[str, str]:
                               f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B "
                               f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
         if cfg.loss.rank_weight:
-            scope = "global " if cfg.loss.rank_scope == "global" else ""  # layer: the gates' split, described below
+            scope = "global " if cfg.loss.rank_scope == "global" else ""  # layer / head: the gates' split, described below
             facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
                                    f"{scope}top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
                                    + (", ranked by the attention of the distilled positions only" if cfg.loss.rank_queries == "targets" else "")
-                                   + (", within each layer at the gates' own split of the budget" if cfg.loss.rank_scope == "layer" else "")
+                                   + (f", within each {cfg.loss.rank_scope} at the gates' own split of the budget"
+                                      if cfg.loss.rank_scope != "global" else "")
                                    + ")")
     if cfg.gates.sink:
         facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
