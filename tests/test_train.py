@@ -252,6 +252,30 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
     assert all(w is None for w in held_out)
 
 
+def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_path, monkeypatch):
+    """When ``eval_every`` lands on the last step, that pass is the summary's held-out KL: the items are not
+    scored a second time (as many held-out KL calls as a run that scores them only at the end)."""
+    import train.loop as loop
+    from retention.losses import distillation_kl
+
+    held_out = []
+
+    def spy(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            held_out.append(1)
+        return distillation_kl(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "distillation_kl", spy)
+    counts, summaries = [], []
+    for run, every in (("end", 0), ("last", 2)):
+        held_out.clear()
+        cfg_file, over = config_for(tiny_setup, tmp_path / run)
+        summaries.append(train(load_config(cfg_file, over + ["train.steps=2", f"train.eval_every={every}"])))
+        counts.append(len(held_out))
+    assert counts[0] == counts[1] > 0  # before training and once at the end, in both runs
+    assert summaries[1]["held_out_kl"] == summaries[1]["history"][-1]["eval_kl"]
+
+
 def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     missing = tmp_path / "stage1" / "final"

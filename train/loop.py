@@ -516,6 +516,7 @@ def train(
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
     t_start = time.perf_counter()
     start_step = step
+    held, held_step = None, None  # the latest held-out pass and its step
     while step < cfg.train.steps:
         for _ in range(cfg.train.grad_accum):
             with accelerator.accumulate(distiller):
@@ -551,7 +552,7 @@ def train(
             tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
                        f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            held = evaluate()
+            held, held_step = evaluate(), step
             record["eval_kl"] = held["kl"]
             if "rank_recall" in held:
                 record["eval_rank_recall"] = held["rank_recall"]
@@ -579,7 +580,8 @@ def train(
             return {"steps": step, "stopped_early": True, "history": history}
     bar.close()
 
-    after = evaluate()
+    # the last step's held-out pass already scored these gates: no second pass over the same items
+    after = held if held_step == step else evaluate()
     summary: dict[str, Any] = {
         "steps": step, "first_kl": history[0]["kl"] if history else None, "final_kl": history[-1]["kl"] if history else None,
         "final_capacity": history[-1]["capacity"] if history else None, "held_out_kl": after["kl"],
