@@ -100,10 +100,12 @@ class ContinuationOracle(PolicyCache):
         from retention.cache import RetentionCache
 
         ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
-        # the oracle's scores take the scope they rank in: their own split, a split handed to them (head,
-        # filled in by compress), or the global top-B whose split they hand to the gates
-        scope = self._scope if self._rank == "oracle" and not self._split_from_other else (
-            "head" if self._rank == "oracle" else "global")
+        # the scope the oracle's scores rank in: the global top-B whose split they hand to the gates, per head
+        # at a split handed to them (filled in by compress), or their own scope
+        if self._rank == "gates":
+            scope = "global"
+        else:
+            scope = "head" if self._split_from_other else self._scope
         scores = FutureAttention(window=len(cont), budget_scope=scope)
         model.retention.reset()
         prefill(model, RetentionCache(model, budget=None, policy=scores), ctx + cont, None)
