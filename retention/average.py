@@ -1,0 +1,86 @@
+"""Average gate checkpoints weight by weight (a "model soup": Wortsman et al., 2022, WiSE-FT / soups).
+
+Two gate sets fine-tuned from one parent usually sit in one basin, so their weighted mean is a third set
+between them: for example the shipped gates and a continuation that traded needles for fidelity. The
+result is an ordinary checkpoint (safetensors, config, model card) that loads and ships like any other.
+
+    retention average checkpoints/a runs/b/final --weights 0.5 0.5 --out runs/soup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .gates import RetentionGates
+from .hub import _local_or_download, export_gates, load_gates
+
+
+def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] | None = None) -> RetentionGates:
+    """Weighted mean of every parameter of ``gate_sets`` (same config; weights >= 0, normalised to sum 1).
+
+    Returns new gates with the first set's config; the inputs are left untouched."""
+    if len(gate_sets) < 2:
+        raise ValueError(f"averaging needs at least two gate sets, got {len(gate_sets)}")
+    weights = [1.0] * len(gate_sets) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(gate_sets):
+        raise ValueError(f"{len(weights)} weights for {len(gate_sets)} gate sets: give one weight per checkpoint")
+    if any(not w >= 0 for w in weights) or sum(weights) <= 0:  # `not w >= 0` also catches NaN
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+    first = gate_sets[0].config.to_dict()
+    for i, g in enumerate(gate_sets[1:], 1):
+        other = g.config.to_dict()
+        differ = sorted(k for k in first if k not in ("base_model", "bias_init") and first[k] != other[k])
+        if differ:  # bias_init only seeds training; a different base model is checked when loading against it
+            raise ValueError(
+                f"gate set {i} differs from gate set 0 in {', '.join(f'{k} ({other[k]!r} vs {first[k]!r})' for k in differ)}: "
+                "only gates of one layout (variant, width, model shape) can be averaged"
+            )
+    total = sum(weights)
+    out = RetentionGates(gate_sets[0].config)
+    states = [g.state_dict() for g in gate_sets]
+    with torch.no_grad():
+        for name, param in out.state_dict().items():
+            mean = sum((w / total) * s[name].to(torch.float64) for w, s in zip(weights, states))
+            param.copy_(mean.to(param.dtype))
+    return out
+
+
+def average_checkpoints(
+    paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None
+) -> Path:
+    """Load checkpoints (folders or Hub repos), average them, and export the mean to ``out`` atomically.
+
+    The card and ``config.json`` record the sources and weights; base model and budget are taken from the
+    first checkpoint, and the sources must share the base model."""
+    configs = [json.loads((_local_or_download(p, None) / "config.json").read_text()) for p in paths]
+    bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
+    if len(bases) > 1:
+        raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "
+                         "average only gates of one base model")
+    gates = average_gates([load_gates(p) for p in paths], weights)
+    w = [1.0] * len(paths) if weights is None else [float(x) for x in weights]
+    recipe = " + ".join(f"{x / sum(w):.3g} x {p}" for x, p in zip(w, paths))
+    first = configs[0]
+    return export_gates(
+        gates, out, base_model=bases.pop(), base_revision=first.get("base_revision"), budget=first.get("budget"),
+        training={"averaged_from": recipe, **{f"source {i}": c.get("training", {}).get("config", "n/a")
+                                              for i, c in enumerate(configs)}},
+    )
+
+
+def _average_command(args: argparse.Namespace) -> int:
+    print(average_checkpoints(args.checkpoints, args.out, args.weights))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("average", help="average gate checkpoints weight by weight into a new checkpoint")
+    p.add_argument("checkpoints", nargs="+", help="two or more checkpoint folders or Hub repos of one layout")
+    p.add_argument("--weights", type=float, nargs="+", default=None, help="one per checkpoint (default: equal)")
+    p.add_argument("--out", required=True, help="folder to write the averaged checkpoint to")
+    p.set_defaults(func=_average_command)
