@@ -134,9 +134,9 @@ class ContinuationOracle(PolicyCache):
     def head_split(self, cache) -> torch.Tensor:
         """``(L, H)`` entries each KV head keeps when a copy of ``cache`` is cut to its budget by the
         other ranking's global top-B (the split this method's own ranking is held to)."""
-        from .protocol import _snapshot
+        from .protocol import snapshot_cache
 
-        probe = _snapshot(cache, self._model)
+        probe = snapshot_cache(cache, self._model)
         probe.policy = self._split_policy()
         probe.policy.bind(self._model)
         probe.compress()

@@ -62,8 +62,9 @@ def reference_logits(model, item: Item) -> torch.Tensor:
         return model(input_ids=x, use_cache=False, logits_to_keep=len(cont)).logits[0]
 
 
-def _snapshot(cache, model):
-    """A deep copy of a prefilled cache that shares the model, its weights and the gate attachment."""
+def snapshot_cache(cache: Any, model: torch.nn.Module) -> Any:
+    """A deep copy of a prefilled cache (any HF ``Cache``) that shares the model, its weights and the gate
+    attachment, so each method or probe can compress its own copy of one prefill."""
     import copy
 
     memo = {id(p): p for p in model.parameters()}
@@ -189,7 +190,7 @@ def run_item_budgets(model, tokenizer, item: Item, method: Method, budgets: list
                 if base is None:
                     cache = prefilled(entries)
                 else:
-                    cache = _snapshot(base, model)
+                    cache = snapshot_cache(base, model)
                     cache.set_budget(entries)
                 method.compress(cache)
             except ValueError as e:  # a budget below what the cache's options require: recorded, not fatal
