@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .gates import RetentionGates
-from .hub import _local_or_download, export_gates, load_gates
+from .hub import HubError, _local_or_download, export_gates
 
 
 def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] | None = None) -> RetentionGates:
@@ -57,12 +58,16 @@ def average_checkpoints(
 
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
-    configs = [json.loads((_local_or_download(p, None) / "config.json").read_text()) for p in paths]
+    folders = [_local_or_download(p, None) for p in paths]  # each Hub repo downloaded once
+    for folder in folders:
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder / 'config.json'} not found: {folder} is not a gate checkpoint")
+    configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
     if len(bases) > 1:
         raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "
                          "average only gates of one base model")
-    gates = average_gates([load_gates(p) for p in paths], weights)
+    gates = average_gates([RetentionGates.from_pretrained(folder) for folder in folders], weights)
     w = [1.0] * len(paths) if weights is None else [float(x) for x in weights]
     recipe = " + ".join(f"{x / sum(w):.3g} x {p}" for x, p in zip(w, paths))
     first = configs[0]
@@ -74,7 +79,11 @@ def average_checkpoints(
 
 
 def _average_command(args: argparse.Namespace) -> int:
-    print(average_checkpoints(args.checkpoints, args.out, args.weights))
+    try:
+        print(average_checkpoints(args.checkpoints, args.out, args.weights))
+    except (FileNotFoundError, ValueError, HubError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,3 +69,14 @@ def test_average_refuses_checkpoints_of_different_base_models(tmp_path):
     with pytest.raises(ValueError, match="different base models"):
         average_checkpoints([pa, pb], tmp_path / "soup")
     assert not (tmp_path / "soup").exists()
+
+
+def test_average_command_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
+    pb = export_gates(_gates(1, gate_hidden=8), tmp_path / "b", base_model="tiny-llama")
+    assert main(["average", str(pa), str(pb), "--out", str(tmp_path / "soup")]) == 2
+    assert "gate_hidden" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["average", str(pa), str(tmp_path / "empty"), "--out", str(tmp_path / "soup")]) == 2
+    assert "is not a gate checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "soup").exists()
