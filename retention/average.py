@@ -21,17 +21,23 @@ from .gates import RetentionGates
 from .hub import HubError, _local_or_download, export_gates
 
 
+def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """``n`` averaging weights (default equal), checked (>= 0, positive sum) and scaled to sum 1."""
+    weights = [1.0] * n if weights is None else [float(w) for w in weights]
+    if len(weights) != n:
+        raise ValueError(f"{len(weights)} weights for {n} gate sets: give one weight per checkpoint")
+    if any(not w >= 0 for w in weights) or sum(weights) <= 0:  # `not w >= 0` also catches NaN
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+    return [w / sum(weights) for w in weights]
+
+
 def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] | None = None) -> RetentionGates:
     """Weighted mean of every parameter of ``gate_sets`` (same config; weights >= 0, normalised to sum 1).
 
     Returns new gates with the first set's config; the inputs are left untouched."""
     if len(gate_sets) < 2:
         raise ValueError(f"averaging needs at least two gate sets, got {len(gate_sets)}")
-    weights = [1.0] * len(gate_sets) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(gate_sets):
-        raise ValueError(f"{len(weights)} weights for {len(gate_sets)} gate sets: give one weight per checkpoint")
-    if any(not w >= 0 for w in weights) or sum(weights) <= 0:  # `not w >= 0` also catches NaN
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+    weights = normalised_weights(weights, len(gate_sets))
     first = gate_sets[0].config.to_dict()
     for i, g in enumerate(gate_sets[1:], 1):
         other = g.config.to_dict()
@@ -41,12 +47,11 @@ def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] 
                 f"gate set {i} differs from gate set 0 in {', '.join(f'{k} ({other[k]!r} vs {first[k]!r})' for k in differ)}: "
                 "only gates of one layout (variant, width, model shape) can be averaged"
             )
-    total = sum(weights)
     out = RetentionGates(gate_sets[0].config)
     states = [g.state_dict() for g in gate_sets]
     with torch.no_grad():
         for name, param in out.state_dict().items():
-            mean = sum((w / total) * s[name].to(torch.float64) for w, s in zip(weights, states))
+            mean = sum(w * s[name].to(torch.float64) for w, s in zip(weights, states))
             param.copy_(mean.to(param.dtype))
     return out
 
@@ -59,17 +64,14 @@ def average_checkpoints(
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
     folders = [_local_or_download(p, None) for p in paths]  # each Hub repo downloaded once
-    for folder in folders:
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder / 'config.json'} not found: {folder} is not a gate checkpoint")
+    gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
     if len(bases) > 1:
         raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "
                          "average only gates of one base model")
-    gates = average_gates([RetentionGates.from_pretrained(folder) for folder in folders], weights)
-    w = [1.0] * len(paths) if weights is None else [float(x) for x in weights]
-    recipe = " + ".join(f"{x / sum(w):.3g} x {p}" for x, p in zip(w, paths))
+    gates = average_gates(gate_sets, weights)
+    recipe = " + ".join(f"{w:.3g} x {p}" for w, p in zip(normalised_weights(weights, len(paths)), paths))
     first = configs[0]
     return export_gates(
         gates, out, base_model=bases.pop(), base_revision=first.get("base_revision"), budget=first.get("budget"),

@@ -78,5 +78,5 @@ def test_average_command_reports_bad_input_without_a_traceback(tmp_path, capsys)
     assert "gate_hidden" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["average", str(pa), str(tmp_path / "empty"), "--out", str(tmp_path / "soup")]) == 2
-    assert "is not a gate checkpoint" in capsys.readouterr().err
+    assert "config.json not found: a gate checkpoint needs config.json and gates.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "soup").exists()
