@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from .gates import RetentionGates
-from .hub import HubError, _local_or_download, export_gates
+from .hub import HubError, checkpoint_folder, export_gates
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -63,7 +63,7 @@ def average_checkpoints(
 
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
-    folders = [_local_or_download(p, None) for p in paths]  # each Hub repo downloaded once
+    folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}

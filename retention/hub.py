@@ -115,7 +115,9 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     return path
 
 
-def _local_or_download(path_or_repo_id: str | Path, revision: str | None) -> Path:
+def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
+    """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else the Hub snapshot of its
+    checkpoint files (downloaded once, then read from the local Hub cache). HubError naming the fix otherwise."""
     p = Path(path_or_repo_id)
     if p.exists():
         return p
@@ -133,7 +135,7 @@ def _local_or_download(path_or_repo_id: str | Path, revision: str | None) -> Pat
 
 def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None, revision: str | None = None) -> RetentionGates:
     """Load gates from a folder or a Hub repo (safetensors only); with ``model``, check they fit it."""
-    gates = RetentionGates.from_pretrained(_local_or_download(path_or_repo_id, revision))
+    gates = RetentionGates.from_pretrained(checkpoint_folder(path_or_repo_id, revision))
     if model is not None:
         from .attach import check_gates_match
 

@@ -219,6 +219,14 @@ def test_bad_evict_configs_name_the_fix(tmp_path):
         _config(tmp_path, root, "loss.evict_fractions=[1.5]")
 
 
+def test_the_budget_text_names_each_share_once_and_the_held_out_one(tmp_path):
+    from train.loop import evict_budget_text
+
+    assert evict_budget_text(_config(tmp_path, tmp_path)) == "global top-B of 10% of each context"
+    drawn = _config(tmp_path, tmp_path, "loss.evict_fractions=[0.1,0.05,0.1,0.2]")
+    assert evict_budget_text(drawn) == "global top-B of 5%, 10%, 20% of each context (drawn per item; held out at 10%)"
+
+
 def _tiny_model_dir(tmp_path, monkeypatch):
     """A tiny Llama saved with the SmolLM2 tokenizer (the eval generators need real text); a private cache."""
     from transformers import AutoTokenizer

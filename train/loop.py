@@ -66,8 +66,16 @@ def budget_total(cfg: Config, streams: int) -> int:
 
 
 def evict_budget_text(cfg: Config) -> str:
-    """Objective ``evict``: its budgets are shares of each item's context (``loss.evict_fractions``)."""
-    return f"global top-B of {', '.join(f'{f:.0%}' for f in cfg.loss.evict_fractions)} of each context"
+    """Objective ``evict``: its budgets are shares of each item's context (``loss.evict_fractions``).
+
+    The list is a draw (a share listed twice is drawn twice as often) whose first entry is the held-out budget,
+    so the text names the distinct shares and the held-out one rather than echoing the list.
+    """
+    fr = cfg.loss.evict_fractions
+    if len(set(fr)) == 1:
+        return f"global top-B of {fr[0]:.0%} of each context"
+    shares = ", ".join(f"{f:.0%}" for f in sorted(set(fr)))
+    return f"global top-B of {shares} of each context (drawn per item; held out at {fr[0]:.0%})"
 
 
 def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
