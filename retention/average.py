@@ -63,6 +63,7 @@ def average_checkpoints(
 
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
+    weights = normalised_weights(weights, len(paths))  # bad weights fail before any download
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
@@ -71,7 +72,7 @@ def average_checkpoints(
         raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "
                          "average only gates of one base model")
     gates = average_gates(gate_sets, weights)
-    recipe = " + ".join(f"{w:.3g} x {p}" for w, p in zip(normalised_weights(weights, len(paths)), paths))
+    recipe = " + ".join(f"{w:.3g} x {p}" for w, p in zip(weights, paths))
     first = configs[0]
     return export_gates(
         gates, out, base_model=bases.pop(), base_revision=first.get("base_revision"), budget=first.get("budget"),

@@ -80,3 +80,10 @@ def test_average_command_reports_bad_input_without_a_traceback(tmp_path, capsys)
     assert main(["average", str(pa), str(tmp_path / "empty"), "--out", str(tmp_path / "soup")]) == 2
     assert "config.json not found: a gate checkpoint needs config.json and gates.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "soup").exists()
+
+
+def test_bad_weights_are_refused_before_any_checkpoint_is_read(tmp_path):
+    # the paths do not exist (nor are they Hub repos): the weights are named first, nothing is downloaded
+    with pytest.raises(ValueError, match="3 weights for 2 gate sets"):
+        average_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "soup", weights=[1, 1, 1])
+    assert not (tmp_path / "soup").exists()

@@ -72,10 +72,11 @@ def evict_budget_text(cfg: Config) -> str:
     so the text names the distinct shares and the held-out one rather than echoing the list.
     """
     fr = cfg.loss.evict_fractions
-    if len(set(fr)) == 1:
+    shares = sorted(set(fr))
+    if len(shares) == 1:
         return f"global top-B of {fr[0]:.0%} of each context"
-    shares = ", ".join(f"{f:.0%}" for f in sorted(set(fr)))
-    return f"global top-B of {shares} of each context (drawn per item; held out at {fr[0]:.0%})"
+    listed = ", ".join(f"{f:.0%}" for f in shares)
+    return f"global top-B of {listed} of each context (drawn per item; held out at {fr[0]:.0%})"
 
 
 def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
