@@ -22,7 +22,9 @@ from .hub import HubError, checkpoint_folder, export_gates
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
-    """``n`` averaging weights (default equal), checked (>= 0, positive sum) and scaled to sum 1."""
+    """``n`` averaging weights (default equal), checked (n >= 2; >= 0, positive sum) and scaled to sum 1."""
+    if n < 2:
+        raise ValueError(f"averaging needs at least two gate sets, got {n}")
     weights = [1.0] * n if weights is None else [float(w) for w in weights]
     if len(weights) != n:
         raise ValueError(f"{len(weights)} weights for {n} gate sets: give one weight per checkpoint")
@@ -35,8 +37,6 @@ def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] 
     """Weighted mean of every parameter of ``gate_sets`` (same config; weights >= 0, normalised to sum 1).
 
     Returns new gates with the first set's config; the inputs are left untouched."""
-    if len(gate_sets) < 2:
-        raise ValueError(f"averaging needs at least two gate sets, got {len(gate_sets)}")
     weights = normalised_weights(weights, len(gate_sets))
     first = gate_sets[0].config.to_dict()
     for i, g in enumerate(gate_sets[1:], 1):
@@ -63,7 +63,7 @@ def average_checkpoints(
 
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
-    weights = normalised_weights(weights, len(paths))  # bad weights fail before any download
+    weights = normalised_weights(weights, len(paths))  # a lone checkpoint or bad weights fail before any download
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]

@@ -87,3 +87,10 @@ def test_bad_weights_are_refused_before_any_checkpoint_is_read(tmp_path):
     with pytest.raises(ValueError, match="3 weights for 2 gate sets"):
         average_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "soup", weights=[1, 1, 1])
     assert not (tmp_path / "soup").exists()
+
+
+def test_a_single_checkpoint_is_refused_before_it_is_read(tmp_path):
+    # the path does not exist: the count is named first, not a missing file
+    with pytest.raises(ValueError, match="at least two gate sets, got 1"):
+        average_checkpoints([tmp_path / "a"], tmp_path / "soup")
+    assert not (tmp_path / "soup").exists()
