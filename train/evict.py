@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retention.attach import RetentionAttachment, unwrap
+from retention.compat import CACHE_KWARG, cache_kwargs
 from retention.policies import lookahead_log_score
 
 _SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
@@ -236,7 +237,7 @@ class EvictionDistiller(nn.Module):
         hooks = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(att.modules)]
         try:
             with torch.no_grad(), att.teacher():
-                cache = decoder(input_ids=head, use_cache=True).past_key_values
+                cache = getattr(decoder(input_ids=head, use_cache=True), CACHE_KWARG)
         finally:
             for h in hooks:
                 h.remove()
@@ -247,7 +248,7 @@ class EvictionDistiller(nn.Module):
                 m._retention_state.past_mass_queries = mass_queries
             try:
                 with torch.no_grad(), att.use_mode("bias"):
-                    h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+                    h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
                 masses = [m._retention_state.past_mass for m in att.modules]
             finally:
                 for m in att.modules:
@@ -255,7 +256,7 @@ class EvictionDistiller(nn.Module):
                     m._retention_state.past_mass_queries = None
         else:
             with torch.no_grad(), att.teacher():
-                h_teacher = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+                h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
         budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as eval.budgets.Budget.entries
@@ -264,7 +265,7 @@ class EvictionDistiller(nn.Module):
             m._retention_state.key_bias = b
         try:
             with att.use_mode("bias"):
-                h_student = decoder(input_ids=tail, past_key_values=cache, use_cache=True).last_hidden_state
+                h_student = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         finally:
             for m in att.modules:
                 m._retention_state.key_bias = None
