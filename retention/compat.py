@@ -17,3 +17,14 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
     """``{name: cache}`` under the name this transformers' ``forward`` / ``generate`` take, e.g.
     ``model.generate(**inputs, **cache_kwargs(cache))``."""
     return {CACHE_KWARG: cache}
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward pass (``use_reentrant=False``, which
+    works with frozen inputs). transformers 5.24 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns until v6)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

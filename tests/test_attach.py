@@ -268,3 +268,17 @@ def test_cache_kwargs_names_the_argument_this_transformers_takes():
     assert CACHE_KWARG in inspect.signature(LlamaModel.forward).parameters
     assert CACHE_KWARG in inspect.signature(LlamaAttention.forward).parameters
     assert cache_kwargs("c") == {CACHE_KWARG: "c"}
+
+
+def test_activation_checkpointing_is_enabled_under_this_transformers_name():
+    """transformers 5.24 renamed ``gradient_checkpointing_enable``; the old name warns (FutureWarning)."""
+    import warnings
+
+    from retention.compat import enable_activation_checkpointing
+
+    model = tiny_llama()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_activation_checkpointing(model)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

@@ -86,6 +86,25 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
         torch.testing.assert_close(gb.state_dict()[k], v)
 
 
+def test_activation_checkpointing_trains_the_same_gates(tiny_setup, tmp_path):
+    """``model.gradient_checkpointing: true`` (configs/qwen3vl.yaml) recomputes the gated layers in the
+    backward pass: the same losses and gates, under this transformers' name for it (no FutureWarning)."""
+    import warnings
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "plain")
+    plain = train(load_config(cfg_file, over + ["train.steps=3"]))["history"]
+    cfg_file, over = config_for(tiny_setup, tmp_path / "ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = train(load_config(cfg_file, over + ["train.steps=3", "model.gradient_checkpointing=true"]))["history"]
+    assert not [str(c.message) for c in caught if "checkpointing" in str(c.message)]
+    for a, b in zip(plain, ckpt, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8), a["step"]
+    ga, gb = load_gates(tmp_path / "plain" / "final"), load_gates(tmp_path / "ckpt" / "final")
+    for k, v in ga.state_dict().items():
+        torch.testing.assert_close(gb.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_export_an_unfinished_run(tiny_setup, tmp_path):
     """``train.py --export``: the gates of the latest checkpoint, with a card saying how far the run got."""
     from safetensors.torch import load_file

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from retention.attach import RetentionAttachment, attach_gates, text_config_of, unwrap
+from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig
 from retention.hub import export_gates, load_gates, push_to_hub
 from retention.io import atomic_directory, save_state
@@ -361,7 +362,7 @@ def train(
             if "lora_" in n:
                 p.requires_grad_(True)
     if cfg.model.gradient_checkpointing:
-        unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(unwrap(model))
     evicting = cfg.loss.objective == "evict"
     if evicting:  # the budget is a share of each item's context, not budget.*
         budget, budget_text = None, evict_budget_text(cfg)
