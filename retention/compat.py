@@ -28,3 +28,9 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a ``forward(..., use_cache=True)`` returned: ``out.cache`` from transformers 5.24,
+    ``out.past_key_values`` before (read by key, so it does not matter which release renamed the field)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]

@@ -263,11 +263,14 @@ def test_cache_kwargs_names_the_argument_this_transformers_takes():
 
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaModel
 
-    from retention.compat import CACHE_KWARG, cache_kwargs
+    from retention.compat import CACHE_KWARG, cache_kwargs, output_cache
 
     assert CACHE_KWARG in inspect.signature(LlamaModel.forward).parameters
     assert CACHE_KWARG in inspect.signature(LlamaAttention.forward).parameters
     assert cache_kwargs("c") == {CACHE_KWARG: "c"}
+    model = tiny_llama()
+    out = model(input_ids=torch.arange(7)[None], use_cache=True)
+    assert output_cache(out).get_seq_length() == 7  # the returned cache, whatever its field is called
 
 
 def test_activation_checkpointing_is_enabled_under_this_transformers_name():

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retention.attach import RetentionAttachment, unwrap
-from retention.compat import CACHE_KWARG, cache_kwargs
+from retention.compat import cache_kwargs, output_cache
 from retention.policies import lookahead_log_score
 
 _SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
@@ -237,7 +237,7 @@ class EvictionDistiller(nn.Module):
         hooks = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(att.modules)]
         try:
             with torch.no_grad(), att.teacher():
-                cache = getattr(decoder(input_ids=head, use_cache=True), CACHE_KWARG)
+                cache = output_cache(decoder(input_ids=head, use_cache=True))
         finally:
             for h in hooks:
                 h.remove()
