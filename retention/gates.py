@@ -150,6 +150,26 @@ class RetentionGates(nn.Module):
             )
         return F.logsigmoid(self.logits(layer, x))
 
+    def widened(self, gate_hidden: int, generator: torch.Generator | None = None) -> "RetentionGates":
+        """A copy whose MLPs are ``gate_hidden`` wide, scoring every token exactly as these gates do.
+
+        The new hidden units get fresh input weights (as :meth:`reset_parameters` draws them) and readout
+        weights of 0, so they add nothing until training moves their readout; training then starts from
+        this checkpoint's scores with more capacity. ``generator`` seeds the new input weights.
+        """
+        r = self.config.gate_hidden
+        if not isinstance(gate_hidden, int) or gate_hidden < r:
+            raise ValueError(f"cannot widen gates of width {r} to {gate_hidden!r}: give a width >= {r}")
+        wide = RetentionGates(GateConfig.from_dict({**self.config.to_dict(), "gate_hidden": gate_hidden}))
+        with torch.no_grad():
+            W1 = torch.empty(*self.W1.shape[:-1], gate_hidden - r, dtype=self.W1.dtype)
+            W1.normal_(std=self.config.hidden_size**-0.5, generator=generator)
+            wide.W1.copy_(torch.cat([self.W1.detach().cpu(), W1], dim=-1))
+            wide.b1.zero_()[..., :r] = self.b1.detach().cpu()
+            wide.w.zero_()[:, :r] = self.w.detach().cpu()
+            wide.b.copy_(self.b.detach().cpu())
+        return wide.to(self.W1.device)
+
     def fingerprint(self) -> str:
         """12 hex digits of a SHA-256 over every parameter (name, dtype, shape, bytes): which gates scored a
         result, so results of other gates are never mixed in (see ``eval.runner``)."""

@@ -102,3 +102,24 @@ def test_save_and_load_round_trip(tmp_path):
 def test_load_missing_files_names_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         RetentionGates.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
+def test_widened_gates_score_as_before_and_can_learn_with_the_new_units(variant):
+    gates = make(variant, bias_init=0.5)
+    with torch.no_grad():
+        gates.b1.normal_()  # a trained checkpoint's biases are not zero
+    wide = gates.widened(20, generator=torch.Generator().manual_seed(1))
+    assert wide.config.gate_hidden == 20 and wide.W1.shape[-1] == 20 and wide.w.shape[-1] == 20
+    x = torch.randn(2, 6, D)
+    for layer in range(L):
+        torch.testing.assert_close(wide(layer, x), gates(layer, x), rtol=1e-6, atol=1e-6)  # summation order only
+    assert wide.W1[..., 8:].abs().sum() > 0  # the new units see the input ...
+    wide(0, x).sum().backward()
+    assert wide.w.grad[:, 8:].abs().sum() > 0  # ... so their readout, 0 now, gets a gradient
+    assert gates.config.gate_hidden == 8  # the source is left as it was
+
+
+def test_widening_refuses_to_narrow():
+    with pytest.raises(ValueError, match="width >= 8"):
+        make().widened(4)

@@ -224,6 +224,11 @@ def test_bad_evict_configs_name_the_fix(tmp_path):
         _config(tmp_path, root, "loss.evict_fractions=[1.5]")
 
 
+def test_widen_to_needs_gates_to_widen(tmp_path):
+    with pytest.raises(ConfigError, match="gates.widen_to = 16.*set init_from"):
+        _config(tmp_path, tmp_path, "gates.widen_to=16")
+
+
 def test_the_budget_text_names_each_share_once_and_the_held_out_one(tmp_path):
     from train.loop import evict_budget_text
 
@@ -273,6 +278,25 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     card = (tmp_path / "a" / "run" / "final" / "README.md").read_text()
     assert "eviction-aware distillation" in card and "tau 0.5" in card
     assert "| data | one item a step: synthetic" in card, card  # not "N-token rows": no rows are packed
+
+
+def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp_path, monkeypatch):
+    """widen_to: the exported gates are wider, and the first step's loss is the narrow gates' own."""
+    from retention.hub import load_gates
+    from train.loop import train
+
+    root = _tiny_model_dir(tmp_path, monkeypatch)
+    for run in ("narrow", "wide", "start"):
+        (tmp_path / run).mkdir()
+    start = train(_config(tmp_path / "start", root, "train.steps=2"))["export_dir"]
+    narrow = train(_config(tmp_path / "narrow", root, f"gates.init_from={start}", "train.steps=2"))
+    wide = train(_config(tmp_path / "wide", root, f"gates.init_from={start}", "gates.widen_to=12", "train.steps=2"))
+    assert wide["history"][0]["loss"] == pytest.approx(narrow["history"][0]["loss"], rel=1e-6)
+    assert load_gates(wide["export_dir"]).config.gate_hidden == 12
+    assert load_gates(narrow["export_dir"]).config.gate_hidden == 8
+    assert "widened to 12 hidden units" in (tmp_path / "wide" / "run" / "final" / "README.md").read_text()
+    with pytest.raises(SystemExit, match="narrower than the 8 hidden units"):
+        train(_config(tmp_path / "wide", root, f"gates.init_from={start}", "gates.widen_to=4", "train.steps=2"))
 
 
 def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(tmp_path, monkeypatch):

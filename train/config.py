@@ -38,6 +38,9 @@ class GatesConfig:
     bias_init: float = 18.0
     activation: str = "silu"
     init_from: str | None = None  # a gate checkpoint to start from
+    # with init_from: widen each gate MLP to this many hidden units first (RetentionGates.widened: the new
+    # units' readout starts at 0, so training starts from the checkpoint's scores with more capacity)
+    widen_to: int | None = None
     # first tokens of each sequence that never decay in training, as the inference policy's attention
     # sinks (GlobalGatesPolicy(sink=4)) are always kept; 0: the gates decide every token
     sink: int = 0
@@ -203,7 +206,7 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager"),
 }
 POSITIVE = {
-    "gates.gate_hidden", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau", "data.seq_len", "train.steps",
+    "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau", "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
@@ -363,6 +366,9 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                               "'evict' reads one item a micro-step; set train.batch_size: 1 and raise train.grad_accum instead")
         if cfg.lora.enabled:
             raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or loss.objective: distill")
+    if cfg.gates.widen_to is not None and not cfg.gates.init_from:
+        raise ConfigError(f"gates.widen_to = {cfg.gates.widen_to}{_where('gates.widen_to', lines, source)}: it widens the gates "
+                          "of gates.init_from; set init_from, or set gates.gate_hidden to train new gates of that width")
     if cfg.loss.rank_weight and cfg.loss.objective != "evict":
         raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the ranking loss "
                           "needs a context and a continuation (objective 'evict'); set loss.objective: evict or remove it")

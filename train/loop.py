@@ -223,6 +223,8 @@ def run_facts(cfg: Config) -> dict[str, str]:
         facts["config"] = src
     if note := init_from_note(cfg):
         facts["init_from"] = note
+        if cfg.gates.widen_to is not None:
+            facts["init_from"] += f"; each gate MLP widened to {cfg.gates.widen_to} hidden units (new units' readout from 0)"
     if any(src.weight != 1 for src in cfg.data.sources):
         # the card's training-KL rows are then the source-weighted mean; held-out rows are always the plain mean
         facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each source's positions by its "
@@ -352,6 +354,12 @@ def train(
         )
     if cfg.gates.init_from:
         gates = load_gates(cfg.gates.init_from, model=model)
+        if cfg.gates.widen_to is not None and cfg.gates.widen_to != gates.config.gate_hidden:
+            if cfg.gates.widen_to < gates.config.gate_hidden:
+                raise SystemExit(f"gates.widen_to = {cfg.gates.widen_to} is narrower than the {gates.config.gate_hidden} "
+                                 f"hidden units of {cfg.gates.init_from}: widening keeps every unit; give a width >= "
+                                 f"{gates.config.gate_hidden} or remove widen_to")
+            gates = gates.widened(cfg.gates.widen_to, generator=torch.Generator().manual_seed(cfg.train.seed))
     else:
         g = cfg.gates
         gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init, activation=g.activation)
