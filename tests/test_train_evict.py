@@ -295,6 +295,12 @@ def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp
     assert load_gates(wide["export_dir"]).config.gate_hidden == 12
     assert load_gates(narrow["export_dir"]).config.gate_hidden == 8
     assert "widened to 12 hidden units" in (tmp_path / "wide" / "run" / "final" / "README.md").read_text()
+    import train.loop as loop
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the width was checked")
+
+    monkeypatch.setattr(loop, "load_model", no_model)
     with pytest.raises(SystemExit, match="narrower than the 8 hidden units"):
         train(_config(tmp_path / "wide", root, f"gates.init_from={start}", "gates.widen_to=4", "train.steps=2"))
 

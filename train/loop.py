@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from retention.attach import RetentionAttachment, attach_gates, text_config_of, unwrap
+from retention.attach import RetentionAttachment, attach_gates, check_gates_match, text_config_of, unwrap
 from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig
 from retention.hub import export_gates, load_gates, push_to_hub
@@ -318,6 +318,15 @@ def train(
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
         raise SystemExit(f"gates.init_from = {src!r} is not a folder here: train the run that writes it first "
                          f"(a stage-1 config's export.dir), or point init_from at a gate checkpoint folder or Hub repo")
+    start_gates = None
+    if src:  # loaded (and widened) before the model, so a bad checkpoint or width fails before the expensive load
+        start_gates = load_gates(src)
+        r = start_gates.config.gate_hidden
+        if cfg.gates.widen_to is not None and cfg.gates.widen_to < r:
+            raise SystemExit(f"gates.widen_to = {cfg.gates.widen_to} is narrower than the {r} hidden units of {src}: "
+                             f"widening keeps every unit; give a width >= {r} or remove widen_to")
+        if cfg.gates.widen_to is not None and cfg.gates.widen_to > r:
+            start_gates = start_gates.widened(cfg.gates.widen_to, generator=torch.Generator().manual_seed(cfg.train.seed))
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
@@ -352,14 +361,9 @@ def train(
             model,
             PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules),
         )
-    if cfg.gates.init_from:
-        gates = load_gates(cfg.gates.init_from, model=model)
-        if cfg.gates.widen_to is not None and cfg.gates.widen_to != gates.config.gate_hidden:
-            if cfg.gates.widen_to < gates.config.gate_hidden:
-                raise SystemExit(f"gates.widen_to = {cfg.gates.widen_to} is narrower than the {gates.config.gate_hidden} "
-                                 f"hidden units of {cfg.gates.init_from}: widening keeps every unit; give a width >= "
-                                 f"{gates.config.gate_hidden} or remove widen_to")
-            gates = gates.widened(cfg.gates.widen_to, generator=torch.Generator().manual_seed(cfg.train.seed))
+    if start_gates is not None:
+        check_gates_match(model, start_gates.config)
+        gates = start_gates
     else:
         g = cfg.gates
         gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init, activation=g.activation)
