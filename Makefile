@@ -8,7 +8,7 @@ STAMP := $(VENV)/.retention-installed
 TORCH_CPU ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test test-slow setup clean-venv
+.PHONY: demo test test-slow test-gpu setup clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow or not slow"
+
+# the compiled Triton kernels on a CUDA GPU, in a process of their own (interpreter-mode modules set
+# TRITON_INTERPRET=1 for their whole process)
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu tests/test_gpu_kernels.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -43,9 +43,12 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk):
     from retention.cache import RetentionCache
     from retention.compat import cache_kwargs
 
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time kernels, not launches
+
     budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
     cache = RetentionCache(model, budget=budget)
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=device)
     with torch.no_grad():
         for s in range(0, x.shape[1], chunk):  # chunked prefill: eviction runs between chunks
             model(input_ids=x[:, s : s + chunk], **cache_kwargs(cache), use_cache=True)
@@ -53,9 +56,11 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk):
         tok = x[:, -1:]
         times = []
         for _ in range(new_tokens):
+            sync()
             t = time.perf_counter()
             out = model(input_ids=tok, **cache_kwargs(cache), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
+            sync()
             times.append(time.perf_counter() - t)
     report = cache.memory_report()
     return statistics.median(times[1:] or times) * 1e3, report, prefill_peak
@@ -69,19 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=512, help="tokens per (layer, KV head) on average")
     p.add_argument("--new", type=int, default=16, help="decoded tokens timed per setting")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     args = p.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     from retention import attach_gates, load_model
     from retention.hub import load_gates
 
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     gates = load_gates(args.gates, model=model) if args.gates else None
     attach_gates(model, gates, mode="score")
     streams = model.config.num_hidden_layers * model.config.num_key_value_heads
     ids = real_text_ids(tok, max(args.contexts))
     floor_ms, floor_rep, _ = run_one(model, ids[: args.budget], None, args.new, args.chunk)
-    print(f"model {args.model}, budget B = {args.budget} tokens per KV head ({args.budget * streams:,} entries), "
-          f"median ms/token over {args.new} decode steps, prefill chunk {args.chunk}")
+    print(f"model {args.model} ({args.dtype} on {args.device}), budget B = {args.budget} tokens per KV head "
+          f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}")
     print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.budget} | full@B | {floor_ms:.1f} | {floor_rep['kv_bytes'] / 2**20:.1f} | 1.00x | | |")

@@ -26,13 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def build(model_name: str, device: str):
+def build(model_name: str, device: str, dtype: str = "float32"):
     import torch
 
     from retention import attach_gates, load_model
     from retention.losses import capacity_loss, distillation_kl
 
-    model, _ = load_model(model_name, device=device)
+    model, _ = load_model(model_name, device=device, dtype=dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     decoder, head = model.model, model.get_output_embeddings()
@@ -72,7 +72,7 @@ def inputs(model, seq_len: int, batch: int, device: str):
 def peak_memory(args, which: str) -> float:
     """Peak memory (MiB) of one step of ``which`` in a fresh process."""
     cmd = [sys.executable, __file__, "--measure-peak", which, "--model", args.model, "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--device", args.device]
+           "--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"]
 
@@ -90,7 +90,7 @@ def _measure_peak(args) -> None:
 
     import torch
 
-    model, steps = build(args.model, args.device)
+    model, steps = build(args.model, args.device, args.dtype)
     ids, pos = inputs(model, args.seq_len, args.batch, args.device)
     steps[args.measure_peak](ids, pos)  # warm-up: allocator caches and lazy inits are not the step's
     if args.device == "cuda":
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
     p.add_argument("--measure-peak", choices=["floor", "step"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure_peak:
         _measure_peak(args)
         return 0
-    model, steps = build(args.model, args.device)
+    model, steps = build(args.model, args.device, args.dtype)
     ids, pos = inputs(model, args.seq_len, args.batch, args.device)
     times = {k: [] for k in steps}
     for k in steps:  # warm-up
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * args.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     mem = {} if args.no_memory else {k: peak_memory(args, k) for k in steps}
-    print(f"model {args.model}, device {args.device}, batch {args.batch} x {args.seq_len} tokens, median of {args.reps}")
+    print(f"model {args.model} ({args.dtype}), device {args.device}, batch {args.batch} x {args.seq_len} tokens, median of {args.reps}")
     print(f"| {'variant':<6} | {'s/step':>7} | {'tokens/s':>9} | {'peak MiB':>9} |")
     print(f"|{'-' * 8}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
     for k in ("floor", "step"):

@@ -1,4 +1,5 @@
-"""Triton paged decode kernel (interpreter mode) against the PyTorch reference."""
+"""Triton paged decode kernel (interpreter mode) against the PyTorch reference; the compiled kernel on a
+GPU: ``test_gpu_kernels.py``."""
 
 import os
 
@@ -7,25 +8,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
+from kernel_checks import generate_under_budget, paged_inputs as setup
 from retention.cache.attention import paged_decode_reference
-from retention.compat import cache_kwargs
 
 kernel = pytest.importorskip("retention.cache.triton_decode")
-
-
-def setup(N, G, D, page, lengths, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_pages = max(1, max((n + page - 1) // page for n in lengths))
-    P = N * max_pages + 3
-    perm = torch.randperm(P, generator=g)  # pages scattered over the pool, as after evictions
-    table = torch.full((N, max_pages), -1, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        k = (n + page - 1) // page
-        table[i, :k] = perm[i * max_pages : i * max_pages + k]
-    kp = torch.randn(P, page, D, generator=g).to(dtype)
-    vp = torch.randn(P, page, D, generator=g).to(dtype)
-    q = torch.randn(N, G, D, generator=g).to(dtype)
-    return q, kp, vp, table, torch.tensor(lengths)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
@@ -55,26 +41,17 @@ def test_page_size_must_be_a_power_of_two():
 def test_generate_through_the_paged_kernel_equals_the_padded_path(monkeypatch):
     """RetentionCache decoding with the Triton kernel (forced on CPU) gives the same tokens."""
     from retention import attach_gates
-    from retention.cache import RetentionCache
     from tiny_models import tiny_llama
 
     model = tiny_llama()
     attach_gates(model, bias_init=0.0, mode="score")
     ids = torch.randint(0, 100, (2, 30), generator=torch.Generator().manual_seed(0))
-    budget = RetentionCache.budget_for(model, 12)
-
-    def generate():
-        cache = RetentionCache(model, budget=budget, page_size=4)
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
-        return out, cache.evictions
-
-    padded, ev = generate()
+    padded, ev = generate_under_budget(model, ids, 12, page_size=4, new_tokens=8)
     calls = []
     real = kernel.paged_decode_triton
     monkeypatch.setattr(kernel, "paged_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("RETENTION_FORCE_TRITON", "1")
-    paged, ev2 = generate()
+    paged, ev2 = generate_under_budget(model, ids, 12, page_size=4, new_tokens=8)
     assert calls and ev > 0 and ev2 == ev
     assert torch.equal(paged, padded)
 

@@ -1,0 +1,104 @@
+"""The Triton kernels compiled for a CUDA GPU against their PyTorch references, and the gated model's
+training and decoding paths through them (``make test-gpu``; deselected with the ``gpu`` marker elsewhere).
+
+These need a process of their own: the interpreter-mode test modules set ``TRITON_INTERPRET=1`` when
+imported, after which Triton interprets every kernel of the process, so ``make test-gpu`` runs this
+file alone. Tolerances: ``kernel_checks.py``.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernel_checks import (
+    attention_compare,
+    attention_inputs,
+    capacity_check,
+    capacity_inputs,
+    generate_under_budget,
+    paged_inputs,
+    student_matches_oracle,
+)
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a CUDA device")]
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(
+        reason="TRITON_INTERPRET=1 is set in this process (an interpreter-mode test module was imported): "
+        "run `make test-gpu`, which runs this file alone")]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [300, 1000])
+def test_attention_matches_reference(dtype, D, T):
+    attention_compare(*attention_inputs(2, T, T, 8, 2, D, dtype, lb_lo=-0.2, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_packed_and_decode(dtype):
+    cu = torch.tensor([0, 1, 200, 513, 700, 1024], device="cuda")
+    attention_compare(*attention_inputs(2, 512, 512, 12, 4, 96, dtype, lb_lo=-2.0, device="cuda"), cu=cu)
+    attention_compare(*attention_inputs(2, 7, 700, 12, 4, 64, dtype, lb_lo=-0.3, device="cuda"))
+
+
+def test_attention_long_bf16_with_weak_decay():
+    """4k tokens, decay near 0: many key blocks, every one of them weighted, as in training."""
+    attention_compare(*attention_inputs(1, 4096, 4096, 4, 1, 64, torch.bfloat16, lb_lo=-1e-3, device="cuda"))
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capacity_matches_reference(reduce, dtype):
+    capacity_check(capacity_inputs(2, 48, 700, -0.5, dtype=dtype, device="cuda"), [0, 3, 400, 700, 1400], reduce)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("G", [1, 3, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_decode_matches_reference(dtype, tol, G, D):
+    from retention.cache.attention import paged_decode_reference
+    from retention.cache.triton_decode import paged_decode_triton
+
+    q, kp, vp, table, lens = paged_inputs(6, G, D, 16, [0, 1, 16, 31, 700, 2050], dtype, device="cuda")
+    got = paged_decode_triton(q, kp, vp, table, lens, D**-0.5)
+    want = paged_decode_reference(q.float(), kp.float(), vp.float(), table, lens, D**-0.5)
+    assert got.dtype == dtype and torch.equal(got[0], torch.zeros_like(got[0]))
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_gated_model_forward_and_gate_gradients_match_the_oracle(monkeypatch):
+    """A gated model on CUDA (attention through the Triton kernel) against the same model whose
+    attention is the materialised fp32 oracle: logits and every gate gradient."""
+    from retention import attach_gates
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=64, hidden_size=384, num_attention_heads=6).cuda()
+    att = attach_gates(model, bias_init=2.0)
+    ids = torch.randint(0, 100, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    student_matches_oracle(model, att, dict(input_ids=ids), monkeypatch, rtol=(1e-4, 1e-3), atol=(1e-4, 1e-6))
+
+
+def test_generate_through_the_paged_kernel_equals_the_padded_path(monkeypatch):
+    """Decoding under a global budget on CUDA: the Triton paged kernel gives the padded path's tokens."""
+    from retention import attach_gates
+    from retention.cache import RetentionCache, flash, triton_decode
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=64, hidden_size=384, num_attention_heads=6).cuda()
+    attach_gates(model, bias_init=0.0, mode="score")
+    ids = torch.randint(0, 100, (2, 200), generator=torch.Generator().manual_seed(0)).cuda()
+    monkeypatch.setattr(flash, "flash_paged_decode", lambda *a, **k: None)  # flash-attn's path when installed
+    calls = []
+    real = triton_decode.paged_decode_triton
+    monkeypatch.setattr(triton_decode, "paged_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    paged, ev = generate_under_budget(model, ids, 48, page_size=16, new_tokens=24)
+    assert calls and ev > 0
+    monkeypatch.setattr(RetentionCache, "_paged_decode", lambda self, key_states, T: False)
+    padded, ev2 = generate_under_budget(model, ids, 48, page_size=16, new_tokens=24)
+    assert ev2 == ev
+    assert torch.equal(paged, padded)
