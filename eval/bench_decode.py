@@ -5,6 +5,7 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
   budget   RetentionCache with B tokens per (layer, KV head) on average (global top-B)
   full     RetentionCache without a budget (every entry kept)
   full@B   a full cache holding only B tokens of context: the cost floor for a B-entry cache
+  plain    transformers' DynamicCache over all N tokens: what decoding costs without our cache machinery
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 
@@ -37,8 +38,12 @@ def real_text_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_one(model, ids, budget_tokens, new_tokens, chunk):
+def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False):
+    """Median decode ms/token, KV bytes report and prefill peak entries for one cache: a
+    ``RetentionCache`` with ``budget_tokens`` per KV head (None: no budget), or with ``plain`` the
+    transformers ``DynamicCache`` (the cost of decoding without our cache machinery)."""
     import torch
+    from transformers import DynamicCache
 
     from retention.cache import RetentionCache
     from retention.compat import cache_kwargs
@@ -47,12 +52,12 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time kernels, not launches
 
     budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
-    cache = RetentionCache(model, budget=budget)
+    cache = DynamicCache() if plain else RetentionCache(model, budget=budget)
     x = torch.tensor([ids], device=device)
     with torch.no_grad():
         for s in range(0, x.shape[1], chunk):  # chunked prefill: eviction runs between chunks
             model(input_ids=x[:, s : s + chunk], **cache_kwargs(cache), use_cache=True)
-        prefill_peak = cache.peak_entries
+        prefill_peak = None if plain else cache.peak_entries
         tok = x[:, -1:]
         times = []
         for _ in range(new_tokens):
@@ -62,7 +67,11 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk):
             tok = out.logits[:, -1:].argmax(-1)
             sync()
             times.append(time.perf_counter() - t)
-    report = cache.memory_report()
+    if plain:  # every layer keeps all keys and values
+        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        report = {"kv_bytes": sum(t.numel() * t.element_size() for t in kv)}
+    else:
+        report = cache.memory_report()
     return statistics.median(times[1:] or times) * 1e3, report, prefill_peak
 
 
@@ -96,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.budget} | full@B | {floor_ms:.1f} | {floor_rep['kv_bytes'] / 2**20:.1f} | 1.00x | | |")
     for n in args.contexts:
-        for name, b in (("budget", args.budget), ("full", None)):
-            ms, rep, peak = run_one(model, ids[:n], b, args.new, args.chunk)
+        for name, b in (("budget", args.budget), ("full", None), ("plain", None)):
+            ms, rep, peak = run_one(model, ids[:n], b, args.new, args.chunk, plain=name == "plain")
             full_entries = n * streams
-            print(f"| {n} | {name} | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x | "
-                  f"{peak:,} | {peak / full_entries:.2f}x |")
+            peaks = "| | |" if peak is None else f"| {peak:,} | {peak / full_entries:.2f}x |"
+            print(f"| {n} | {name} | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x {peaks}")
     return 0
 
 
