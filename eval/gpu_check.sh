@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, as eval/results/gpu-h100/ was made: the compiled-kernel tests, then the three
+# benchmarks, each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
+# randomly initialised copy of the model's config where the weights cannot be brought along.
+#
+#   eval/gpu_check.sh [OUT_DIR]                       # default OUT_DIR runs/gpu-check
+#   PY=python3 MODEL=/path/to/model PYTEST_ARGS="-n 8" eval/gpu_check.sh out
+set -u -o pipefail
+OUT=${1:-runs/gpu-check}
+PY=${PY:-python}
+MODEL=${MODEL:-smollm2-135m}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: these checks need a GPU'" || exit 1
+# a process of its own: interpreter-mode test modules set TRITON_INTERPRET=1 for theirs
+$PY -m pytest -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -v --durations=8 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
+$PY eval/bench_kernels.py --seq 4096 16384 32768 --dims 64 128 2>&1 | tee "$OUT/bench_kernels.txt"
+for dtype in float32 bfloat16; do
+  $PY eval/bench_train.py --model "$MODEL" --seq-len 4096 --reps 5 --dtype $dtype 2>&1
+done | tee "$OUT/bench_train.txt"
+$PY eval/bench_decode.py --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 2>&1 \
+  | tee "$OUT/bench_decode.txt"
