@@ -5,7 +5,7 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
   budget   RetentionCache with B tokens per (layer, KV head) on average (global top-B)
   full     RetentionCache without a budget (every entry kept)
   full@B   a full cache holding only B tokens of context: the cost floor for a B-entry cache
-  plain    transformers' DynamicCache over all N tokens: what decoding costs without our cache machinery
+  plain    transformers' DynamicCache over all N tokens (gates still scoring): decoding without our cache machinery
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 
