@@ -21,13 +21,15 @@ from kernel_checks import (
     student_matches_oracle,
 )
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a CUDA device")]
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    pytestmark = [pytest.mark.gpu, pytest.mark.skip(
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
         reason="TRITON_INTERPRET=1 is set in this process (an interpreter-mode test module was imported): "
-        "run `make test-gpu`, which runs this file alone")]
+        "run `make test-gpu`, which runs this file alone",
+    ),
+]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
