@@ -1,4 +1,4 @@
-"""RetentionCache inside ``model.generate``: unlimited budget == DynamicCache, batching == alone, VL."""
+"""RetentionCache inside ``model.generate``: unlimited budget == DynamicCache, batching == alone, VL, crop."""
 
 from __future__ import annotations
 
@@ -168,3 +168,107 @@ def test_several_continuations_of_a_filled_cache():
     got = _generate(model, cache, input_ids=ids.repeat(2, 1), max_new_tokens=8, do_sample=False)
     one = _generate(model, twin, input_ids=ids, max_new_tokens=8, do_sample=False)
     assert cache.evictions > 1 and torch.equal(got[0], one[0]) and torch.equal(got[1], one[0])
+
+
+def _stream_contents(cache):
+    """Per stream: (positions, keys, values) of the kept entries, in order."""
+    store = cache.store
+    view = store.gather(torch.arange(store.lengths.numel()))
+    return [(view.pos[r][view.valid[r]], view.keys[r][view.valid[r]], view.values[r][view.valid[r]])
+            for r in range(view.pos.shape[0])]
+
+
+@pytest.mark.parametrize("slack", [0, None])
+@pytest.mark.parametrize("policy", ["global_gates", "streamingllm"])
+def test_crop_equals_never_feeding_the_removed_tokens(policy, slack):
+    """Feeding accepted + rejected tokens then cropping the rejected ones leaves exactly the cache that
+    feeding the accepted ones alone gives (eviction included: slack 0 evicts at every forward)."""
+    model = _with_gates("llama")
+    g = torch.Generator().manual_seed(8)
+    prompt, accepted, rejected, nxt = (torch.randint(1, 100, (1, n), generator=g) for n in (17, 3, 4, 1))
+    budget = RetentionCache.budget_for(model, 6)
+    caches = [RetentionCache(model, budget=budget, policy=get_policy(policy), slack=slack) for _ in range(2)]
+    with torch.no_grad():
+        for cache, chunk in zip(caches, (torch.cat([accepted, rejected], 1), accepted)):
+            model(input_ids=prompt, **cache_kwargs(cache), use_cache=True)
+            model(input_ids=torch.tensor([[7]]), **cache_kwargs(cache), use_cache=True)
+            model(input_ids=chunk, **cache_kwargs(cache), use_cache=True)
+        spec, plain = caches
+        assert spec.is_croppable and spec.get_seq_length() == plain.get_seq_length() + rejected.shape[1]
+        spec.crop(-rejected.shape[1])
+        spec.store.check()
+        assert spec.get_seq_length() == plain.get_seq_length()
+        for (p1, k1, v1), (p2, k2, v2) in zip(_stream_contents(spec), _stream_contents(plain)):
+            assert torch.equal(p1, p2) and torch.allclose(k1, k2, atol=1e-6) and torch.allclose(v1, v2, atol=1e-6)
+        a = model(input_ids=nxt, **cache_kwargs(spec), use_cache=True).logits
+        b = model(input_ids=nxt, **cache_kwargs(plain), use_cache=True).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    assert (spec.evictions > 0) == (slack == 0)
+
+
+def test_crop_refuses_what_it_cannot_restore():
+    model = _with_gates("llama")
+    prompt = torch.randint(1, 100, (1, 17), generator=torch.Generator().manual_seed(9))
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 6), slack=0)
+    with torch.no_grad():
+        model(input_ids=prompt, **cache_kwargs(cache), use_cache=True)
+        cache.crop(-2)  # nothing evicted yet: the prompt's last 2 tokens can go
+        assert cache.get_seq_length() == 15
+        model(input_ids=torch.tensor([[3, 4]]), **cache_kwargs(cache), use_cache=True)  # evicts first
+    assert cache.evictions == 1
+    with pytest.raises(ValueError, match="cannot be restored"):
+        cache.crop(-3)  # the third token back was in the cache when eviction ran
+    with pytest.raises(ValueError, match="cannot remove 30 tokens"):
+        cache.crop(-30)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 15
+    cache.crop(15)  # the older API's length to keep: nothing to do
+    h2o = RetentionCache(model, budget=RetentionCache.budget_for(model, 6), policy=get_policy("h2o"))
+    with torch.no_grad():
+        model(input_ids=prompt, **cache_kwargs(h2o), use_cache=True)
+    assert not h2o.is_croppable
+    with pytest.raises(NotImplementedError, match="streaming policy that reads no queries"):
+        h2o.crop(-1)
+
+
+def _generate_logging_chunks(model, cache, **kw):
+    """Generate, logging ``[tokens fed, tokens cropped]`` per forward of ``model`` over ``cache``."""
+    log, crop = [], cache.crop
+
+    def logged(n):
+        log[-1][1] += -n
+        crop(n)
+
+    cache.crop = logged
+    hook = model.register_forward_pre_hook(lambda m, a, k: log.append([k["input_ids"].shape[1], 0]), with_kwargs=True)
+    try:
+        return _generate(model, cache, **kw), log
+    finally:
+        hook.remove()
+        del cache.crop
+
+
+@pytest.mark.parametrize("budget_tokens", [None, 8])
+def test_prompt_lookup_decoding_under_a_budget_equals_greedy_replay(budget_tokens):
+    """Assisted (prompt-lookup) decoding over a RetentionCache: unlimited, it is greedy decoding; under a
+    budget, every token is the greedy choice of a cache fed the accepted tokens in the same chunks."""
+    model = _with_gates("qwen3")
+    prompt = torch.tensor([[5, 6, 7, 8, 9] * 5])
+    kw = dict(input_ids=prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
+    budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
+    cache = RetentionCache(model, budget=budget, slack=0)
+    out, log = _generate_logging_chunks(model, cache, **kw)
+    assert sum(c for _, c in log) > 0 and any(t - c > 1 for t, c in log[1:])  # drafts were rejected and accepted
+    if budget_tokens is None:
+        ref = _generate(model, DynamicCache(config=model.config), **{**kw, "prompt_lookup_num_tokens": None})
+        assert torch.equal(out, ref)
+        return
+    assert cache.evictions > 0
+    replay, at = RetentionCache(model, budget=budget, slack=0), 0
+    with torch.no_grad():
+        for fed, cropped in log:
+            chunk = out[:, at : at + fed - cropped]
+            at += chunk.shape[1]
+            logits = model(input_ids=chunk, **cache_kwargs(replay), use_cache=True).logits
+            assert int(logits[0, -1].argmax()) == int(out[0, at])
+    assert at == out.shape[1] - 1 and replay.evictions == cache.evictions

@@ -39,8 +39,11 @@ class _RetentionLayer(CacheLayerMixin):
     """Per-layer face of :class:`RetentionCache` for transformers; the data lives in the shared store."""
 
     is_sliding = False
-    is_croppable = False
     is_compileable = False
+
+    @property
+    def is_croppable(self) -> bool:  # read by assisted decoding before its first crop
+        return self.cache.croppable
 
     def __init__(self, cache: "RetentionCache", layer: int) -> None:
         super().__init__()
@@ -130,6 +133,7 @@ class RetentionCache(Cache):
         self._last_query_len = 0
         self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped
         self._start: torch.Tensor | None = None  # (B,) left-padding tokens: position of the first real one
+        self._crop_floor = 0  # tokens seen at the last eviction or padded forward: crop cannot go below
         self.evictions = 0
         self.peak_entries = 0
 
@@ -211,6 +215,8 @@ class RetentionCache(Cache):
             self._pad_entries += (pos < 0).sum(1).to(self._pad_entries.device) * H
             if layer_idx == 0:
                 self._start += (pos < 0).sum(1).to(self._start.device)
+                if bool((pos < 0).any()):
+                    self._crop_floor = t0 + T
         rows = self.store.streams(layer_idx)
         self.store.append(
             rows,
@@ -276,6 +282,7 @@ class RetentionCache(Cache):
         self._pending.clear()
         self._views.clear()
         self._last_query_len = 0
+        self._crop_floor = 0
         if self._pad_entries is not None:
             self._pad_entries.zero_()
             self._start.zero_()
@@ -293,6 +300,7 @@ class RetentionCache(Cache):
         self._pad_entries = None if other._pad_entries is None else other._pad_entries.clone()
         self._start = None if other._start is None else other._start.clone()
         self._last_query_len, self.peak_entries = other._last_query_len, other.peak_entries
+        self._crop_floor = other._crop_floor
         for layer in self.layers:
             layer.is_initialized = other.store is not None
 
@@ -300,8 +308,44 @@ class RetentionCache(Cache):
         """Beam search: row ``i`` continues from row ``beam_idx[i]`` (rows named twice are copied)."""
         self.batch_select_indices(beam_idx)
 
+    @property
+    def croppable(self) -> bool:
+        """Whether :meth:`crop` can roll back a forward (assisted / speculative decoding needs it): the
+        policy evicts as the cache fills and keeps no statistics of the queries it saw."""
+        return self.policy.mode == "streaming" and not self.policy.needs_queries
+
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("RetentionCache cannot crop (assisted / speculative decoding); evicted tokens are gone")
+        """Forget the newest ``-tokens_to_remove`` tokens, as assisted decoding does with rejected draft
+        tokens (transformers >= 5.24 passes a count <= 0; a positive value is the older API's number of
+        tokens to keep).
+
+        Exact: eviction runs at the start of a forward, before that forward's tokens are appended, so
+        the tokens removed never competed for the budget, and what is left is what the kept tokens hold
+        when fed in the same chunks. Going back past an eviction (or a padded forward) would need
+        entries that are gone: that raises ``ValueError``.
+        """
+        seen = self._seen[0]
+        keep = seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        if keep >= seen:
+            return
+        if not self.croppable:
+            raise NotImplementedError(
+                f"RetentionCache cannot crop under {type(self.policy).__name__}: it needs a streaming policy that "
+                "reads no queries (e.g. global_gates, trimkv, streamingllm) for assisted / speculative decoding"
+            )
+        if keep < 0:
+            raise ValueError(f"cannot remove {seen - keep} tokens: the cache has seen {seen}")
+        if keep < self._crop_floor:
+            raise ValueError(
+                f"cannot crop {seen} tokens back to {keep}: entries of the first {self._crop_floor} tokens were "
+                "evicted or padded after those tokens arrived and cannot be restored; crop only the tokens of "
+                "forwards since the last eviction (what assisted decoding does), or prefill again"
+            )
+        if self.store is not None:
+            rows = torch.arange(self.store.lengths.numel(), device=self.store.lengths.device)
+            view = self.store.gather(rows, with_kv=False)
+            self.store.compact(rows, view.pos < keep)  # left padding (pos -1) stays, as it came first
+        self._seen = [keep] * self.num_layers
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Several continuations of each sequence (``num_return_sequences``, beams) from one prefill."""
@@ -396,6 +440,7 @@ class RetentionCache(Cache):
         keep = select_keep(score, view.pos, valid, group, budget, forced)
         store.compact(rows, keep)
         self._pad_entries[seqs] = 0
+        self._crop_floor = self._seen[0]
         self.evictions += 1
 
     # -- reports -----------------------------------------------------------------------------------
