@@ -26,6 +26,10 @@ from .models import is_multimodal
 from .policies.base import EvictionPolicy
 
 
+# generate() options that turn on assisted decoding (a draft model or prompt lookup)
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
 class ChatInputError(ValueError):
     """A turn cannot be processed as given; the message names the problem and the fix."""
 
@@ -134,12 +138,20 @@ class RetentionChat:
         from transformers import TextIteratorStreamer
 
         images = list(images or [])
+        kwargs = {**self.generation_kwargs, **generation_kwargs}
+        assisted = sorted(k for k in _ASSISTED if kwargs.get(k) is not None)
+        if assisted and self.cache.get_seq_length() > 0:
+            # transformers' assisted decoding feeds the whole prompt on its first forward, whatever the cache
+            # holds: the earlier turns would be stored twice
+            raise ChatInputError(
+                f"{', '.join(assisted)}: assisted decoding works on the first turn only, since transformers "
+                "re-feeds every earlier turn to a filled cache; pass it to the first send() or drop it"
+            )
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        kwargs = {**self.generation_kwargs, **generation_kwargs}
         kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         uncached = full.shape[1] - self.cache.get_seq_length()
         if uncached > self.chunk_size:

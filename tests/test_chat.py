@@ -97,3 +97,21 @@ def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monk
     assert "recent must be >= 0" in capsys.readouterr().err
     assert main(["chat", "--pool", "4"]) == 2
     assert "pool must be odd" in capsys.readouterr().err
+
+
+def test_prompt_lookup_on_the_first_turn_only(smollm2):
+    """Prompt-lookup decoding on the first turn gives the greedy reply under a budget that evicts; on a
+    filled cache it is refused before anything changes (transformers would re-feed the earlier turns)."""
+    model, tok = smollm2
+    text = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 6
+    replies = []
+    for lookup in (None, 4):
+        chat = RetentionChat(model, tok, budget_tokens=116, max_new_tokens=24)  # the turn is 115 tokens
+        replies.append(chat.send(text, prompt_lookup_num_tokens=lookup))
+        assert chat.cache.evictions > 0
+    assert replies[0] == replies[1] and "fox" in replies[1]
+    seen = chat.memory()["tokens_seen"]
+    with pytest.raises(ChatInputError, match="first turn only"):
+        chat.send("Again.", prompt_lookup_num_tokens=4)
+    assert chat.memory()["tokens_seen"] == seen and len(chat.messages) == 2
+    assert isinstance(chat.send("Again."), str)
