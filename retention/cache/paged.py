@@ -56,13 +56,19 @@ class PagedKVStore:
         dev = self.pool.device
         self.block_table = torch.full((self.num_streams, 1), -1, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(self.num_streams, dtype=torch.long, device=dev)
+        self._layer_streams: dict[int, torch.Tensor] = {}  # streams(layer) of the current batch
 
     # -- indexing ----------------------------------------------------------------------------------
     def streams(self, layer: int, batch_index: torch.Tensor | None = None) -> torch.Tensor:
         """Stream ids of ``layer`` ordered (b, h): ``(B * H,)``."""
+        if batch_index is None and layer in self._layer_streams:  # asked twice per layer and token
+            return self._layer_streams[layer]
         L, H = self.num_layers, self.num_kv_heads
         b = torch.arange(self.batch, device=self.pool.device) if batch_index is None else batch_index
-        return ((b[:, None] * L + layer) * H + torch.arange(H, device=self.pool.device)[None]).flatten()
+        ids = ((b[:, None] * L + layer) * H + torch.arange(H, device=self.pool.device)[None]).flatten()
+        if batch_index is None:
+            self._layer_streams[layer] = ids
+        return ids
 
     def sequence_streams(self, b: int) -> torch.Tensor:
         """All streams of sequence ``b`` ordered (layer, head): ``(L * H,)``."""
@@ -92,9 +98,9 @@ class PagedKVStore:
         new = old + T
         old_np, new_np = _cdiv(old, self.page_size), _cdiv(new, self.page_size)
         need = new_np - old_np  # (R,) pages each stream needs
-        self._ensure_columns(int(new_np.max()))
         n_new = int(need.sum())
-        if n_new:
+        if n_new:  # most decode steps fill open pages: no allocation and no block-table growth
+            self._ensure_columns(int(new_np.max()))
             owner = rows.repeat_interleave(need)
             # column of each new page: old_np[r] + 0..need[r]-1
             first = torch.cumsum(need, 0) - need
@@ -117,9 +123,13 @@ class PagedKVStore:
         pages = self.block_table[rows, :n_pages].clamp_min(0)  # (R, np); unused columns masked below
         Lmax = n_pages * self.page_size
         valid = torch.arange(Lmax, device=rows.device)[None] < lengths[:, None]
-        p = self.pool
-        kv = (p.keys[pages].reshape(len(rows), Lmax, -1), p.values[pages].reshape(len(rows), Lmax, -1)) if with_kv else (None, None)
-        return PaddedView(kv[0], kv[1], p.log_beta[pages].reshape(len(rows), Lmax), p.pos[pages].reshape(len(rows), Lmax), valid)
+        p, flat, R = self.pool, pages.flatten(), len(rows)
+
+        def take(t: torch.Tensor) -> torch.Tensor:  # index_select: ~3x faster than t[pages] on CPU
+            return t.index_select(0, flat).reshape(R, Lmax, *t.shape[2:])
+
+        kv = (take(p.keys), take(p.values)) if with_kv else (None, None)
+        return PaddedView(kv[0], kv[1], take(p.log_beta), take(p.pos), valid)
 
     def gather_layer(self, layer: int) -> PaddedView:
         """A layer's entries as ``(B, H, Lmax, ...)`` (see :class:`PaddedView`)."""
@@ -198,6 +208,7 @@ class PagedKVStore:
             table[copies] = sub
         self.block_table, self.lengths = table, lengths
         self.batch, self.num_streams = len(indices), len(src)
+        self._layer_streams.clear()
         owned = self.block_table >= 0  # page owners follow the renumbered streams
         self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=dev)[:, None].expand_as(self.block_table)[owned]
 
