@@ -42,8 +42,8 @@ class _RetentionLayer(CacheLayerMixin):
     is_compileable = False
 
     @property
-    def is_croppable(self) -> bool:  # read by assisted decoding before its first crop
-        return self.cache.croppable
+    def is_croppable(self) -> bool:
+        return self.cache.is_croppable
 
     def __init__(self, cache: "RetentionCache", layer: int) -> None:
         super().__init__()
@@ -212,10 +212,11 @@ class RetentionCache(Cache):
         pos = (t0 + torch.arange(T, device=key_states.device)).expand(B, T).clone()
         if token_valid is not None:
             pos[~token_valid.to(pos.device)] = -1
-            self._pad_entries += (pos < 0).sum(1).to(self._pad_entries.device) * H
+            pads = (pos < 0).sum(1).to(self._pad_entries.device)  # (B,) padding tokens in this forward
+            self._pad_entries += pads * H
             if layer_idx == 0:
-                self._start += (pos < 0).sum(1).to(self._start.device)
-                if bool((pos < 0).any()):
+                self._start += pads
+                if bool(pads.any()):
                     self._crop_floor = t0 + T
         rows = self.store.streams(layer_idx)
         self.store.append(
@@ -309,9 +310,9 @@ class RetentionCache(Cache):
         self.batch_select_indices(beam_idx)
 
     @property
-    def croppable(self) -> bool:
-        """Whether :meth:`crop` can roll back a forward (assisted / speculative decoding needs it): the
-        policy evicts as the cache fills and keeps no statistics of the queries it saw."""
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can roll back a forward (assisted decoding reads it before its first crop):
+        the policy evicts as the cache fills and keeps no statistics of the queries it saw."""
         return self.policy.mode == "streaming" and not self.policy.needs_queries
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -328,7 +329,7 @@ class RetentionCache(Cache):
         keep = seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         if keep >= seen:
             return
-        if not self.croppable:
+        if not self.is_croppable:
             raise NotImplementedError(
                 f"RetentionCache cannot crop under {type(self.policy).__name__}: it needs a streaming policy that "
                 "reads no queries (e.g. global_gates, trimkv, streamingllm) for assisted / speculative decoding"
