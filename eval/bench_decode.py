@@ -6,6 +6,7 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
   full     RetentionCache without a budget (every entry kept)
   full@B   a full cache holding only B tokens of context: the cost floor for a B-entry cache
   plain    transformers' DynamicCache over all N tokens (gates still scoring): decoding without our cache machinery
+  bare     the same without the gates (detached): the model's own decoding cost (printed last)
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             full_entries = n * streams
             peaks = "| | |" if peak is None else f"| {peak:,} | {peak / full_entries:.2f}x |"
             print(f"| {n} | {name} | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x {peaks}")
+    model = model.retention.detach()  # the model alone: what gates and cache add on top of it
+    for n in args.contexts:
+        ms, rep, _ = run_one(model, ids[:n], None, args.new, args.chunk, plain=True)
+        print(f"| {n} | bare | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x | | |")
     return 0
 
 

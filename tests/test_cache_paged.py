@@ -157,3 +157,35 @@ def test_select_batch_copies_a_sequence_named_twice():
     assert torch.equal(store.gather(store.sequence_streams(3)).keys, before[2].keys)
     with pytest.raises(IndexError, match=r"must lie in \[0, 4\)"):
         store.select_batch(torch.tensor([4]))
+
+
+def test_host_lengths_follow_every_change():
+    """On a GPU the store plans pages from a host copy of the lengths (no device sync per append); here
+    the copy is forced apart from the device tensor (on CPU they are one tensor) and must agree after
+    appends, compaction, batch selection with repeats and clearing."""
+    store = PagedKVStore(batch=2, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
+    store.host_lengths = store.lengths.clone()
+
+    def agree() -> None:
+        assert torch.equal(store.host_lengths, store.lengths)
+        store.check()
+
+    for layer in range(2):
+        store.append_layer(layer, torch.randn(4, 9, 4), torch.randn(4, 9, 4), torch.randn(4, 9), torch.arange(9).expand(4, 9))
+    _fill(store, store.streams(1), 3, 9)
+    agree()
+    assert store.lengths.tolist() == [9, 9, 12, 12] * 2
+    rows = store.streams(0)
+    keep = torch.rand(4, 12, generator=torch.Generator().manual_seed(0)) < 0.5
+    store.compact(rows, keep)
+    agree()
+    assert store.lengths[rows].tolist() == (keep[:, :9].sum(1)).tolist()
+    store.select_batch(torch.tensor([1, 1, 0]))
+    store.host_lengths = store.lengths.clone()
+    for layer in range(2):  # cached stream ids follow the new batch
+        store.append_layer(layer, torch.randn(6, 1, 4), torch.randn(6, 1, 4), torch.randn(6, 1), torch.full((6, 1), 20))
+    agree()
+    assert store.gather_layer(1).pos.shape[:2] == (3, 2)
+    store.clear()
+    agree()
+    assert int(store.host_lengths.sum()) == 0

@@ -25,6 +25,19 @@ def test_matches_reference(dtype, tol, G, split):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def test_rows_pick_streams_of_a_larger_table():
+    """The cache passes its whole block table and lengths with the layer's rows: stream n reads row
+    ``rows[n]`` in place (no gathered copy), in any order."""
+    q, kp, vp, table, lens = setup(6, 3, 32, 8, [3, 0, 17, 9, 40, 8], torch.float32)
+    rows = torch.tensor([4, 1, 2])
+    got = kernel.paged_decode_triton(q[:3], kp, vp, table, lens, 0.2, rows=rows)
+    want = paged_decode_reference(q[:3], kp, vp, table[rows], lens[rows], 0.2)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))  # row 1 is empty
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    other = kernel.paged_decode_triton(q[:3], kp, vp, table, lens, 0.2, rows=torch.tensor([0, 3, 5]))
+    assert not torch.allclose(other, got)
+
+
 def test_empty_streams_give_zeros_and_head_dim_64():
     q, kp, vp, table, lens = setup(3, 3, 64, 16, [0, 5, 33], torch.float32)
     got = kernel.paged_decode_triton(q, kp, vp, table, lens, 0.125)

@@ -104,3 +104,44 @@ def test_generate_through_the_paged_kernel_equals_the_padded_path(monkeypatch):
     padded, ev2 = generate_under_budget(model, ids, 48, page_size=16, new_tokens=24)
     assert ev2 == ev
     assert torch.equal(paged, padded)
+
+
+def test_decode_step_adds_no_host_sync():
+    """A decode step through RetentionCache (no eviction in it) waits for the GPU no more often than one
+    through transformers' DynamicCache: page planning, padding and totals are read off host copies."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    from retention import attach_gates
+    from retention.cache import RetentionCache, flash
+    from retention.compat import cache_kwargs
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=64, hidden_size=384, num_attention_heads=6).cuda()
+    attach_gates(model, bias_init=0.0, mode="score")
+    ids = torch.randint(0, 100, (1, 100), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def syncs(cache) -> tuple[int, int]:
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+            model(input_ids=ids[:, -1:], **cache_kwargs(cache), use_cache=True)  # first decode step: warm-up
+            before = getattr(cache, "evictions", 0)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(input_ids=ids[:, -1:], **cache_kwargs(cache), use_cache=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+        n = sum("synchroniz" in str(w.message) for w in caught)
+        return n, getattr(cache, "evictions", 0) - before
+
+    plain, _ = syncs(DynamicCache())
+    full, _ = syncs(RetentionCache(model, budget=None))
+    budget = RetentionCache.budget_for(model, 64)
+    kept, evicted = syncs(RetentionCache(model, budget=budget, slack=budget))  # big slack: no eviction this step
+    assert evicted == 0
+    assert full <= plain, (full, plain)
+    assert kept <= plain, (kept, plain)

@@ -10,9 +10,12 @@ Triton kernel runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.cache  # a failed import is not cached by Python: it would search sys.path every layer and token
 def _flash_attn_with_kvcache():
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -21,11 +24,14 @@ def _flash_attn_with_kvcache():
     return flash_attn_with_kvcache
 
 
-def flash_paged_decode(query, key_pool, value_pool, block_table, lengths, scale) -> torch.Tensor | None:
-    """``query`` ``(N, G, D)`` over paged streams -> ``(N, G, D)``, or ``None`` when flash-attn cannot run it."""
+def flash_paged_decode(query, key_pool, value_pool, block_table, lengths, scale, rows=None) -> torch.Tensor | None:
+    """``query`` ``(N, G, D)`` over paged streams -> ``(N, G, D)``, or ``None`` when flash-attn cannot run it.
+    ``rows`` ``(N,)``: the streams' rows of ``block_table`` / ``lengths`` (default: the first N)."""
     fn = _flash_attn_with_kvcache()
     if fn is None or not query.is_cuda or key_pool.shape[1] % 256 or query.dtype not in (torch.float16, torch.bfloat16):
         return None
+    if rows is not None:
+        block_table, lengths = block_table[rows], lengths[rows]
     N, G, D = query.shape
     out = fn(
         query[:, None],  # (N, 1, G, D): one new token, G query heads on one KV head

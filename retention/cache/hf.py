@@ -131,7 +131,8 @@ class RetentionCache(Cache):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._views: dict[int, tuple[Any, torch.Tensor]] = {}
         self._last_query_len = 0
-        self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped
+        self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped (host)
+        self._forward_pads: torch.Tensor | None = None  # (B,) padding tokens of this forward (host), None: none
         self._start: torch.Tensor | None = None  # (B,) left-padding tokens: position of the first real one
         self._crop_floor = 0  # tokens seen at the last eviction or padded forward: crop cannot go below
         self.evictions = 0
@@ -199,28 +200,29 @@ class RetentionCache(Cache):
             )
             for layer in self.layers:
                 layer.is_initialized = True
-            self._pad_entries = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
-            self._start = torch.zeros_like(self._pad_entries)
+            # padding counts live on the host: the decode path reads them every layer
+            self._pad_entries = torch.zeros(B, dtype=torch.long)
+            self._start = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
         elif self.store.batch != B:
             hint = (f"; to continue each held sequence {B // self.store.batch} times call "
                     f"cache.batch_repeat_interleave({B // self.store.batch}) first" if B % self.store.batch == 0 else "")
             raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; or use a new cache")
+        t0 = self._seen[layer_idx]
         if layer_idx == 0:
             self._maybe_evict(T)
             self._last_query_len = T
-        t0 = self._seen[layer_idx]
-        pos = (t0 + torch.arange(T, device=key_states.device)).expand(B, T).clone()
-        if token_valid is not None:
-            pos[~token_valid.to(pos.device)] = -1
-            pads = (pos < 0).sum(1).to(self._pad_entries.device)  # (B,) padding tokens in this forward
-            self._pad_entries += pads * H
-            if layer_idx == 0:
-                self._start += pads
-                if bool(pads.any()):
-                    self._crop_floor = t0 + T
-        rows = self.store.streams(layer_idx)
-        self.store.append(
-            rows,
+            # every layer sees the same padding: read it once per forward (the only device sync here)
+            pads = None if token_valid is None else (~token_valid).sum(1).cpu()
+            self._forward_pads = pads if pads is not None and bool(pads.any()) else None
+            if self._forward_pads is not None:
+                self._start += self._forward_pads.to(self._start.device)
+                self._crop_floor = t0 + T
+        pos = (t0 + torch.arange(T)).expand(B, T)  # on the host: travels with the append's slots
+        if self._forward_pads is not None:
+            pos = torch.where(token_valid.to(key_states.device), pos.to(key_states.device), -1)
+            self._pad_entries += self._forward_pads * H
+        self.store.append_layer(
+            layer_idx,
             key_states.reshape(B * H, T, D),
             value_states.reshape(B * H, T, D),
             log_beta.reshape(B * H, T),
@@ -228,13 +230,13 @@ class RetentionCache(Cache):
         )
         self._seen[layer_idx] += T
         if layer_idx == self.num_layers - 1:
-            self.peak_entries = max(self.peak_entries, int(self.store.lengths.sum()))
+            self.peak_entries = max(self.peak_entries, int(self.store.host_lengths.sum()))
         if self._paged_decode(key_states, T):
             # the Triton kernel reads the pages in place: no padded copy; attention ignores these
             self._views[layer_idx] = (None, pos)
             return key_states, value_states
         view = self.store.gather_layer(layer_idx)
-        self._views[layer_idx] = (view, pos)
+        self._views[layer_idx] = (view, pos.to(key_states.device))
         return view.keys, view.values
 
     def _paged_decode(self, key_states: torch.Tensor, T: int) -> bool:
@@ -245,7 +247,7 @@ class RetentionCache(Cache):
             return False
         if not (key_states.is_cuda or os.environ.get("RETENTION_FORCE_TRITON") == "1"):
             return False
-        return not bool(self._pad_entries.any())  # padding entries are masked by the padded path only
+        return not bool(self._pad_entries.any())  # (host) padding entries are masked by the padded path only
 
     def retention_attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention of ``query`` ``(B, Hq, Q, D)`` over the layer's kept entries -> ``(B, Q, Hq, D)``."""
@@ -259,11 +261,10 @@ class RetentionCache(Cache):
             H = self.num_kv_heads
             rows = self.store.streams(layer)
             q = query.reshape(B, H, Hq // H, D).reshape(B * H, Hq // H, D)
-            pool = self.store.pool
-            table, lengths = self.store.block_table[rows], self.store.lengths[rows]
-            out = flash_paged_decode(q, pool.keys, pool.values, table, lengths, scale)
-            if out is None:
-                out = paged_decode_triton(q, pool.keys, pool.values, table, lengths, scale)
+            store, pool = self.store, self.store.pool
+            out = flash_paged_decode(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
+            if out is None:  # the kernel reads the layer's rows of the block table in place
+                out = paged_decode_triton(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view, qpos)
@@ -284,6 +285,7 @@ class RetentionCache(Cache):
         self._views.clear()
         self._last_query_len = 0
         self._crop_floor = 0
+        self._forward_pads = None
         if self._pad_entries is not None:
             self._pad_entries.zero_()
             self._start.zero_()
@@ -365,7 +367,7 @@ class RetentionCache(Cache):
             return
         indices = indices.to(self.store.lengths.device, torch.long)
         self.store.select_batch(indices)
-        self._pad_entries = self._pad_entries[indices]
+        self._pad_entries = self._pad_entries[indices.cpu()]
         self._start = self._start[indices]
         if self.budget is not None and not isinstance(self.budget, int):
             self.budget = [self.budget[i] for i in indices.tolist()]
@@ -377,26 +379,28 @@ class RetentionCache(Cache):
             return
         if self.policy.mode == "one_shot" and not (self._last_query_len > 1 and query_len == 1):
             return  # one-shot policies compress once, when a prefill has ended
-        budgets = self._budgets(self.store.batch).to(self.store.lengths.device)
+        budgets = self._budgets(self.store.batch)
         if self.policy.head_budgets is not None:
             budgets = budgets.clamp_max(int(self.policy.head_budgets.sum()))
-        # padding entries do not count: a padded row evicts exactly when it would alone
-        totals = self.store.lengths.view(self.store.batch, -1).sum(1) - self._pad_entries
         slack = 0 if self.policy.mode == "one_shot" else self.slack
+        self._evict_over(budgets, slack)
+
+    def _evict_over(self, budgets: torch.Tensor, slack: int) -> None:
+        """Evict the sequences holding more than ``budgets + slack`` entries (``budgets`` ``(B,)`` on the
+        host, as the totals are: no device sync unless something is evicted)."""
+        # padding entries do not count: a padded row evicts exactly when it would alone
+        totals = self.store.host_lengths.view(self.store.batch, -1).sum(1) - self._pad_entries
         over = (totals > budgets + slack).nonzero().flatten()
         if over.numel():
-            self.evict(over, budgets[over])
+            dev = self.store.lengths.device
+            self.evict(over.to(dev), budgets[over].to(dev))
 
     def compress(self) -> None:
         """Evict every sequence down to its budget now, whatever the policy's mode (e.g. when a context
         has been prefilled and the question has not arrived yet: the query-agnostic protocol)."""
         if self.budget is None or self.store is None or not self.policy.evicts:
             return
-        budgets = self._budgets(self.store.batch).to(self.store.lengths.device)
-        totals = self.store.lengths.view(self.store.batch, -1).sum(1) - self._pad_entries
-        over = (totals > budgets).nonzero().flatten()
-        if over.numel():
-            self.evict(over, budgets[over])
+        self._evict_over(self._budgets(self.store.batch), 0)
 
     def evict(self, seqs: torch.Tensor, budgets: torch.Tensor) -> None:
         """Cut sequences ``seqs`` ``(n,)`` down to ``budgets`` ``(n,)`` entries by the policy's ranking."""
@@ -440,7 +444,7 @@ class RetentionCache(Cache):
                 budget = (budgets // n).repeat_interleave(n)
         keep = select_keep(score, view.pos, valid, group, budget, forced)
         store.compact(rows, keep)
-        self._pad_entries[seqs] = 0
+        self._pad_entries[seqs.cpu()] = 0
         self._crop_floor = self._seen[0]
         self.evictions += 1
 

@@ -56,19 +56,26 @@ class PagedKVStore:
         dev = self.pool.device
         self.block_table = torch.full((self.num_streams, 1), -1, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(self.num_streams, dtype=torch.long, device=dev)
-        self._layer_streams: dict[int, torch.Tensor] = {}  # streams(layer) of the current batch
+        # the same lengths on the host: appends plan pages and read totals without waiting for the GPU
+        # (one device sync per layer and token otherwise); the same tensor on CPU
+        self.host_lengths = self.lengths if dev.type == "cpu" else torch.zeros_like(self.lengths, device="cpu")
+        self._layer_streams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # streams(layer), device and host
 
     # -- indexing ----------------------------------------------------------------------------------
     def streams(self, layer: int, batch_index: torch.Tensor | None = None) -> torch.Tensor:
         """Stream ids of ``layer`` ordered (b, h): ``(B * H,)``."""
-        if batch_index is None and layer in self._layer_streams:  # asked twice per layer and token
-            return self._layer_streams[layer]
-        L, H = self.num_layers, self.num_kv_heads
-        b = torch.arange(self.batch, device=self.pool.device) if batch_index is None else batch_index
-        ids = ((b[:, None] * L + layer) * H + torch.arange(H, device=self.pool.device)[None]).flatten()
         if batch_index is None:
-            self._layer_streams[layer] = ids
-        return ids
+            return self._cached_streams(layer)[0]
+        L, H = self.num_layers, self.num_kv_heads
+        return ((batch_index[:, None] * L + layer) * H + torch.arange(H, device=batch_index.device)[None]).flatten()
+
+    def _cached_streams(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``streams(layer)`` on the device and on the host, built once per batch (asked twice per layer
+        and token)."""
+        if layer not in self._layer_streams:
+            host = self.streams(layer, torch.arange(self.batch))
+            self._layer_streams[layer] = (host.to(self.pool.device), host)
+        return self._layer_streams[layer]
 
     def sequence_streams(self, b: int) -> torch.Tensor:
         """All streams of sequence ``b`` ordered (layer, head): ``(L * H,)``."""
@@ -81,40 +88,57 @@ class PagedKVStore:
             pad = torch.full((self.num_streams, new - self.block_table.shape[1]), -1, dtype=torch.long, device=self.block_table.device)
             self.block_table = torch.cat([self.block_table, pad], dim=1)
 
-    def _slots(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page ids and offsets of entry ``idx`` ``(R, n)`` of streams ``rows`` ``(R,)``."""
-        return self.block_table[rows[:, None], idx // self.page_size], idx % self.page_size
-
     # -- append / gather ---------------------------------------------------------------------------
     def append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor, pos: torch.Tensor) -> None:
         """Append ``T`` entries to each stream in ``rows`` ``(R,)``.
 
-        ``keys/values`` ``(R, T, D)``, ``log_beta`` ``(R, T)``, ``pos`` ``(R, T)`` int64.
+        ``keys/values`` ``(R, T, D)``, ``log_beta`` ``(R, T)``, ``pos`` ``(R, T)`` int64 (on the host or the
+        device).
         """
+        self._append(rows, rows.cpu(), keys, values, log_beta, pos)
+
+    def append_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor, pos: torch.Tensor) -> None:
+        """:meth:`append` to the ``B * H`` streams of ``layer`` (ordered (b, h)), without a device sync."""
+        self._append(*self._cached_streams(layer), keys, values, log_beta, pos)
+
+    def _append(self, rows: torch.Tensor, host_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                log_beta: torch.Tensor, pos: torch.Tensor) -> None:
         R, T = keys.shape[0], keys.shape[1]
         if T == 0:
             return
-        old = self.lengths[rows]
+        dev, ps = rows.device, self.page_size
+        # page planning on the host copy of the lengths: nothing here waits for the device
+        old = self.host_lengths[host_rows]
         new = old + T
-        old_np, new_np = _cdiv(old, self.page_size), _cdiv(new, self.page_size)
+        old_np, new_np = _cdiv(old, ps), _cdiv(new, ps)
         need = new_np - old_np  # (R,) pages each stream needs
         n_new = int(need.sum())
         if n_new:  # most decode steps fill open pages: no allocation and no block-table growth
             self._ensure_columns(int(new_np.max()))
-            owner = rows.repeat_interleave(need)
+            owner = host_rows.repeat_interleave(need)
             # column of each new page: old_np[r] + 0..need[r]-1
             first = torch.cumsum(need, 0) - need
-            col = old_np.repeat_interleave(need) + torch.arange(n_new, device=rows.device) - first.repeat_interleave(need)
+            col = old_np.repeat_interleave(need) + torch.arange(n_new) - first.repeat_interleave(need)
+            owner, col = owner.to(dev), col.to(dev)
             self.block_table[owner, col] = self.pool.alloc(owner)
-        idx = old[:, None] + torch.arange(T, device=rows.device)[None]
-        page, off = self._slots(rows, idx)
-        page, off = page.flatten(), off.flatten()
+        idx = old[:, None] + torch.arange(T)[None]  # (R, T) slots in each stream, on the host
+        # one host-to-device copy carries the page columns, offsets and (host) positions
+        host = [idx // ps, idx % ps] + ([pos.reshape(R, T)] if pos.device.type == "cpu" else [])
+        moved = torch.stack(host).to(dev, non_blocking=True)
+        pos = moved[2] if len(host) == 3 else pos.reshape(R, T)
+        slot = (self.block_table[rows[:, None], moved[0]] * ps + moved[1]).flatten()  # (R * T,) in the pool
         p = self.pool
-        p.keys[page, off] = keys.reshape(R * T, -1).to(p.dtype)
-        p.values[page, off] = values.reshape(R * T, -1).to(p.dtype)
-        p.log_beta[page, off] = log_beta.reshape(-1).to(torch.float32)
-        p.pos[page, off] = pos.reshape(-1)
-        self.lengths[rows] = new
+        p.keys.view(-1, p.keys.shape[-1]).index_copy_(0, slot, keys.reshape(R * T, -1).to(p.dtype))
+        p.values.view(-1, p.values.shape[-1]).index_copy_(0, slot, values.reshape(R * T, -1).to(p.dtype))
+        p.log_beta.view(-1).index_copy_(0, slot, log_beta.reshape(-1).to(torch.float32))
+        p.pos.view(-1).index_copy_(0, slot, pos.reshape(-1))
+        self.host_lengths[host_rows] = new
+        self._lengths_to_device()
+
+    def _lengths_to_device(self) -> None:
+        # non_blocking from pageable memory: staged at once, so later host edits cannot race the copy
+        if self.lengths is not self.host_lengths:
+            self.lengths.copy_(self.host_lengths, non_blocking=True)
 
     def gather(self, rows: torch.Tensor, with_kv: bool = True) -> PaddedView:
         """Entries of ``rows`` ``(R,)`` padded to the longest: tensors shaped ``(R, Lmax[, D])``."""
@@ -167,6 +191,8 @@ class PagedKVStore:
         table[drop] = -1
         self.block_table[rows] = table
         self.lengths[rows] = new_len
+        if self.lengths is not self.host_lengths:
+            self.host_lengths.copy_(self.lengths)  # evictions are rare next to appends: a sync is fine here
 
     def clear(self) -> None:
         """Free every page (the pool keeps its capacity)."""
@@ -174,6 +200,7 @@ class PagedKVStore:
         self.pool.free(used)
         self.block_table.fill_(-1)
         self.lengths.zero_()
+        self.host_lengths.zero_()
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep sequences ``indices`` ``(B',)`` in that order and free the pages of the others.
@@ -207,6 +234,7 @@ class PagedKVStore:
             sub[used] = new_pages
             table[copies] = sub
         self.block_table, self.lengths = table, lengths
+        self.host_lengths = lengths if lengths.device.type == "cpu" else lengths.cpu()
         self.batch, self.num_streams = len(indices), len(src)
         self._layer_streams.clear()
         owned = self.block_table >= 0  # page owners follow the renumbered streams

@@ -3,9 +3,10 @@
 Each stream's kept entries live in pages of a shared pool, found through its block-table row; streams
 have different lengths (global eviction gives every head its own). Split-K over pages: program
 ``(stream, split)`` walks its share of the stream's pages for all G query heads of the KV group at once
-(the keys are loaded once per group) and writes a partial softmax (max, sum, weighted values); the
-partials are merged in log-sum-exp form. :func:`retention.cache.attention.paged_decode_reference` is
-the oracle.
+(the keys are loaded once per group) and writes a partial softmax (max, sum, weighted values); a second
+kernel merges the partials in log-sum-exp form. Two launches per layer and token, reading the block
+table and lengths in place (decoding a small model is bound by launches, not by the GPU's arithmetic).
+:func:`retention.cache.attention.paged_decode_reference` is the oracle.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_split(
-    Q, KP, VP, BT, LEN, PO, PM, PL,
+    Q, KP, VP, BT, LEN, ROWS, PO, PM, PL,
     stride_bt, max_pages, pages_per_split, scale,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
 ):
     n = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    length = tl.load(LEN + n)
+    row = tl.load(ROWS + n).to(tl.int64)  # this stream's row of the block table and lengths
+    length = tl.load(LEN + row)
     rg = tl.arange(0, BLOCK_G)
     rd = tl.arange(0, BLOCK_D)
     rp = tl.arange(0, PAGE)
@@ -39,7 +41,7 @@ def _paged_decode_split(
     p_lo = split * pages_per_split
     p_hi = tl.minimum(p_lo + pages_per_split, tl.cdiv(length, PAGE))
     for pg in range(p_lo, p_hi):
-        page = tl.load(BT + n * stride_bt + pg)
+        page = tl.load(BT + row * stride_bt + pg).to(tl.int64)
         slot = pg * PAGE + rp
         mask_p = slot < length
         kv_off = page * PAGE * D + rp[:, None] * D + rd[None, :]
@@ -61,6 +63,33 @@ def _paged_decode_split(
     tl.store(PL + base + rg, l_i, mask=mask_g)
 
 
+@triton.jit
+def _paged_decode_merge(
+    PO, PM, PL, OUT, n_splits,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program ``n`` merges stream n's partials: rescale each by exp(m_split - m_max). Empty streams
+    (every split empty: m = -inf, l = 0) give zeros."""
+    n = tl.program_id(0)
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, BLOCK_D)
+    mask_g = rg < G
+    mask = mask_g[:, None] & (rd < D)[None, :]
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(PM + (n * n_splits + s) * G + rg, mask=mask_g, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(n_splits):
+        base = (n * n_splits + s) * G
+        w = tl.exp(tl.load(PM + base + rg, mask=mask_g, other=float("-inf")) - m)  # 0 for empty splits
+        denom += tl.load(PL + base + rg, mask=mask_g, other=0.0) * w
+        acc += tl.load(PO + (base + rg)[:, None] * D + rd[None, :], mask=mask, other=0.0) * w[:, None]
+    out = tl.where(denom[:, None] > 0, acc / tl.maximum(denom, 1e-30)[:, None], 0.0)
+    tl.store(OUT + (n * G + rg)[:, None] * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
 def paged_decode_triton(
     query: torch.Tensor,
     key_pool: torch.Tensor,
@@ -69,9 +98,11 @@ def paged_decode_triton(
     lengths: torch.Tensor,
     scale: float,
     pages_per_split: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`~retention.cache.attention.paged_decode_reference`: ``query`` ``(N, G, D)``,
-    pools ``(P, page_size, D)``, ``block_table`` ``(N, max_pages)``, ``lengths`` ``(N,)`` -> ``(N, G, D)``."""
+    pools ``(P, page_size, D)``, ``block_table`` ``(S, max_pages)``, ``lengths`` ``(S,)`` -> ``(N, G, D)``.
+    ``rows`` ``(N,)``: stream n's row of ``block_table`` / ``lengths`` (default: row n)."""
     N, G, D = query.shape
     page = key_pool.shape[1]
     if page & (page - 1):
@@ -80,22 +111,19 @@ def paged_decode_triton(
     if pages_per_split is None:  # enough splits to fill the GPU when streams are few and long
         pages_per_split = max(1, triton.cdiv(max_pages, 8))
     n_splits = max(1, triton.cdiv(max_pages, pages_per_split))
+    if rows is None:
+        rows = torch.arange(N, device=query.device)
     q = query.contiguous()
-    bt = block_table.to(torch.int32).contiguous()
-    lens = lengths.to(torch.int32).contiguous()
+    bt, lens = block_table.contiguous(), lengths.contiguous()  # int32 or int64, read in place
     po = torch.empty(N, n_splits, G, D, dtype=torch.float32, device=query.device)
     pm = torch.empty(N, n_splits, G, dtype=torch.float32, device=query.device)
     pl = torch.empty_like(pm)
+    out = torch.empty_like(q)
+    blocks = dict(G=G, BLOCK_G=max(2, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    warps = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
     _paged_decode_split[(N, n_splits)](
-        q, key_pool.contiguous(), value_pool.contiguous(), bt, lens, po, pm, pl,
-        bt.stride(0), max_pages, pages_per_split, scale,
-        G=G, BLOCK_G=max(2, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PAGE=page,
-        num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4,
+        q, key_pool.contiguous(), value_pool.contiguous(), bt, lens, rows, po, pm, pl,
+        bt.stride(0), max_pages, pages_per_split, scale, PAGE=page, num_warps=warps, **blocks,
     )
-    # merge the splits: rescale each partial by exp(m_split - m_max)
-    m = pm.amax(1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(pm - m)  # (N, S, G); 0 for empty splits
-    denom = (pl * w).sum(1)
-    out = (po * w[..., None]).sum(1) / denom.clamp_min(1e-30)[..., None]
-    return torch.where((lens > 0)[:, None, None], out, torch.zeros_like(out)).to(query.dtype)
+    _paged_decode_merge[(N,)](po, pm, pl, out, n_splits, num_warps=warps, **blocks)
+    return out
