@@ -6,12 +6,14 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
   full     RetentionCache without a budget (every entry kept)
   full@B   a full cache holding only B tokens of context: the cost floor for a B-entry cache
   plain    transformers' DynamicCache over all N tokens (gates still scoring): decoding without our cache machinery
-  bare     the same without the gates (detached): the model's own decoding cost (printed last)
+  bare     the same with the gates bypassed (teacher mode): the model's own decoding cost
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
+``--repeats R`` runs every setting R times in interleaved rounds (machine noise then hits all settings
+alike) and prints the median of the rounds with their range.
 
     python eval/bench_decode.py                         # N = 1k, 2k, 4k on CPU (8k with --contexts)
-    python eval/bench_decode.py --contexts 1024 2048 4096 8192 --budget 512
+    python eval/bench_decode.py --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
 """
 
 from __future__ import annotations
@@ -86,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
     p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over every setting (noisy machines)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,22 +104,30 @@ def main(argv: list[str] | None = None) -> int:
     attach_gates(model, gates, mode="score")
     streams = model.config.num_hidden_layers * model.config.num_key_value_heads
     ids = real_text_ids(tok, max(args.contexts))
-    floor_ms, floor_rep, _ = run_one(model, ids[: args.budget], None, args.new, args.chunk)
+    # (N, cache name, budget tokens): every setting runs once per round
+    settings = [(args.budget, "full@B", None)] + [
+        (n, name, args.budget if name == "budget" else None) for n in args.contexts for name in ("budget", "full", "plain", "bare")
+    ]
+    runs: dict[tuple, list] = {s: [] for s in settings}
+    for _ in range(args.repeats):
+        for n, name, b in settings:
+            mode = "teacher" if name == "bare" else "score"  # teacher mode: the gates are bypassed
+            with model.retention.use_mode(mode):
+                runs[(n, name, b)].append(run_one(model, ids[:n], b, args.new, args.chunk, plain=name in ("plain", "bare")))
     print(f"model {args.model} ({args.dtype} on {args.device}), budget B = {args.budget} tokens per KV head "
-          f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}")
+          f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}"
+          + (f", median of {args.repeats} interleaved rounds (range in brackets)" if args.repeats > 1 else ""))
     print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {args.budget} | full@B | {floor_ms:.1f} | {floor_rep['kv_bytes'] / 2**20:.1f} | 1.00x | | |")
-    for n in args.contexts:
-        for name, b in (("budget", args.budget), ("full", None), ("plain", None)):
-            ms, rep, peak = run_one(model, ids[:n], b, args.new, args.chunk, plain=name == "plain")
-            full_entries = n * streams
-            peaks = "| | |" if peak is None else f"| {peak:,} | {peak / full_entries:.2f}x |"
-            print(f"| {n} | {name} | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x {peaks}")
-    model = model.retention.detach()  # the model alone: what gates and cache add on top of it
-    for n in args.contexts:
-        ms, rep, _ = run_one(model, ids[:n], None, args.new, args.chunk, plain=True)
-        print(f"| {n} | bare | {ms:.1f} | {rep['kv_bytes'] / 2**20:.1f} | {ms / floor_ms:.2f}x | | |")
+    floor_ms = statistics.median(r[0] for r in runs[settings[0]])
+    for n, name, b in settings:
+        ms = [r[0] for r in runs[(n, name, b)]]
+        _, rep, peak = runs[(n, name, b)][0]
+        spread = f" [{min(ms):.1f}-{max(ms):.1f}]" if len(ms) > 1 else ""
+        full_entries = n * streams
+        peaks = "| | |" if peak is None or name == "full@B" else f"| {peak:,} | {peak / full_entries:.2f}x |"
+        med = statistics.median(ms)
+        print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | {med / floor_ms:.2f}x {peaks}")
     return 0
 
 
