@@ -88,5 +88,8 @@ def test_flash_attn_path_maps_streams_to_sequences(monkeypatch):
     got = flash.flash_paged_decode(q, kp, vp, table, lens, 0.2)
     assert calls == [((4, 1, 3, 32), (kp.shape[0], 256, 1, 32), torch.int32, torch.int32, False)]
     torch.testing.assert_close(got, paged_decode_reference(q, kp, vp, table, lens, 0.2))
+    rows = torch.tensor([2, 0])  # the cache passes its whole table with the layer's rows
+    got = flash.flash_paged_decode(q[:2], kp, vp, table, lens, 0.2, rows=rows)
+    torch.testing.assert_close(got, paged_decode_reference(q[:2], kp, vp, table[rows], lens[rows], 0.2))
     small = setup(2, 1, 16, 16, [3, 5], torch.float16)
     assert flash.flash_paged_decode(*small, 0.25) is None  # pages must be multiples of 256 entries
