@@ -219,7 +219,7 @@ class RetentionCache(Cache):
                 self._crop_floor = t0 + T
         pos = (t0 + torch.arange(T)).expand(B, T)  # on the host: travels with the append's slots
         if self._forward_pads is not None:
-            pos = torch.where(token_valid.to(key_states.device), pos.to(key_states.device), -1)
+            pos = torch.where(token_valid.to(key_states.device), pos.to(key_states.device, non_blocking=True), -1)
             self._pad_entries += self._forward_pads * H
         self.store.append_layer(
             layer_idx,
@@ -236,7 +236,7 @@ class RetentionCache(Cache):
             self._views[layer_idx] = (None, pos)
             return key_states, value_states
         view = self.store.gather_layer(layer_idx)
-        self._views[layer_idx] = (view, pos.to(key_states.device))
+        self._views[layer_idx] = (view, pos.to(key_states.device, non_blocking=True))  # pageable: no wait
         return view.keys, view.values
 
     def _paged_decode(self, key_states: torch.Tensor, T: int) -> bool:
