@@ -114,7 +114,7 @@ def test_decode_step_adds_no_host_sync():
     from transformers import DynamicCache
 
     from retention import attach_gates
-    from retention.cache import RetentionCache, flash
+    from retention.cache import RetentionCache
     from retention.compat import cache_kwargs
     from tiny_models import tiny_llama
 
