@@ -186,6 +186,29 @@ def test_host_lengths_follow_every_change():
         store.append_layer(layer, torch.randn(6, 1, 4), torch.randn(6, 1, 4), torch.randn(6, 1), torch.full((6, 1), 20))
     agree()
     assert store.gather_layer(1).pos.shape[:2] == (3, 2)
+    assert store.longest(1) == int(store.lengths[store.streams(1)].max())
     store.clear()
     agree()
     assert int(store.host_lengths.sum()) == 0
+
+
+def test_gather_layer_sizes_its_padding_from_the_host_lengths():
+    """``gather_layer`` pads to the longest stream as the host copy counts it (reading the device lengths'
+    maximum would wait for the GPU once per layer and token); the entries and their mask come from the
+    device lengths, so a host count above them only widens the padding."""
+    store = PagedKVStore(batch=2, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
+    for layer in range(2):
+        _fill(store, store.streams(layer), 5 + 4 * layer, 0)
+    _fill(store, store.streams(1)[:1], 3, 9)  # one stream of layer 1 longer than the rest
+    assert store.longest(0) == 5 and store.longest(1) == 12
+    want = store.gather(store.streams(1))
+    got = store.gather_layer(1)
+    assert got.valid.shape == (2, 2, 12)
+    for name in ("keys", "values", "log_beta", "pos", "valid"):
+        assert torch.equal(getattr(got, name).flatten(0, 1), getattr(want, name))
+    store.host_lengths = store.lengths.clone()  # apart, as on a GPU
+    store.host_lengths[store.streams(1)[3]] = 14
+    wider = store.gather_layer(1)
+    assert wider.valid.shape == (2, 2, 16) and store.longest(1) == 14
+    assert torch.equal(wider.valid[..., :12].flatten(0, 1), want.valid) and not wider.valid[..., 12:].any()
+    assert torch.equal(wider.keys[..., :12, :].flatten(0, 1)[want.valid], want.keys[want.valid])

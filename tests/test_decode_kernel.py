@@ -38,6 +38,21 @@ def test_rows_pick_streams_of_a_larger_table():
     assert not torch.allclose(other, got)
 
 
+def test_splits_cover_the_pages_in_use_not_the_table_width():
+    """The cache's block table grows by doubling and keeps its width after evictions; with ``longest``
+    the splits share the pages in use (8 here, 2 per split) instead of the table's 32 columns (4 per split,
+    half the splits idle), and the result is unchanged."""
+    q, kp, vp, table, lens = setup(4, 2, 32, 8, [64, 3, 40, 17], torch.float32)
+    wide = torch.cat([table, torch.full((4, 24), -1)], dim=1)
+    assert kernel.split_plan(wide.shape[1]) == (4, 8) and kernel.split_plan(8) == (1, 8)
+    want = paged_decode_reference(q, kp, vp, table, lens, 0.3)
+    for longest in (None, 64, 100):
+        got = kernel.paged_decode_triton(q, kp, vp, wide, lens, 0.3, longest=longest)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    short = kernel.paged_decode_triton(q, kp, vp, wide, lens, 0.3, longest=40)  # below stream 0: its tail is dropped
+    assert not torch.allclose(short[0], want[0]) and torch.allclose(short[1:], want[1:], rtol=1e-5, atol=1e-5)
+
+
 def test_empty_streams_give_zeros_and_head_dim_64():
     q, kp, vp, table, lens = setup(3, 3, 64, 16, [0, 5, 33], torch.float32)
     got = kernel.paged_decode_triton(q, kp, vp, table, lens, 0.125)

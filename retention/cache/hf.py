@@ -264,7 +264,9 @@ class RetentionCache(Cache):
             store, pool = self.store, self.store.pool
             out = flash_paged_decode(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
             if out is None:  # the kernel reads the layer's rows of the block table in place
-                out = paged_decode_triton(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
+                out = paged_decode_triton(
+                    q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows, longest=store.longest(layer)
+                )
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view, qpos)

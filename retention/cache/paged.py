@@ -140,10 +140,17 @@ class PagedKVStore:
         if self.lengths is not self.host_lengths:
             self.lengths.copy_(self.host_lengths, non_blocking=True)
 
-    def gather(self, rows: torch.Tensor, with_kv: bool = True) -> PaddedView:
-        """Entries of ``rows`` ``(R,)`` padded to the longest: tensors shaped ``(R, Lmax[, D])``."""
+    def longest(self, layer: int) -> int:
+        """Entries in the longest stream of ``layer``, read on the host (no device sync)."""
+        return int(self.host_lengths[self._cached_streams(layer)[1]].max())
+
+    def gather(self, rows: torch.Tensor, with_kv: bool = True, longest: int | None = None) -> PaddedView:
+        """Entries of ``rows`` ``(R,)`` padded to the longest: tensors shaped ``(R, Lmax[, D])``.
+        ``longest``: that length when the caller knows it on the host (spares a device sync)."""
         lengths = self.lengths[rows]
-        n_pages = max(int(_cdiv(lengths.max(), self.page_size)) if rows.numel() else 0, 1)
+        if longest is None:
+            longest = int(lengths.max()) if rows.numel() else 0
+        n_pages = max(_cdiv(longest, self.page_size), 1)
         pages = self.block_table[rows, :n_pages].clamp_min(0)  # (R, np); unused columns masked below
         Lmax = n_pages * self.page_size
         valid = torch.arange(Lmax, device=rows.device)[None] < lengths[:, None]
@@ -157,7 +164,7 @@ class PagedKVStore:
 
     def gather_layer(self, layer: int) -> PaddedView:
         """A layer's entries as ``(B, H, Lmax, ...)`` (see :class:`PaddedView`)."""
-        v = self.gather(self.streams(layer))
+        v = self.gather(self.streams(layer), longest=self.longest(layer))
         B, H = self.batch, self.num_kv_heads
 
         def shape(t: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,14 @@ def _paged_decode_merge(
     tl.store(OUT + (n * G + rg)[:, None] * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
+def split_plan(max_pages: int, pages_per_split: int | None = None) -> tuple[int, int]:
+    """``(pages_per_split, n_splits)`` covering ``max_pages`` pages: by default up to 8 splits, enough to
+    fill the GPU when streams are few and long."""
+    if pages_per_split is None:
+        pages_per_split = max(1, triton.cdiv(max_pages, 8))
+    return pages_per_split, max(1, triton.cdiv(max_pages, pages_per_split))
+
+
 def paged_decode_triton(
     query: torch.Tensor,
     key_pool: torch.Tensor,
@@ -99,18 +107,22 @@ def paged_decode_triton(
     scale: float,
     pages_per_split: int | None = None,
     rows: torch.Tensor | None = None,
+    longest: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`~retention.cache.attention.paged_decode_reference`: ``query`` ``(N, G, D)``,
     pools ``(P, page_size, D)``, ``block_table`` ``(S, max_pages)``, ``lengths`` ``(S,)`` -> ``(N, G, D)``.
-    ``rows`` ``(N,)``: stream n's row of ``block_table`` / ``lengths`` (default: row n)."""
+    ``rows`` ``(N,)``: stream n's row of ``block_table`` / ``lengths`` (default: row n). ``longest``: the
+    longest of those streams in entries, known on the host (an upper bound is fine; default: the table's
+    width); the splits then share only the pages in use, not a table widened by doubling or left wide by
+    evictions. A value below a stream's length drops that stream's tail."""
     N, G, D = query.shape
     page = key_pool.shape[1]
     if page & (page - 1):
         raise ValueError(f"page size must be a power of two for the Triton decode kernel, got {page}")
     max_pages = block_table.shape[1]
-    if pages_per_split is None:  # enough splits to fill the GPU when streams are few and long
-        pages_per_split = max(1, triton.cdiv(max_pages, 8))
-    n_splits = max(1, triton.cdiv(max_pages, pages_per_split))
+    if longest is not None:
+        max_pages = min(max_pages, triton.cdiv(longest, page))
+    pages_per_split, n_splits = split_plan(max_pages, pages_per_split)
     if rows is None:
         rows = torch.arange(N, device=query.device)
     q = query.contiguous()
