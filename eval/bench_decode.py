@@ -10,10 +10,14 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 ``--repeats R`` runs every setting R times in interleaved rounds (machine noise then hits all settings
-alike) and prints the median of the rounds with their range.
+alike) and prints the median of the rounds with their range. ``--profile FILE`` also profiles 4 more
+decode steps of every setting (first round) with ``torch.profiler`` and writes the ops that take the most
+time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where a
+setting's extra milliseconds go.
 
     python eval/bench_decode.py                         # N = 1k, 2k, 4k on CPU (8k with --contexts)
     python eval/bench_decode.py --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
+    python eval/bench_decode.py --contexts 4096 --profile runs/decode-profile.txt
 """
 
 from __future__ import annotations
@@ -41,10 +45,14 @@ def real_text_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False):
-    """Median decode ms/token, KV bytes report and prefill peak entries for one cache: a
-    ``RetentionCache`` with ``budget_tokens`` per KV head (None: no budget), or with ``plain`` the
-    transformers ``DynamicCache`` (the cost of decoding without our cache machinery)."""
+PROFILE_STEPS = 4
+
+
+def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False, profile: bool = False):
+    """Median decode ms/token, KV bytes report, prefill peak entries and (with ``profile``) a profiler
+    table of :data:`PROFILE_STEPS` further decode steps, for one cache: a ``RetentionCache`` with
+    ``budget_tokens`` per KV head (None: no budget), or with ``plain`` the transformers ``DynamicCache``
+    (the cost of decoding without our cache machinery)."""
     import torch
     from transformers import DynamicCache
 
@@ -75,7 +83,22 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False):
         report = {"kv_bytes": sum(t.numel() * t.element_size() for t in kv)}
     else:
         report = cache.memory_report()
-    return statistics.median(times[1:] or times) * 1e3, report, prefill_peak
+    table = None
+    if profile:  # after the report: the profiled steps add entries
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities) as prof, torch.no_grad():
+            for _ in range(PROFILE_STEPS):
+                tok = model(input_ids=tok, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
+            sync()
+        avg = prof.key_averages()
+        host_ms = sum(e.self_cpu_time_total for e in avg) / 1e3 / PROFILE_STEPS
+        table = f"host time per step {host_ms:.1f} ms (all ops' self time)\n" + avg.table(
+            sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=15)
+    return statistics.median(times[1:] or times) * 1e3, report, prefill_peak, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
     p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over every setting (noisy machines)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help=f"also profile {PROFILE_STEPS} decode steps of every setting and write the top ops to FILE")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -109,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         (n, name, args.budget if name == "budget" else None) for n in args.contexts for name in ("budget", "full", "plain", "bare")
     ]
     runs: dict[tuple, list] = {s: [] for s in settings}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for n, name, b in settings:
             mode = "teacher" if name == "bare" else "score"  # teacher mode: the gates are bypassed
             with model.retention.use_mode(mode):
-                runs[(n, name, b)].append(run_one(model, ids[:n], b, args.new, args.chunk, plain=name in ("plain", "bare")))
+                runs[(n, name, b)].append(run_one(model, ids[:n], b, args.new, args.chunk, plain=name in ("plain", "bare"),
+                                                  profile=bool(args.profile) and r == 0))
     print(f"model {args.model} ({args.dtype} on {args.device}), budget B = {args.budget} tokens per KV head "
           f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}"
           + (f", median of {args.repeats} interleaved rounds (range in brackets)" if args.repeats > 1 else ""))
@@ -122,12 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     floor_ms = statistics.median(r[0] for r in runs[settings[0]])
     for n, name, b in settings:
         ms = [r[0] for r in runs[(n, name, b)]]
-        _, rep, peak = runs[(n, name, b)][0]
+        _, rep, peak, _ = runs[(n, name, b)][0]
         spread = f" [{min(ms):.1f}-{max(ms):.1f}]" if len(ms) > 1 else ""
         full_entries = n * streams
         peaks = "| | |" if peak is None or name == "full@B" else f"| {peak:,} | {peak / full_entries:.2f}x |"
         med = statistics.median(ms)
         print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | {med / floor_ms:.2f}x {peaks}")
+    if args.profile:
+        out = Path(args.profile)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        parts = [f"## N = {n}, {name}\n{runs[(n, name, b)][0][3]}" for n, name, b in settings]
+        out.write_text(f"{PROFILE_STEPS} decode steps per setting, model {args.model} ({args.dtype} on {args.device})\n\n"
+                       + "\n".join(parts))
+        print(f"profile: {out}")
     return 0
 
 

@@ -18,5 +18,6 @@ $PY eval/bench_kernels.py --seq 4096 16384 32768 --dims 64 128 2>&1 | tee "$OUT/
 for dtype in float32 bfloat16; do
   $PY eval/bench_train.py --model "$MODEL" --seq-len 4096 --reps 5 --dtype $dtype 2>&1
 done | tee "$OUT/bench_train.txt"
-$PY eval/bench_decode.py --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 --repeats 3 2>&1 \
+$PY eval/bench_decode.py --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 --repeats 3 \
+  --profile "$OUT/decode_profile.txt" 2>&1 \
   | tee "$OUT/bench_decode.txt"
