@@ -21,7 +21,7 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_split(
     Q, KP, VP, BT, LEN, ROWS, PO, PM, PL,
-    stride_bt, max_pages, pages_per_split, scale,
+    stride_bt, pages_per_split, scale,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -135,7 +135,7 @@ def paged_decode_triton(
     warps = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
     _paged_decode_split[(N, n_splits)](
         q, key_pool.contiguous(), value_pool.contiguous(), bt, lens, rows, po, pm, pl,
-        bt.stride(0), max_pages, pages_per_split, scale, PAGE=page, num_warps=warps, **blocks,
+        bt.stride(0), pages_per_split, scale, PAGE=page, num_warps=warps, **blocks,
     )
     _paged_decode_merge[(N,)](po, pm, pl, out, n_splits, num_warps=warps, **blocks)
     return out
