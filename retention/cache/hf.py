@@ -18,6 +18,8 @@ M-RoPE positions stay true positions after eviction.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -47,7 +49,24 @@ class _RetentionLayer(CacheLayerMixin):
 
     def __init__(self, cache: "RetentionCache", layer: int) -> None:
         super().__init__()
-        self.cache, self.layer = cache, layer
+        # A weak link back: a strong one would make every cache a reference cycle, whose pages (hundreds of
+        # MB at 4k tokens) wait for Python's cyclic GC; a sweep of many items then grew to 24 GB.
+        self._cache, self.layer = weakref.ref(cache), layer
+
+    @property
+    def cache(self) -> "RetentionCache":
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("this cache layer outlived its RetentionCache: keep the cache, not only cache.layers")
+        return cache
+
+    def __deepcopy__(self, memo: dict) -> "_RetentionLayer":
+        new = memo[id(self)] = type(self).__new__(type(self))
+        state = {k: v for k, v in self.__dict__.items() if k != "_cache"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        # Copied with its cache, that copy is in memo already: link the new layer to the new cache.
+        new._cache = weakref.ref(copy.deepcopy(self.cache, memo))
+        return new
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -296,8 +315,6 @@ class RetentionCache(Cache):
     def copy_from(self, other: "RetentionCache") -> None:
         """Hold a deep copy of ``other``'s contents (same model), keeping this cache's policy and budget:
         one prefill scored by several policies (the eval harness's shared prefill)."""
-        import copy
-
         if other.num_layers != self.num_layers or other.num_kv_heads != self.num_kv_heads:
             raise ValueError("copy_from needs a cache of the same model (layers and KV heads differ)")
         self.store = copy.deepcopy(other.store)
