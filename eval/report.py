@@ -366,6 +366,68 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def gap_points(rows: list[dict[str, Any]], level: float = 0.95) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per method (the full cache and references left out): ``(KV kept %, gap, lo, hi)`` at each of its budgets
+    by KV kept, where gap is its mean score over tasks minus the full cache's (points) and ``lo, hi`` the
+    gap's ``level`` paired-bootstrap interval over the items both scored (:func:`paired_gap_interval`;
+    ``lo == hi == gap`` with fewer than 5 items a task). Empty without full-cache rows."""
+    means = _task_means(rows)
+    tasks = _common_tasks(means)
+    full = next((k for k in means if k[1] == "full"), None)
+    if full is None:
+        return {}
+    refs = reference_methods(rows)
+    score = {k: statistics.mean(means[k][t] for t in tasks) for k in means}
+    out: dict[str, list] = defaultdict(list)
+    for k in means:
+        if k[1] != "full" and k[0] not in refs:
+            gap = score[k] - score[full]
+            ci = paired_gap_interval(rows, k, full, tasks, level=level)
+            out[k[0]].append((means[k]["__kv__"] * 100, gap, *(ci or (gap, gap))))
+    return {m: sorted(p) for m, p in sorted(out.items())}
+
+
+def gap_plot(rows: list[dict[str, Any]], path: str | Path, level: float = 0.95) -> Path | None:
+    """:func:`gap_points` drawn against the KV cache kept: learned methods solid with their intervals shaded,
+    training-free policies pale and dashed with error bars, the full cache at 0. Paired gaps, because items
+    differ far more from each other than methods do on one item. ``None`` (no file) without full-cache rows
+    or when no learned method has an interval (fewer than 5 items a task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = gap_points(rows, level)
+    learned = sorted(learned_methods(rows) & set(points))
+    if not any(lo < hi for m in learned for _, _, lo, hi in points[m]):
+        return None
+    means = _task_means(rows)
+    tasks = _common_tasks(means)
+    full = statistics.mean(means[next(k for k in means if k[1] == "full")][t] for t in tasks)
+    fig, ax = plt.subplots(figsize=(9.0, 4.8))
+    strong, pale = plt.get_cmap("tab10"), plt.get_cmap("tab20")
+    ax.axhline(0, color="black", linestyle="--", linewidth=1, label=f"full cache ({full:.1f})")
+    for j, m in enumerate(m for m in points if m not in learned):
+        x, y, lo, hi = zip(*points[m])
+        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
+                    color=pale((2 * j + 1) % 20 if j < 10 else (2 * j) % 20), marker=".", linewidth=1.0,
+                    linestyle=(0, (3, 1)), elinewidth=0.8, capsize=2, label=m)
+    for i, m in enumerate(learned):
+        x, y, lo, hi = zip(*points[m])
+        ax.fill_between(x, lo, hi, color=strong(i % 10), alpha=0.18, linewidth=0)
+        ax.plot(x, y, color=strong(i % 10), marker="osD^v"[i % 5], linewidth=2.2, label=m)
+    ax.set_xlabel("KV cache kept (% of the full cache)")
+    ax.set_ylabel("mean score minus the full cache's (points)")
+    ax.set_title(f"{level:.0%} paired-bootstrap intervals over items", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, str]] = ()) -> str:
     """What a card, a README and a summary file say: the setting, :func:`summary_table`, the paired gaps
     asked for (:func:`pair_table`) and the per-task view at the goal budget (10% where it was run, else
@@ -440,13 +502,15 @@ def write_summary(results: str | Path, path: str | Path, title: str | None = Non
     if Path(results).resolve() != rows_copy.resolve():
         shutil.copyfile(results, rows_copy)
     title = title or f"Results: {Path(results).parent.name}"
+    figure = gap_plot(rows, path.with_suffix(".png"))
     body = (f"# {title}\n\nRows: `{rows_copy.name}` ({len(rows)} rows, copied from {results}).\n\n"
             + _summary_text(rows, Path(results), pairs)
+            + (f"\n\n![gap to the full cache against KV kept, with paired intervals]({figure.name})" if figure else "")
             + "\n\n## Per task, length, method and budget\n\nscore: the task's metric in % (fidelity: top-1 "
             "agreement with the full cache); KL: the answer's KL to the full cache in nats; KV kept: entries "
             "(token x KV head x layer) when the question arrives.\n\n" + markdown_table(rows) + "\n")
     atomic_write_bytes(path, body.encode())
-    return [path, rows_copy]
+    return [path, rows_copy] + ([figure] if figure else [])
 
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"

@@ -276,3 +276,33 @@ def test_a_run_seeded_with_pooled_rows_says_it_was_run_not_pooled(tmp_path):
     assert "Pooled by" not in text
     assert (f"Produced by `python -m eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
             "pooled earlier (runs/a/results.jsonl)") in text
+
+
+def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
+    from eval.report import gap_plot, gap_points, write_summary
+
+    g = np.random.default_rng(3)
+    full_t, full_u = g.integers(0, 101, 6).astype(float), g.integers(0, 101, 6).astype(float)
+    rows = _rows(*FULL, "t", full_t) + _rows(*FULL, "u", full_u)
+    for method, budget, shift in [("global_gates", "fraction=0.1", -4.0), ("global_gates", "fraction=0.2", -1.0),
+                                  ("snapkv", "fraction=0.1", -30.0), ("oracle", "fraction=0.1", 0.0)]:
+        rows += _rows(method, budget, "t", full_t + shift + g.normal(0, 3, 6)) + _rows(method, budget, "u", full_u + shift)
+    for r in rows:
+        r["kv_bytes"] *= 2 if r["budget"] == "fraction=0.2" else 1
+    pts = gap_points(rows)
+    assert set(pts) == {"global_gates", "snapkv"}  # the full cache is the zero line; an oracle is no method
+    assert [round(p[0]) for p in pts["global_gates"]] == [10, 20]  # the KV kept, in order
+    for (m, b), (kv, gap, lo, hi) in zip([("global_gates", "fraction=0.1"), ("global_gates", "fraction=0.2")],
+                                        pts["global_gates"]):
+        mine = [r["score"] for r in rows if r["method"] == m and r["budget"] == b]
+        want = (np.mean(mine[:6]) + np.mean(mine[6:])) / 2 - (full_t.mean() + full_u.mean()) / 2
+        assert gap == pytest.approx(want)
+        assert (lo, hi) == pytest.approx(paired_gap_interval(rows, (m, b), FULL, ["t", "u"])) and lo < gap < hi
+    assert gap_plot(rows, tmp_path / "gaps.png") == tmp_path / "gaps.png" and (tmp_path / "gaps.png").stat().st_size > 10_000
+    few = [r for r in rows if int(r["item"].split("-")[1]) < 2]  # 2 items a task: no intervals, no plot
+    assert all(lo == gap == hi for p in gap_points(few).values() for _, gap, lo, hi in p)
+    assert gap_plot(few, tmp_path / "few.png") is None and not (tmp_path / "few.png").exists()
+    assert gap_points([r for r in rows if r["method"] != "full"]) == {}
+    page = tmp_path / "page.md"
+    written = write_summary(_write_rows(tmp_path / "results.jsonl", rows), page)
+    assert page.with_suffix(".png") in written and "](page.png)" in page.read_text()
