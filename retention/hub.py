@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +144,17 @@ def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None, revi
     return gates
 
 
+def card_figures(path: str | Path) -> list[str]:
+    """The images the checkpoint's model card shows from its own folder (markdown ``![..](name)`` links that
+    are relative paths), in order: they go up with the checkpoint so the card on the Hub shows them."""
+    card = Path(path) / "README.md"
+    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", card.read_text()) if card.is_file() else []
+    return list(dict.fromkeys(x for x in links if "://" not in x and not x.startswith(("/", "#", ".."))))
+
+
 def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
-    """Create ``repo_id`` (if needed) and upload the checkpoint folder; returns the commit URL."""
+    """Create ``repo_id`` (if needed) and upload the checkpoint (:data:`CHECKPOINT_FILES` and the images its model
+    card shows, :func:`card_figures`); returns the commit URL."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -152,11 +162,16 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
     if missing:
         raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")
+    figures = card_figures(path)
+    absent = [f for f in figures if not (path / f).is_file()]
+    if absent:
+        raise HubError(f"the model card in {path} shows {absent}, which the folder lacks: publish the results again "
+                       "(python -m eval report RESULTS --card FOLDER) or remove the image links from README.md")
     api = HfApi(token=token or os.environ.get("HF_TOKEN"))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(
-            folder_path=str(path), repo_id=repo_id, allow_patterns=list(CHECKPOINT_FILES),
+            folder_path=str(path), repo_id=repo_id, allow_patterns=list(CHECKPOINT_FILES) + figures,
             commit_message="Upload retention gates",
         )
     except HfHubHTTPError as e:

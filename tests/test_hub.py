@@ -147,6 +147,25 @@ def test_push_sends_exactly_the_checkpoint_files(checkpoint, fake_hub):
     assert all(r.headers["authorization"] == "Bearer hf_fake_token_for_tests" for r in hub.requests)
 
 
+def test_push_sends_the_images_the_model_card_shows(checkpoint, fake_hub):
+    from retention.hub import card_figures
+
+    path, _, _ = checkpoint
+    (path / "README.md").write_text((path / "README.md").read_text() + "\n![plot](results.png)\n![gaps](results-goal.png)"
+                                    "\n![badge](https://img.shields.io/x.svg)\n")
+    (path / "results.png").write_bytes(b"png one")
+    (path / "other.png").write_bytes(b"shown nowhere")
+    with pytest.raises(HubError, match=r"shows \['results-goal.png'\], which the folder lacks"):  # before any request
+        push_to_hub(path, "me/gates")
+    (path / "results-goal.png").write_bytes(b"png two")
+    assert card_figures(path) == ["results.png", "results-goal.png"]
+    hub = fake_hub()
+    push_to_hub(path, "me/gates")
+    sent = hub.committed_files()
+    assert sorted(sent) == ["README.md", "config.json", "gates.safetensors", "results-goal.png", "results.png"]
+    assert sent["results-goal.png"] == b"png two"
+
+
 def test_push_unauthorised_is_a_clear_error(checkpoint, fake_hub):
     path, _, _ = checkpoint
     fake_hub(status=401)
