@@ -3,6 +3,7 @@ first, with the KV memory kept in entries and bytes) and PNG plots of quality ag
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -522,9 +523,9 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
     between the ``<!-- results:start/end -->`` markers of a README; returns the files written.
 
-    ``card_section``: instead, add the summary (no plot) to the card under that heading, after its main
-    results, replacing an earlier section of the same title in its place: for a second result set such as a goal
-    check. ``replaces``: the title of an earlier section the new one takes the place of (a result set renamed as it
+    ``card_section``: instead, add the summary to the card under that heading, after its main results,
+    replacing an earlier section of the same title in its place: for a second result set such as a goal check.
+    Where every task has 5 or more items it brings :func:`gap_plot` (``results-<title>.png`` in the card folder). ``replaces``: the title of an earlier section the new one takes the place of (a result set renamed as it
     grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
     ``pairs``: the paired gaps of :func:`pair_table` go in too."""
     import json
@@ -538,8 +539,10 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     if not rows:
         raise ValueError(f"{results} holds no results")
     src = Path(results)
-    # a --card-section brings no plot (and never comes with --readme): only the main results draw one
+    # the main results draw the quality-vs-budget plot; a --card-section (never with --readme) draws the gaps to
+    # the full cache with their intervals where it has enough items for them (gap_plot), else nothing
     plot_path = summary_plot(rows, src.parent / "summary.png") if card_section is None else None
+    gaps = gap_plot(rows, src.parent / "gaps.png") if card_section is not None and card is not None else None
     text = _summary_text(rows, src, pairs)
     written = []
     if card is not None:
@@ -549,17 +552,28 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         if card_section is None:
             config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
         else:
-            new, sections, placed = {"title": card_section, "markdown": text}, [], False
+            new, sections, placed, dropped = {"title": card_section, "markdown": text}, [], False, []
+            if gaps is not None:
+                new["figure"] = "results-" + (re.sub(r"[^a-z0-9]+", "-", card_section.lower()).strip("-")[:60] or "section") + ".png"
+                new["markdown"] += f"\n\n![gap to the full cache, with paired intervals]({new['figure']})"
             for x in config.get("results_sections", []):  # in the place of what it replaces, else after the others
                 if x["title"] not in (card_section, replaces):
                     sections.append(x)
-                elif not placed:
+                    continue
+                if x.get("figure") and x["figure"] != new.get("figure"):
+                    dropped.append(card / x["figure"])  # the replaced section's plot goes with it
+                if not placed:
                     sections.append(new)
                     placed = True
             config["results_sections"] = sections if placed else sections + [new]
+            if gaps is not None:
+                shutil.copyfile(gaps, card / new["figure"])
+                written.append(card / new["figure"])
         atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
         atomic_write_bytes(card / "README.md", model_card(config).encode())
         written += [cfg_file, card / "README.md"]
+        for f in dropped if card_section is not None else []:
+            f.unlink(missing_ok=True)  # after the card stops showing it
         if card_section is None:
             shutil.copyfile(plot_path, card / "results.png")
             written.append(card / "results.png")

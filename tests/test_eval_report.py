@@ -111,7 +111,12 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
     main_at, goal_at, fresh_at = text.index("| global_gates | 70.0 (10%"), text.index("### Goal check"), text.index("### Fresh items")
     assert main_at < goal_at < fresh_at and "![quality vs KV budget](results.png)" in text[:goal_at]
     assert "| global_gates | 10% | 80.0 | -20.0 [-60.0, +0.0] |" in text[goal_at:fresh_at]
-    assert (card / "results.png").read_bytes() == plot  # a section brings no plot of its own
+    assert (card / "results.png").read_bytes() == plot  # a section keeps the main plot as it was
+    # 5 items a task: the section shows the gaps to the full cache with their intervals, from its own file
+    assert "results-goal-check.png" in text[goal_at:fresh_at] and (card / "results-goal-check.png").stat().st_size > 10_000
+    assert "results-fresh-items" not in text and not (card / "results-fresh-items.png").exists()  # 1 item: no plot
+    publish(sweep, card, card_section="Renamed", replaces="Goal check")  # replaced by a set without intervals
+    assert not (card / "results-goal-check.png").exists() and "results-goal-check" not in (card / "README.md").read_text()
     with pytest.raises(ValueError, match="--card-section"):
         publish(goal, None, card_section="Goal check")
     assert main(["report", str(goal), "--card-section", "Goal check"]) == 2  # no --card: refused
