@@ -391,8 +391,8 @@ def gap_points(rows: list[dict[str, Any]], level: float = 0.95) -> dict[str, lis
 def gap_plot(rows: list[dict[str, Any]], path: str | Path, level: float = 0.95) -> Path | None:
     """:func:`gap_points` drawn against the KV cache kept: learned methods solid with their intervals shaded,
     training-free policies pale and dashed with error bars, the full cache at 0. Paired gaps, because items
-    differ far more from each other than methods do on one item. ``None`` (no file) without full-cache rows
-    or when no learned method has an interval (fewer than 5 items a task)."""
+    differ far more from each other than methods do on one item. ``None`` (no file) without full-cache rows,
+    or unless some learned method has two budgets or more and intervals (5 items a task or more)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,8 +400,8 @@ def gap_plot(rows: list[dict[str, Any]], path: str | Path, level: float = 0.95) 
 
     points = gap_points(rows, level)
     learned = sorted(learned_methods(rows) & set(points))
-    if not any(lo < hi for m in learned for _, _, lo, hi in points[m]):
-        return None
+    if not any(len(points[m]) > 1 and any(lo < hi for _, _, lo, hi in points[m]) for m in learned):
+        return None  # one budget's gaps are a table's job (the page has it); a curve needs two
     means = _task_means(rows)
     tasks = _common_tasks(means)
     full = statistics.mean(means[next(k for k in means if k[1] == "full")][t] for t in tasks)
@@ -415,8 +415,9 @@ def gap_plot(rows: list[dict[str, Any]], path: str | Path, level: float = 0.95) 
                     linestyle=(0, (3, 1)), elinewidth=0.8, capsize=2, label=m)
     for i, m in enumerate(learned):
         x, y, lo, hi = zip(*points[m])
-        ax.fill_between(x, lo, hi, color=strong(i % 10), alpha=0.18, linewidth=0)
-        ax.plot(x, y, color=strong(i % 10), marker="osD^v"[i % 5], linewidth=2.2, label=m)
+        ax.fill_between(x, lo, hi, color=strong(i % 10), alpha=0.18, linewidth=0)  # a band needs 2 budgets: bars too
+        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], color=strong(i % 10),
+                    marker="osD^v"[i % 5], linewidth=2.2, elinewidth=1.2, capsize=3, label=m)
     ax.set_xlabel("KV cache kept (% of the full cache)")
     ax.set_ylabel("mean score minus the full cache's (points)")
     ax.set_title(f"{level:.0%} paired-bootstrap intervals over items", fontsize=9)
@@ -525,8 +526,9 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
 
     ``card_section``: instead, add the summary to the card under that heading, after its main results,
     replacing an earlier section of the same title in its place: for a second result set such as a goal check.
-    Where every task has 5 or more items it brings :func:`gap_plot` (``results-<title>.png`` in the card folder). ``replaces``: the title of an earlier section the new one takes the place of (a result set renamed as it
-    grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
+    With two budgets or more and 5 items a task or more it brings :func:`gap_plot` (``results-<title>.png`` in
+    the card folder). ``replaces``: the title of an earlier section the new one takes the place of (a result set
+    renamed as it grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
     ``pairs``: the paired gaps of :func:`pair_table` go in too."""
     import json
     import shutil

@@ -99,7 +99,8 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
     sweep = _write_rows(tmp_path / "sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
                         + _rows("global_gates", "fraction=0.2", "t", [80.0]))
     goal = _write_rows(tmp_path / "goal.jsonl",
-                       _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0]))
+                       _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0])
+                       + _rows("global_gates", "fraction=0.2", "t", [100.0] * 5))
     card = _blank_card(tmp_path / "card")
     publish(sweep, card)
     plot = (card / "results.png").read_bytes()
@@ -308,6 +309,8 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
     assert all(lo == gap == hi for p in gap_points(few).values() for _, gap, lo, hi in p)
     assert gap_plot(few, tmp_path / "few.png") is None and not (tmp_path / "few.png").exists()
     assert gap_points([r for r in rows if r["method"] != "full"]) == {}
+    one_budget = [r for r in rows if r["budget"] != "fraction=0.2"]  # a curve needs two budgets
+    assert gap_points(one_budget)["global_gates"] and gap_plot(one_budget, tmp_path / "one.png") is None
     page = tmp_path / "page.md"
     written = write_summary(_write_rows(tmp_path / "results.jsonl", rows), page)
     assert page.with_suffix(".png") in written and "](page.png)" in page.read_text()
