@@ -1,4 +1,4 @@
-"""The ``retention`` command line: ``retention demo`` (and more subcommands as features land)."""
+"""The ``retention`` command line: ``demo``, ``chat``, ``push``, ``average`` and ``eval`` (``retention CMD --help``)."""
 
 from __future__ import annotations
 
