@@ -116,13 +116,16 @@ def plot(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
 
 
 def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path:
-    """``report.md`` (table + plots) next to the results (or in ``out_dir``); returns its path."""
+    """``report.md`` (table, a plot per task and, where :func:`gap_plot` can draw it, ``gaps.png``) next to the
+    results (or in ``out_dir``); returns its path."""
     rows = read_results(results)
     if not rows:
         raise ValueError(f"{results} holds no results")
     out = Path(out_dir) if out_dir else Path(results).parent
     out.mkdir(parents=True, exist_ok=True)
     pngs = plot(rows, out)
+    gaps = gap_plot(rows, out / "gaps.png")  # with intervals: needs two budgets and 5 items a task
+    pngs += [gaps] if gaps else []
     models = sorted({str(r.get("model", "?")) for r in rows})
     protocols = sorted({f"{r.get('protocol', '?')} / {r.get('prefill', '?')}" for r in rows})
     head = (f"# Quality vs KV memory\n\nmodel: {', '.join(models)}; protocol / prefill: {', '.join(protocols)}; "

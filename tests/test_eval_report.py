@@ -314,3 +314,7 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
     page = tmp_path / "page.md"
     written = write_summary(_write_rows(tmp_path / "results.jsonl", rows), page)
     assert page.with_suffix(".png") in written and "](page.png)" in page.read_text()
+    from eval.report import write_report
+
+    assert "](gaps.png)" in write_report(tmp_path / "results.jsonl", tmp_path / "report").read_text()
+    assert (tmp_path / "report" / "gaps.png").is_file()

@@ -95,6 +95,7 @@ def test_report_from_a_fixed_results_file(tmp_path):
     assert "| niah_single | 1024 | snapkv | 10% | 25.0 |  | 100 | 0.10 | 10% | 2 (1 failed) |" in table
     md = write_report(path)
     assert (tmp_path / "niah_single.png").stat().st_size > 1000 and "niah_single.png" in md.read_text()
+    assert "gaps.png" not in md.read_text()  # 2 items and one budget: no intervals to draw
 
 
 def test_hub_loaders_on_local_files(tmp_path):
