@@ -170,17 +170,20 @@ def test_several_continuations_of_a_filled_cache():
     assert cache.evictions > 1 and torch.equal(got[0], one[0]) and torch.equal(got[1], one[0])
 
 
-def test_a_deep_copied_cache_continues_on_its_own():
-    """transformers' prompt-reuse recipe: prefill once, ``copy.deepcopy`` the cache per continuation. The copy's
-    layers must write to the copy (they hold their cache weakly), and the copy must continue as the original."""
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_cache_continues_on_its_own(how):
+    """transformers' prompt-reuse recipe: prefill once, ``copy.deepcopy`` the cache per continuation (or save it
+    with pickle / torch.save). The copy's layers must write to the copy (they hold their cache weakly), and the
+    copy must continue as the original."""
     import copy
+    import pickle
 
     model = _with_gates("llama")
     prompt = torch.randint(1, 100, (1, 15), generator=torch.Generator().manual_seed(8))
     cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 6), policy=get_policy("h2o"), slack=0)
     with torch.no_grad():
         model(input_ids=prompt, **cache_kwargs(cache), use_cache=True)
-    twin = copy.deepcopy(cache)
+    twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
     assert all(layer.cache is twin for layer in twin.layers) and all(layer.cache is cache for layer in cache.layers)
     ids = torch.cat([prompt, torch.randint(1, 100, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
     got = _generate(model, twin, input_ids=ids, max_new_tokens=8, do_sample=False)

@@ -37,6 +37,11 @@ class CacheBudgetError(ValueError):
     """The budget cannot hold what the options require (protected window, per-head minimum, a turn)."""
 
 
+def _no_cache() -> None:
+    """The link of a layer copied without its cache (see ``_RetentionLayer.__getstate__``)."""
+    return None
+
+
 class _RetentionLayer(CacheLayerMixin):
     """Per-layer face of :class:`RetentionCache` for transformers; the data lives in the shared store."""
 
@@ -60,13 +65,14 @@ class _RetentionLayer(CacheLayerMixin):
             raise RuntimeError("this cache layer outlived its RetentionCache: keep the cache, not only cache.layers")
         return cache
 
-    def __deepcopy__(self, memo: dict) -> "_RetentionLayer":
-        new = memo[id(self)] = type(self).__new__(type(self))
-        state = {k: v for k, v in self.__dict__.items() if k != "_cache"}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        # Copied with its cache, that copy is in memo already: link the new layer to the new cache.
-        new._cache = weakref.ref(copy.deepcopy(self.cache, memo))
-        return new
+    # Copies and pickles carry no link (a weakref cannot be pickled); RetentionCache.__setstate__ relinks its
+    # layers, so copy.deepcopy(cache) and pickle / torch.save of a cache give a cache whose layers are its own.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_cache"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache = _no_cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -311,6 +317,11 @@ class RetentionCache(Cache):
             self._pad_entries.zero_()
             self._start.zero_()
         self.policy.reset()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for layer in self.layers:  # a copy's or an unpickled cache's layers link to it, not to the original
+            layer._cache = weakref.ref(self)
 
     def copy_from(self, other: "RetentionCache") -> None:
         """Hold a deep copy of ``other``'s contents (same model), keeping this cache's policy and budget:
