@@ -98,12 +98,30 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "retention_source.json").write_text(json.dumps({"gguf": str(source), "embedded": name}))
-    for stale in target.parent.glob(f"{name}-*"):  # older caches of a changed source
-        if stale != target and stale.is_dir():
-            import shutil
-
-            shutil.rmtree(stale, ignore_errors=True)
+    _drop_stale_caches(target, source, name)
     return target
+
+
+def _drop_stale_caches(target: Path, source: Path, name: str) -> list[Path]:
+    """Remove the caches built from an earlier file at ``source`` (the package upgraded in place); returns them.
+
+    Only those: another install's cache (another virtualenv or checkout, its own GGUF path) stays, since that
+    install may be reading it right now; each install removing the others' made concurrent runs fail.
+    """
+    import shutil
+
+    dropped = []
+    for other in target.parent.glob(f"{name}-*"):
+        if other == target or not other.is_dir():
+            continue
+        try:
+            built_from = json.loads((other / "retention_source.json").read_text()).get("gguf")
+        except (OSError, ValueError):
+            continue  # not one of ours, or unreadable: leave it
+        if built_from == str(source):
+            shutil.rmtree(other, ignore_errors=True)
+            dropped.append(other)
+    return dropped
 
 
 def shipped_gates(model_or_name: Any) -> Path | None:

@@ -31,6 +31,25 @@ def test_cache_key_follows_the_source_file(tmp_path):
     assert models._source_key(f) != key
 
 
+def test_only_caches_of_an_earlier_file_at_the_same_path_are_dropped(tmp_path):
+    """Two installs (virtualenvs, checkouts) each cache their own GGUF: neither may delete the other's cache,
+    which it may be reading at that moment; an install's cache of its earlier file is dropped."""
+    import json
+
+    source, elsewhere = tmp_path / "venv-a" / "m.gguf", tmp_path / "venv-b" / "m.gguf"
+    models_dir = tmp_path / "cache" / "models"
+    target = models_dir / "smollm2-135m-new"
+    caches = {}
+    for key, built_from in [("new", source), ("old", source), ("other", elsewhere), ("foreign", None)]:
+        folder = models_dir / f"smollm2-135m-{key}"
+        folder.mkdir(parents=True)
+        if built_from is not None:
+            (folder / "retention_source.json").write_text(json.dumps({"gguf": str(built_from), "embedded": "smollm2-135m"}))
+        caches[key] = folder
+    assert models._drop_stale_caches(target, source, "smollm2-135m") == [caches["old"]]
+    assert sorted(p.name for p in models_dir.iterdir()) == ["smollm2-135m-foreign", "smollm2-135m-new", "smollm2-135m-other"]
+
+
 def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(models.ModelNotAvailableError, match="Embedded models: \\['smollm2-135m'\\]"):
         load_model(str(tmp_path / "nowhere"))
