@@ -26,10 +26,13 @@ def _usual_permissions(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path) -> Iterator[Path]:
+def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside ``path``; on success it replaces ``path`` in one rename.
 
     A crash while writing leaves the previous ``path`` untouched (and a ``.tmp-*`` folder to delete).
+    ``keep_existing``: for caches keyed by their content, where every writer makes the same folder: if ``path``
+    exists by the time this one is written (another process, e.g. another rank, built it meanwhile), keep it and
+    drop this one, so a reader of the first is never pulled from under it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +40,14 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         _usual_permissions(tmp)
+        if keep_existing:
+            try:
+                os.rename(tmp, path)  # fails when path exists as a non-empty folder: the first writer wins
+            except OSError:
+                if not path.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+            return
         old = None
         if path.exists():
             old = path.with_name(f".old-{path.name}-{os.getpid()}")

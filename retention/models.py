@@ -94,7 +94,7 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config._name_or_path = EMBEDDED_MODELS[name].hub_id
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, keep_existing=True) as tmp:  # two processes building it at once: one wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "retention_source.json").write_text(json.dumps({"gguf": str(source), "embedded": name}))

@@ -225,7 +225,7 @@ def load_documents(cfg: DataConfig, tokenizer, cache: Path | None = None) -> lis
     if target is not None:
         from retention.io import atomic_directory
 
-        with atomic_directory(target) as tmp:
+        with atomic_directory(target, keep_existing=True) as tmp:  # every rank writes the same: the first wins
             datasets.Dataset.from_list(docs).save_to_disk(str(tmp))
     return docs
 
