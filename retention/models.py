@@ -103,10 +103,11 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
 
 
 def _drop_stale_caches(target: Path, source: Path, name: str) -> list[Path]:
-    """Remove the caches built from an earlier file at ``source`` (the package upgraded in place); returns them.
+    """Remove the caches built from an earlier file at ``source`` (the package upgraded in place) or from a GGUF
+    that no longer exists (its install deleted); returns them.
 
-    Only those: another install's cache (another virtualenv or checkout, its own GGUF path) stays, since that
-    install may be reading it right now; each install removing the others' made concurrent runs fail.
+    Only those: another live install's cache (another virtualenv or checkout, its own GGUF path) stays, since
+    that install may be reading it right now; each install removing the others' made concurrent runs fail.
     """
     import shutil
 
@@ -118,7 +119,7 @@ def _drop_stale_caches(target: Path, source: Path, name: str) -> list[Path]:
             built_from = json.loads((other / "retention_source.json").read_text()).get("gguf")
         except (OSError, ValueError):
             continue  # not one of ours, or unreadable: leave it
-        if built_from == str(source):
+        if built_from == str(source) or (isinstance(built_from, str) and not Path(built_from).exists()):
             shutil.rmtree(other, ignore_errors=True)
             dropped.append(other)
     return dropped

@@ -33,20 +33,24 @@ def test_cache_key_follows_the_source_file(tmp_path):
 
 def test_only_caches_of_an_earlier_file_at_the_same_path_are_dropped(tmp_path):
     """Two installs (virtualenvs, checkouts) each cache their own GGUF: neither may delete the other's cache,
-    which it may be reading at that moment; an install's cache of its earlier file is dropped."""
+    which it may be reading at that moment; an install's cache of its earlier file, and the cache of an install
+    that is gone, are dropped."""
     import json
 
-    source, elsewhere = tmp_path / "venv-a" / "m.gguf", tmp_path / "venv-b" / "m.gguf"
+    source, elsewhere, removed = (tmp_path / v / "m.gguf" for v in ("venv-a", "venv-b", "venv-gone"))
+    for f in (source, elsewhere):
+        f.parent.mkdir()
+        f.write_bytes(b"gguf")
     models_dir = tmp_path / "cache" / "models"
     target = models_dir / "smollm2-135m-new"
     caches = {}
-    for key, built_from in [("new", source), ("old", source), ("other", elsewhere), ("foreign", None)]:
+    for key, built_from in [("new", source), ("old", source), ("other", elsewhere), ("foreign", None), ("gone", removed)]:
         folder = models_dir / f"smollm2-135m-{key}"
         folder.mkdir(parents=True)
         if built_from is not None:
             (folder / "retention_source.json").write_text(json.dumps({"gguf": str(built_from), "embedded": "smollm2-135m"}))
         caches[key] = folder
-    assert models._drop_stale_caches(target, source, "smollm2-135m") == [caches["old"]]
+    assert sorted(models._drop_stale_caches(target, source, "smollm2-135m")) == [caches["gone"], caches["old"]]
     assert sorted(p.name for p in models_dir.iterdir()) == ["smollm2-135m-foreign", "smollm2-135m-new", "smollm2-135m-other"]
 
 
