@@ -283,6 +283,9 @@ def _chat_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e} (--sink / --recent / --pool)", file=sys.stderr)
         return 2
+    from .cli import check_gates_source
+
+    check_gates_source(args.gates)  # a bad --gates fails before the model loads (retention.cli prints it)
     model, processor = load_model(args.model)
     try:
         chat = RetentionChat(

@@ -29,6 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .hub import load_gates
     from .models import shipped_gates
 
+    check_gates_source(args.gates)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
@@ -100,9 +101,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors whose message names the problem and the fix: a command prints them, not a traceback."""
+    from .attach import UnsupportedModelError
+    from .cache.hf import CacheBudgetError
+    from .chat import ChatInputError, ChatSetupError
+    from .hub import HubError
+    from .models import ModelNotAvailableError
+
+    return (CacheBudgetError, ChatInputError, ChatSetupError, HubError, ModelNotAvailableError, UnsupportedModelError)
+
+
+def check_gates_source(gates: str | None) -> None:
+    """Find a ``--gates`` folder or Hub repo before the model loads (seconds to minutes): a typo fails at once."""
+    if gates and gates != "untrained":
+        from .hub import checkpoint_folder
+
+        checkpoint_folder(gates)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except user_errors() as e:
+        print(f"retention {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

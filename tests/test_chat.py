@@ -99,6 +99,30 @@ def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monk
     assert "pool must be odd" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["chat", "demo"])
+def test_a_missing_gates_folder_is_an_error_before_the_model_loads(command, capsys, monkeypatch, tmp_path):
+    """`retention chat|demo --gates TYPO`: exit 2 with the problem and the fix, no traceback, no model loaded."""
+    import retention
+    import retention.models
+    from retention.cli import main
+
+    for where in (retention.models, retention):
+        monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([command, "--gates", str(tmp_path / "no-such-gates")]) == 2
+    err = capsys.readouterr().err
+    assert f"retention {command}: error: gate checkpoint" in err and "check the path or repo id" in err
+    assert "Traceback" not in err
+
+
+def test_an_unknown_model_is_an_error_not_a_traceback(capsys, monkeypatch, tmp_path):
+    from retention.cli import main
+
+    assert main(["demo", "--model", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert "retention demo: error: " in err and "Embedded models: ['smollm2-135m']" in err
+
+
 def test_prompt_lookup_on_the_first_turn_only(smollm2):
     """Prompt-lookup decoding on the first turn gives the greedy reply under a budget that evicts; on a
     filled cache it is refused before anything changes (transformers would re-feed the earlier turns)."""
