@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .io import atomic_directory
 
@@ -83,23 +84,44 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
     target = cache_dir() / "models" / f"{name}-{_source_key(source)}"
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from filelock import FileLock
 
-    if progress:
-        print(f"[retention] dequantising {source.name} once (about 20 s); cached in {target}")
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
-    # the saved copy is plain fp32 safetensors, no longer a quantised GGUF
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.config._name_or_path = EMBEDDED_MODELS[name].hub_id
-    with atomic_directory(target, keep_existing=True) as tmp:  # two processes building it at once: one wins
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "retention_source.json").write_text(json.dumps({"gguf": str(source), "embedded": name}))
-    _drop_stale_caches(target, source, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one process builds it (the ranks of a first distributed run, two runs at once); the others wait and read it
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / "config.json").is_file():
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if progress:
+            print(f"[retention] dequantising {source.name} once (about 20 s); cached in {target}")
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+        # the saved copy is plain fp32 safetensors, no longer a quantised GGUF
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config._name_or_path = EMBEDDED_MODELS[name].hub_id
+        with atomic_directory(target, keep_existing=True) as tmp:
+            save_whole(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "retention_source.json").write_text(json.dumps({"gguf": str(source), "embedded": name}))
+        _drop_stale_caches(target, source, name)
     return target
+
+
+def save_whole(model: nn.Module, folder: Path) -> None:
+    """``model.save_pretrained(folder)`` on whichever process calls it.
+
+    Inside a torch.distributed run transformers 5 writes nothing on ranks other than 0; a cache built by rank 1
+    (the first to take the lock) was then a folder without config or weights, and every rank failed to load it.
+    The model here is a throwaway copy, so its rank check is overridden on the instance.
+    """
+    model.should_save_on_this_rank = lambda *a, **k: True
+    model.save_pretrained(folder)
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise RuntimeError(f"save_pretrained wrote no config or weights to {folder} (transformers "
+                           f"{importlib.metadata.version('transformers')}); please report this")
 
 
 def _drop_stale_caches(target: Path, source: Path, name: str) -> list[Path]:

@@ -54,6 +54,26 @@ def test_only_caches_of_an_earlier_file_at_the_same_path_are_dropped(tmp_path):
     assert sorted(p.name for p in models_dir.iterdir()) == ["smollm2-135m-foreign", "smollm2-135m-new", "smollm2-135m-other"]
 
 
+def test_a_cache_built_by_a_non_zero_rank_is_whole(tmp_path, monkeypatch):
+    """transformers writes nothing from rank 1 of a distributed run; the embedded model's cache, built by whichever
+    rank takes the lock first, must still hold the config and weights, and load to the same model."""
+    import transformers.distributed.mixin as mixin
+    from tiny_models import tiny_llama
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "config.json").exists()  # the premise: rank 1 writes nothing
+    models.save_whole(model, tmp_path / "whole")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
+    ids = torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(models.ModelNotAvailableError, match="Embedded models: \\['smollm2-135m'\\]"):
         load_model(str(tmp_path / "nowhere"))
