@@ -87,3 +87,15 @@ def test_every_shipped_config_loads():
     for path in configs:
         cfg = load_config(path)
         assert cfg.train.steps > 0 and cfg.data.seq_len > 0, path
+
+
+def test_moving_a_run_moves_its_export(tmp_path):
+    """`--set train.output_dir=X` must not leave the export at the config's own folder (the demo's
+    runs/smollm2/final was overwritten that way); an explicit export.dir still wins."""
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")):
+        cfg = load_config(path, [f"train.output_dir={tmp_path / 'moved'}"])
+        assert cfg.export_dir() == tmp_path / "moved" / "final", path.name
+    cfg = load_config("smollm2.yaml", [f"train.output_dir={tmp_path / 'moved'}", f"export.dir={tmp_path / 'there'}"])
+    assert cfg.export_dir() == tmp_path / "there"

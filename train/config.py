@@ -157,6 +157,11 @@ class Config:
     source = None
     overrides = ()
 
+    def export_dir(self) -> Path:
+        """Where the finished run's gates go: ``export.dir``, else ``<train.output_dir>/final`` (so moving a run
+        with ``--set train.output_dir=...`` moves its export too)."""
+        return Path(self.export.dir or Path(self.train.output_dir) / "final")
+
     def describe_source(self) -> str | None:
         """``configs/x.yaml`` (relative to the working directory where it can be) plus its overrides,
         for checkpoint cards; None for a config built in code."""

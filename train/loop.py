@@ -281,7 +281,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
         training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
     training.update(run_facts(cfg))
     spec = EMBEDDED_MODELS.get(cfg.model.name)
-    dest = Path(dest or Path(cfg.export.dir or Path(cfg.train.output_dir) / "final"))
+    dest = Path(dest or cfg.export_dir())
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
                  budget=budget_text, training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
     return dest
@@ -618,7 +618,7 @@ def train(
         if before is not None and "rank_recall" in before:
             summary["held_out_oracle_recall_before"] = before["rank_recall"]
     summary.update(run_facts(cfg))
-    export_dir = Path(cfg.export.dir or out_dir / "final")
+    export_dir = cfg.export_dir()
     with gathered(accelerator, attachment.gates.parameters()):
         if main:
             base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
