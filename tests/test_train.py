@@ -86,6 +86,23 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
         torch.testing.assert_close(gb.state_dict()[k], v)
 
 
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path, capsys):
+    """Two runs in one folder never mix: a later --resume latest continues the new run, not the earlier one's
+    last step, and the earlier checkpoints are kept aside, not deleted."""
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    train(load_config(cfg_file, over + ["train.steps=8"]))  # checkpoints at steps 4 and 8
+    part = train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4", "train.lr=0.01"]))
+    assert part.get("stopped_early") and "held checkpoints of an earlier run: moved to" in capsys.readouterr().out
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4"]
+    (aside,) = (tmp_path / "run").glob("checkpoints-before-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-4", "step-8"]
+    resumed = train(load_config(cfg_file, over + ["train.steps=8", "train.lr=0.01"]), resume="latest")
+    assert "held checkpoints" not in capsys.readouterr().out  # a resume moves nothing
+    assert [r["step"] for r in resumed["history"]] == list(range(1, 9))
+    assert [r["loss"] for r in resumed["history"][:4]] == [r["loss"] for r in part["history"]]
+
+
 def test_activation_checkpointing_trains_the_same_gates(tiny_setup, tmp_path):
     """``model.gradient_checkpointing: true`` (configs/qwen3vl.yaml) recomputes the gated layers in the
     backward pass: the same losses and gates, under this transformers' name for it (no FutureWarning)."""

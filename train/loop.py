@@ -182,6 +182,23 @@ def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStrea
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
 
 
+def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
+    """A fresh run into a folder holding another run's checkpoints moves them to ``checkpoints-before-<time>``:
+    mixed in with the new run's, ``--resume latest`` could continue the other run's last step and the rotation
+    could delete them. Nothing is lost; returns where they went (``None``: nothing to move)."""
+    old = output_dir / "checkpoints"
+    if not any(old.glob("step-*")):
+        return None
+    dest = output_dir / f"checkpoints-before-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while dest.exists():  # two fresh runs within a second
+        n += 1
+        dest = output_dir / f"checkpoints-before-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    os.rename(old, dest)
+    print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} (use --resume to continue a run)")
+    return dest
+
+
 def find_checkpoint(output_dir: Path, resume: str) -> Path:
     if resume != "latest":
         p = Path(resume)
@@ -344,6 +361,8 @@ def train(
     )
     set_seed(cfg.train.seed)
     main = accelerator.is_main_process
+    if not resume and main:
+        set_aside_old_checkpoints(out_dir)
 
     # -- model and gates --------------------------------------------------------------------------
     if model_and_processor is not None:
