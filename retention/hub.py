@@ -152,6 +152,21 @@ def card_figures(path: str | Path) -> list[str]:
     return list(dict.fromkeys(x for x in links if "://" not in x and not x.startswith(("/", "#", ".."))))
 
 
+def check_push_target(repo_id: str, token: str | None = None) -> None:
+    """HubError naming the fix unless ``repo_id`` is a valid repo id and a Hub token is at hand (``token``,
+    ``HF_TOKEN`` or a stored login). Offline: checks what a long run's final upload needs, before the run."""
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"cannot upload to {repo_id!r}: {e} Give it as owner/name") from None
+    if not (token or os.environ.get("HF_TOKEN") or get_token()):
+        raise HubError(f"uploading to {repo_id!r} needs a Hub token: set HF_TOKEN or run `hf auth login` "
+                       "(or leave out the upload and run `retention push DIR REPO_ID` later)")
+
+
 def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
     """Create ``repo_id`` (if needed) and upload the checkpoint (:data:`CHECKPOINT_FILES` and the images its model
     card shows, :func:`card_figures`); returns the commit URL."""

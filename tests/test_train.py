@@ -103,6 +103,21 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path
     assert [r["loss"] for r in resumed["history"][:4]] == [r["loss"] for r in part["history"]]
 
 
+def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, monkeypatch):
+    """--push_to_hub comes after the whole run: a missing token or bad repo id must stop it before the model loads."""
+    import train.loop as loop
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored login either
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match="needs a Hub token: set HF_TOKEN"):
+        train(load_config(cfg_file, over), push_to_hub_repo="me/gates")
+    with pytest.raises(SystemExit, match="cannot upload to 'not a repo'"):
+        train(load_config(cfg_file, over + ["export.push_to_hub=not a repo"]))
+    assert not (tmp_path / "run").exists()
+
+
 def test_activation_checkpointing_trains_the_same_gates(tiny_setup, tmp_path):
     """``model.gradient_checkpointing: true`` (configs/qwen3vl.yaml) recomputes the gated layers in the
     backward pass: the same losses and gates, under this transformers' name for it (no FutureWarning)."""

@@ -330,6 +330,13 @@ def train(
     from accelerate.utils import set_seed
 
     out_dir = Path(cfg.train.output_dir)
+    if push_to_hub_repo or cfg.export.push_to_hub:  # the upload comes last: a missing token fails now, not hours on
+        from retention.hub import HubError, check_push_target
+
+        try:
+            check_push_target(push_to_hub_repo or cfg.export.push_to_hub)
+        except HubError as e:
+            raise SystemExit(str(e)) from None
     src = cfg.gates.init_from
     # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
