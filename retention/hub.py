@@ -177,6 +177,7 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
     if missing:
         raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")
+    check_push_target(repo_id, token)
     figures = card_figures(path)
     absent = [f for f in figures if not (path / f).is_file()]
     if absent:

@@ -173,6 +173,18 @@ def test_push_unauthorised_is_a_clear_error(checkpoint, fake_hub):
         push_to_hub(path, "me/gates")
 
 
+def test_push_without_a_token_or_with_a_bad_repo_id_sends_nothing(checkpoint, fake_hub, monkeypatch, tmp_path):
+    path, _, _ = checkpoint
+    hub = fake_hub()
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored login
+    with pytest.raises(HubError, match="needs a Hub token: set HF_TOKEN"):
+        push_to_hub(path, "me/gates")
+    with pytest.raises(HubError, match="cannot upload to 'me/gates/extra'.*owner/name"):
+        push_to_hub(path, "me/gates/extra", token="hf_x")
+    assert hub.requests == []
+
+
 def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(HubError, match="missing \\['gates.safetensors'"):
         push_to_hub(tmp_path, "me/gates")
