@@ -71,6 +71,9 @@ class EvalConfig:
         return [parse_budget(b) for b in self.budgets]
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _fail(key: str, msg: str) -> None:
     raise EvalConfigError(f"{key}: {msg}")
 
@@ -82,6 +85,18 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail(key, f"{getattr(cfg, key)!r} is not allowed; choose one of {list(allowed)}")
     if not isinstance(cfg.model, str) or not cfg.model:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(DTYPES)} (or leave it out: the model's own)")
+    if cfg.device is not None:
+        import torch
+
+        try:
+            device = torch.device(cfg.device)
+        except (RuntimeError, TypeError):
+            _fail("device", f"{cfg.device!r} is not a device; give cpu, cuda or cuda:N (or leave it out: cuda when there is one)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            _fail("device", f"{cfg.device!r}, but torch sees no CUDA GPU here; leave device out (cuda when there is "
+                            "one, else cpu) or set device: cpu")
     for key in ("items", "chunk", "max_new_tokens"):
         v = getattr(cfg, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

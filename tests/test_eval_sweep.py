@@ -24,6 +24,8 @@ def test_config_errors_before_any_model_loads(tmp_path):
         ("methods: [{name: snapkv}, {name: snapkv}]\n", "labels must be distinct"),
         ("lengths: [10]\n", "integers >= 64"),
         ("methods: [{name: snapkv, params: {windw: 8}}]\n", "snapkv"),
+        ("dtype: bfloat17\n", r"dtype: 'bfloat17' is not allowed; choose one of \['float32', 'bfloat16', 'float16'\]"),
+        ("device: gpu0\n", "device: 'gpu0' is not a device"),
     ]
     for text, match in cases:
         p.write_text(text)
@@ -32,6 +34,12 @@ def test_config_errors_before_any_model_loads(tmp_path):
     with pytest.raises(EvalConfigError, match="not found"):
         load_eval_config(tmp_path / "missing.yaml")
     assert load_eval_config("tiny.yaml").tasks == ["niah_single", "fidelity"]
+    import torch
+
+    if not torch.cuda.is_available():  # on a CPU machine, asking for cuda fails here, not inside the sweep
+        p.write_text("device: cuda\n")
+        with pytest.raises(EvalConfigError, match="torch sees no CUDA GPU here"):
+            load_eval_config(p)
 
 
 def test_tiny_sweep_resumes_without_duplicates(tmp_path):
