@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from retention.models import MODEL_DTYPES
+
 from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
 from .methods import Method, available_methods, make_method
@@ -71,9 +73,6 @@ class EvalConfig:
         return [parse_budget(b) for b in self.budgets]
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def _fail(key: str, msg: str) -> None:
     raise EvalConfigError(f"{key}: {msg}")
 
@@ -85,8 +84,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail(key, f"{getattr(cfg, key)!r} is not allowed; choose one of {list(allowed)}")
     if not isinstance(cfg.model, str) or not cfg.model:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(DTYPES)} (or leave it out: the model's own)")
+    if cfg.dtype is not None and cfg.dtype not in MODEL_DTYPES:
+        _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(MODEL_DTYPES)} (or leave it out: the model's own)")
     if cfg.device is not None:
         import torch
 

@@ -20,6 +20,8 @@ from torch import nn
 
 from .io import atomic_directory
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -193,7 +195,7 @@ def load_model(
     path = resolve_model_path(name_or_path)
     if isinstance(dtype, str):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)}")
         dtype = getattr(torch, dtype)
     try:
         config = AutoConfig.from_pretrained(path, revision=revision)

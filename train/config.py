@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from retention.models import MODEL_DTYPES
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -207,7 +209,7 @@ CHOICES = {
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "train.tracker": ("auto", "tensorboard", "wandb", "none", None),
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": MODEL_DTYPES,
     "model.attn_implementation": ("sdpa", "eager"),
 }
 POSITIVE = {

@@ -189,11 +189,11 @@ def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
     old = output_dir / "checkpoints"
     if not any(old.glob("step-*")):
         return None
-    dest = output_dir / f"checkpoints-before-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 0
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    dest = output_dir / f"checkpoints-before-{stamp}"
     while dest.exists():  # two fresh runs within a second
         n += 1
-        dest = output_dir / f"checkpoints-before-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+        dest = output_dir / f"checkpoints-before-{stamp}-{n}"
     os.rename(old, dest)
     print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} (use --resume to continue a run)")
     return dest
@@ -330,11 +330,12 @@ def train(
     from accelerate.utils import set_seed
 
     out_dir = Path(cfg.train.output_dir)
-    if push_to_hub_repo or cfg.export.push_to_hub:  # the upload comes last: a missing token fails now, not hours on
+    repo = push_to_hub_repo or cfg.export.push_to_hub
+    if repo:  # the upload comes last: a missing token fails now, not hours on
         from retention.hub import HubError, check_push_target
 
         try:
-            check_push_target(push_to_hub_repo or cfg.export.push_to_hub)
+            check_push_target(repo)
         except HubError as e:
             raise SystemExit(str(e)) from None
     src = cfg.gates.init_from
@@ -663,7 +664,6 @@ def train(
                     if k in before and k in after:
                         print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
             print(f"[retention] held-out KL {after['kl']:.4f}; gates exported to {export_dir}")
-            repo = push_to_hub_repo or cfg.export.push_to_hub
             if repo:
                 print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
     accelerator.end_training()
