@@ -43,8 +43,9 @@ EMBEDDED_MODELS = {
         gates="smollm2-135m-global",
     ),
 }
-# Trained gates that ship with the repository (a few MB each; not inside the wheel)
-CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
+# Trained gates shipped with the toolkit (a few MB each): `checkpoints/` of a checkout, which a wheel installs as
+# the data package `retention/checkpoints/` (pyproject.toml's package-dir); the first that exists wins.
+CHECKPOINT_DIRS = (Path(__file__).resolve().parent / "checkpoints", Path(__file__).resolve().parents[1] / "checkpoints")
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -151,7 +152,8 @@ def _drop_stale_caches(target: Path, source: Path, name: str) -> list[Path]:
 
 def shipped_gates(model_or_name: Any) -> Path | None:
     """The gate checkpoint shipped for an embedded model (by name, Hub id, or a loaded model whose
-    ``config._name_or_path`` is that Hub id); ``None`` when there is none or it is not in this checkout."""
+    ``config._name_or_path`` is that Hub id), from the installed package or the checkout; ``None`` when there is
+    none or it is missing (a wheel built without it)."""
     if isinstance(model_or_name, str):
         name = model_or_name
     else:
@@ -160,8 +162,8 @@ def shipped_gates(model_or_name: Any) -> Path | None:
         name = getattr(config, "_name_or_path", "") or getattr(model_or_name.config, "_name_or_path", "")
     for spec in EMBEDDED_MODELS.values():
         if name in (spec.name, spec.hub_id) and spec.gates:
-            path = CHECKPOINT_DIR / spec.gates
-            return path if (path / "gates.safetensors").is_file() else None
+            found = (d / spec.gates for d in CHECKPOINT_DIRS if (d / spec.gates / "gates.safetensors").is_file())
+            return next(found, None)
     return None
 
 

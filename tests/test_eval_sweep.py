@@ -181,9 +181,9 @@ def test_a_method_scores_with_its_own_gates(tmp_path):
 
 
 def test_the_embedded_model_defaults_to_its_shipped_gates():
-    from retention.models import CHECKPOINT_DIR, EMBEDDED_MODELS, shipped_gates
+    from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 
-    want = CHECKPOINT_DIR / "smollm2-135m-global"
+    want = CHECKPOINT_DIRS[-1] / "smollm2-135m-global"  # the checkout's (an editable install has no package copy)
     assert (want / "gates.safetensors").is_file() and (want / "config.json").is_file() and (want / "README.md").is_file()
     assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
     assert shipped_gates("some/other-model") is None
