@@ -151,4 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    from retention.cli import user_errors
+
+    try:
+        return args.func(args)
+    except user_errors() as e:  # a model that cannot load, gates that do not fit: the message names the fix
+        print(f"python -m eval {args.eval_command}: error: {e}", file=sys.stderr)
+        return 2

@@ -199,9 +199,15 @@ def load_model(
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)}")
         dtype = getattr(torch, dtype)
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: the folder has no config.json; give the folder that "
+            "save_pretrained wrote (config.json, weights, tokenizer), a Hub id, or an embedded name "
+            f"({', '.join(sorted(EMBEDDED_MODELS))})"
+        )
     try:
         config = AutoConfig.from_pretrained(path, revision=revision)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: {e}\n"
             f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "

@@ -303,6 +303,16 @@ def test_cli_usage_names_the_command_users_type(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m eval run ")
 
 
+def test_a_model_that_cannot_load_is_an_error_not_a_traceback(tmp_path, capsys):
+    from eval.cli import main
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: {tmp_path}\ntasks: [niah_single]\nmethods: [full]\nbudgets: [0.1]\nlengths: [256]\nitems: 1\n")
+    assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m eval run: error: cannot load model") and "no config.json" in err
+
+
 def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
     from eval.cli import main
 

@@ -79,6 +79,17 @@ def test_unknown_model_is_a_clear_error(tmp_path):
         load_model(str(tmp_path / "nowhere"))
 
 
+def test_a_folder_that_is_no_model_is_a_clear_error(tmp_path):
+    """Was transformers' "Unrecognized model in ..." traceback (a folder without config.json, or an unknown model_type)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(models.ModelNotAvailableError, match="the folder has no config.json; give the folder that save_pretrained wrote"):
+        load_model(str(tmp_path / "empty"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(models.ModelNotAvailableError, match="cannot load model .*no-such-architecture"):
+        load_model(str(tmp_path / "odd"))
+
+
 def test_local_folder_loads_like_a_hub_id(tmp_path):
     from tiny_models import tiny_qwen3
 

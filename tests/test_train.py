@@ -118,6 +118,26 @@ def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    import train.loop as loop
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match="no checkpoint under .*: drop --resume to start a fresh run"):
+        train(load_config(cfg_file, over), resume="latest")
+    with pytest.raises(SystemExit, match="no checkpoint there .*: drop --resume"):
+        train(load_config(cfg_file, over), resume=str(tmp_path / "nowhere"))
+
+
+def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
+    from train import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "smollm2.yaml", "--set", f"model.name={tmp_path}", "--set", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: cannot load model") and "Traceback" not in err
+
+
 def test_activation_checkpointing_trains_the_same_gates(tiny_setup, tmp_path):
     """``model.gradient_checkpointing: true`` (configs/qwen3vl.yaml) recomputes the gated layers in the
     backward pass: the same losses and gates, under this transformers' name for it (no FutureWarning)."""

@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
         return 0
+    from retention.cli import user_errors
+
     from .loop import train
 
-    train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
+    try:
+        train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
+    except user_errors() as e:  # a model that cannot load, an unsupported architecture: the message names the fix
+        parser.exit(2, f"train.py: error: {e}\n")
     return 0

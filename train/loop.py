@@ -338,6 +338,10 @@ def train(
             check_push_target(repo)
         except HubError as e:
             raise SystemExit(str(e)) from None
+    try:  # a missing checkpoint fails now, not after the model and data load
+        ckpt = find_checkpoint(out_dir, resume) if resume else None
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}: drop --resume to start a fresh run, or give a checkpoint folder (step-N)") from None
     src = cfg.gates.init_from
     # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
@@ -441,8 +445,7 @@ def train(
             lm_head.load_state_dict(unwrap(model).get_output_embeddings().state_dict())
 
     step, history, before = 0, [], None
-    if resume:
-        ckpt = find_checkpoint(out_dir, resume)
+    if ckpt is not None:
         from safetensors.torch import load_file
 
         attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
