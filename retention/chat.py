@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -274,6 +274,64 @@ class RetentionChat:
 
 
 # -- command line ----------------------------------------------------------------------------------
+CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /memory, /reset, "
+                 "/help, /quit; begin a message with // to send one that starts with /")
+
+
+def _memory_line(report: dict[str, Any]) -> str:
+    return (f"[kv {report['kv_bytes'] / 2**20:.2f} MiB of {report['full_cache_bytes'] / 2**20:.2f} MiB full; "
+            f"{report['kept_entries']:,} entries kept; {report['tokens_seen']} tokens seen]")
+
+
+def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
+    """``retention chat``'s loop over ``lines``: each a message or a command (:data:`CHAT_COMMANDS`). Replies stream to
+    stdout, errors go to stderr; a mistyped command is named, never sent to the model as a message, and a message
+    the chat refuses (over the budget, say) is reported as not sent."""
+    pending: list[Any] = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/") and not line.startswith("//"):
+            command, _, arg = line.partition(" ")
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/reset":
+                chat.reset()
+                pending = []
+                print("[conversation and cache cleared]")
+            elif command == "/memory":
+                print(_memory_line(chat.memory()))
+            elif command == "/help":
+                print(CHAT_COMMANDS)
+            elif command == "/image" and not chat.multimodal:  # say so now, not after the next message is typed
+                print(f"error: {type(unwrap(chat.model)).__name__} is a text-only model: /image needs a vision-language "
+                      "model (--model Qwen/Qwen3-VL-2B-Instruct, for example)", file=sys.stderr)
+            elif command == "/image" and not arg.strip():
+                print("error: /image needs a path: /image photo.jpg", file=sys.stderr)
+            elif command == "/image":
+                from PIL import Image
+
+                try:
+                    pending.append(Image.open(arg.strip()).convert("RGB"))
+                    print(f"[{len(pending)} image(s) attached to the next message]")
+                except OSError as e:
+                    print(f"error: cannot open image: {e}", file=sys.stderr)
+            else:
+                print(f"error: unknown command {command}; {CHAT_COMMANDS}", file=sys.stderr)
+            continue
+        text = line[1:] if line.startswith("//") else line
+        try:
+            for piece in chat.stream(text, pending):
+                print(piece, end="", flush=True)
+            print()
+            print(_memory_line(chat.memory()))
+        except (ChatInputError, ChatSetupError) as e:  # nothing was sent; the cache is as before
+            dropped = f" (its {len(pending)} image(s) dropped too: attach them again)" if pending else ""
+            print(f"error: {e}; the message was not sent{dropped}", file=sys.stderr)
+        pending = []
+
+
 def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy
@@ -295,38 +353,8 @@ def _chat_command(args: argparse.Namespace) -> int:
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("retention chat: /image PATH attaches an image to the next message, /memory, /reset, /quit")
-    pending: list[Any] = []
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/quit", "/exit"):
-            break
-        if line == "/reset":
-            chat.reset()
-            continue
-        if line == "/memory":
-            r = chat.memory()
-            print({k: v for k, v in r.items() if k != "entries_per_head"})
-            continue
-        if line.startswith("/image "):
-            from PIL import Image
-
-            try:
-                pending.append(Image.open(line[7:].strip()).convert("RGB"))
-            except OSError as e:
-                print(f"error: cannot open image: {e}", file=sys.stderr)
-            continue
-        try:
-            for piece in chat.stream(line, pending):
-                print(piece, end="", flush=True)
-            print()
-            r = chat.memory()
-            print(f"[kv {r['kv_bytes'] / 2**20:.2f} MiB of {r['full_cache_bytes'] / 2**20:.2f} MiB full; {r['tokens_seen']} tokens seen]")
-        except (ChatInputError, ChatSetupError) as e:
-            print(f"error: {e}", file=sys.stderr)
-        pending = []
+    print(f"retention chat: {CHAT_COMMANDS}")
+    chat_loop(chat, sys.stdin)
     return 0
 
 

@@ -139,3 +139,51 @@ def test_prompt_lookup_on_the_first_turn_only(smollm2):
         chat.send("Again.", prompt_lookup_num_tokens=4)
     assert chat.memory()["tokens_seen"] == seen and len(chat.messages) == 2
     assert isinstance(chat.send("Again."), str)
+
+
+class _ScriptedChat:
+    """Stands in for RetentionChat in ``chat_loop``: records what reaches the model."""
+
+    def __init__(self, multimodal: bool, refuse: str | None = None):
+        self.multimodal, self.refuse, self.sent, self.resets = multimodal, refuse, [], 0
+        self.model = torch.nn.Linear(1, 1)
+
+    def stream(self, text, images):
+        if text == self.refuse:
+            raise ChatInputError("this turn is 900 tokens but the cache budget holds 64 tokens per head")
+        self.sent.append((text, len(images)))
+        yield f"re: {text}"
+
+    def memory(self):
+        return {"kv_bytes": 2**20, "full_cache_bytes": 2**21, "kept_entries": 1234, "tokens_seen": 7}
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
+    """`retention chat` used to send a mistyped command to the model as a message, and took `/image` on a text-only
+    model only to refuse the next message (which was then lost)."""
+    from PIL import Image
+
+    from retention.chat import chat_loop
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(photo)
+    text_only = _ScriptedChat(multimodal=False)
+    chat_loop(text_only, ["/image " + str(photo), "hello", "/frob", "//etc is a folder", "/memory", "/reset", "/quit", "after"])
+    out, err = capsys.readouterr()
+    assert text_only.sent == [("hello", 0), ("/etc is a folder", 0)] and text_only.resets == 1
+    assert "text-only model: /image needs a vision-language model" in err and "unknown command /frob" in err
+    assert "re: hello" in out and "[kv 1.00 MiB of 2.00 MiB full; 1,234 entries kept; 7 tokens seen]" in out
+
+    vl = _ScriptedChat(multimodal=True, refuse="too long")
+    chat_loop(vl, [f"/image {photo}", f"/image {tmp_path / 'missing.png'}", "/image", f"/image {photo}", "too long",
+                   "what is this?", f"/image {photo}", "/reset", "and now?"])
+    out, err = capsys.readouterr()
+    assert vl.sent == [("what is this?", 0), ("and now?", 0)]  # the refused message took its images with it; /reset drops
+    assert "cannot open image" in err and "/image needs a path" in err
+    assert "the message was not sent (its 2 image(s) dropped too: attach them again)" in err
+    vl.refuse = None
+    chat_loop(vl, [f"/image {photo}", f"/image {photo}", "compare them"])
+    assert vl.sent[-1] == ("compare them", 2)
