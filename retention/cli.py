@@ -93,7 +93,7 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="retention", description=__doc__)
+    parser = argparse.ArgumentParser(prog="retention", description=__doc__.replace("``", ""))  # plain text in a terminal
     sub = parser.add_subparsers(dest="command", required=True)
     build_demo_parser(sub)
     for module in _command_modules():

@@ -187,3 +187,12 @@ def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
     vl.refuse = None
     chat_loop(vl, [f"/image {photo}", f"/image {photo}", "compare them"])
     assert vl.sent[-1] == ("compare them", 2)
+
+
+def test_retention_help_names_every_command_in_plain_text(capsys):
+    from retention.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and all(c in out for c in ("demo", "chat", "push", "average", "eval"))
