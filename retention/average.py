@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .gates import RetentionGates
+from .gates import RetentionGates, check_gate_folder_target
 from .hub import HubError, checkpoint_folder, export_gates
 
 
@@ -64,6 +64,7 @@ def average_checkpoints(
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
     weights = normalised_weights(weights, len(paths))  # a lone checkpoint or bad weights fail before any download
+    check_gate_folder_target(out)  # and an --out that holds other files (it is replaced whole)
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
@@ -84,7 +85,7 @@ def average_checkpoints(
 def _average_command(args: argparse.Namespace) -> int:
     try:
         print(average_checkpoints(args.checkpoints, args.out, args.weights))
-    except (FileNotFoundError, ValueError, HubError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, HubError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

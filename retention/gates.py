@@ -184,10 +184,12 @@ class RetentionGates(nn.Module):
 
     # -- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename)."""
+        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename); ``path`` must be
+        new, empty or gates written before (:func:`check_gate_folder_target`)."""
         from .io import atomic_directory, save_state
 
         path = Path(path)
+        check_gate_folder_target(path)
         with atomic_directory(path) as tmp:
             save_state(self.state_dict(), tmp / "gates.safetensors")
             payload = {"gate_config": self.config.to_dict(), **(metadata or {})}
@@ -207,3 +209,18 @@ class RetentionGates(nn.Module):
         gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
         gates.load_state_dict(load_file(str(weights)))
         return gates
+
+
+def is_gate_folder(path: str | Path) -> bool:
+    """Whether ``path`` holds gates written by this toolkit (a ``config.json`` with a ``gate_config``)."""
+    try:
+        return "gate_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_gate_folder_target(path: str | Path) -> None:
+    """FileExistsError unless gates may be written to ``path``: absent, empty, or earlier gates (replaced whole)."""
+    from .io import check_replaceable
+
+    check_replaceable(path, is_gate_folder, "a gate checkpoint")

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,6 +23,22 @@ def _usual_permissions(root: Path) -> None:
     mask = _umask()
     for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def check_replaceable(path: str | Path, ours: Callable[[Path], bool], what: str) -> None:
+    """Refuse to replace ``path`` unless it is absent, an empty folder, or ``ours`` (what we write there already).
+
+    :func:`atomic_directory` swaps a whole folder: ``--to ~/work`` would otherwise delete everything in it.
+    """
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())) or (path.is_dir() and ours(path)):
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{path} is a file, and {what} is written as a folder; choose a new or empty folder")
+    raise FileExistsError(
+        f"{path} is a folder that does not hold {what}: writing {what} there replaces the whole folder, which would "
+        "delete what is in it; choose a new or empty folder"
+    )
 
 
 @contextlib.contextmanager

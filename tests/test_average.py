@@ -63,6 +63,17 @@ def test_average_command_writes_a_checkpoint_that_records_its_sources(tmp_path, 
     assert "| averaged_from | 0.75 x" in (out / "README.md").read_text()
 
 
+def test_average_refuses_an_out_folder_of_other_files_before_reading(tmp_path, capsys, monkeypatch):
+    import retention.average
+
+    monkeypatch.setattr(retention.average, "checkpoint_folder", lambda p: pytest.fail("read a checkpoint first"))
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    assert main(["average", "a", "b", "--out", str(tmp_path / "work")]) == 2
+    assert "does not hold a gate checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "work" / "notes.txt").read_text() == "keep me"
+
+
 def test_average_refuses_checkpoints_of_different_base_models(tmp_path):
     pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
     pb = export_gates(_gates(1), tmp_path / "b", base_model="other-model")

@@ -33,6 +33,28 @@ def test_export_writes_a_self_describing_checkpoint(checkpoint):
     assert "| steps | 3 |" in card
 
 
+def test_export_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
+    """The export swaps its whole folder: `--to ~/work` used to delete everything in it. Earlier gates (a re-export)
+    and empty folders are replaced; anything else is refused with nothing touched."""
+    path, gates, _ = checkpoint
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "thesis.txt").write_text("years of it")
+    (work / "config.json").write_text('{"model_type": "llama"}')  # a model folder is no gate folder either
+    for write in (lambda p: export_gates(gates, p), lambda p: gates.save_pretrained(p)):
+        with pytest.raises(FileExistsError, match="does not hold a gate checkpoint.*choose a new or empty folder"):
+            write(work)
+        assert sorted(p.name for p in work.iterdir()) == ["config.json", "thesis.txt"]
+        with pytest.raises(FileExistsError, match="is a file"):
+            write(work / "thesis.txt")
+    (tmp_path / "empty").mkdir()
+    export_gates(gates, tmp_path / "empty")
+    gates.save_pretrained(path)  # over the export: earlier gates, replaced whole
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "gates.safetensors"]
+    export_gates(gates, path, base_model="tiny-llama")
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
+
+
 def test_model_card_says_what_the_variant_is(tmp_path):
     model = tiny_llama()
     cards = {}

@@ -129,6 +129,18 @@ def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, 
         train(load_config(cfg_file, over), resume=str(tmp_path / "nowhere"))
 
 
+def test_an_export_dir_of_other_files_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    import train.loop as loop
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match="export.dir: .*does not hold a gate checkpoint"):
+        train(load_config(cfg_file, over + [f"export.dir={tmp_path / 'work'}"]))
+    assert (tmp_path / "work" / "notes.txt").read_text() == "keep me"
+
+
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
     from train import main
 
@@ -177,6 +189,11 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     assert f"| data | 32-token rows: text {tiny_setup / 'text'} (train) |" in card, card
     with pytest.raises(SystemExit):
         main(["--config", str(cfg_file), "--set", f"train.output_dir={tmp_path / 'none'}", "--export"])
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as stop:  # --to a folder of other files: refused, nothing deleted
+        main(["--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to", str(tmp_path / "work")])
+    assert stop.value.code == 2 and (tmp_path / "work" / "notes.txt").read_text() == "keep me"
 
 
 def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):

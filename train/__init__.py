@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(f"[retention] gates exported to {export_checkpoint(cfg, args.export, args.to)}")
-        except FileNotFoundError as e:
+        except (FileNotFoundError, FileExistsError) as e:  # no such checkpoint; --to a folder of other files
             parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
         return 0
     from retention.cli import user_errors

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from retention.attach import RetentionAttachment, attach_gates, check_gates_match, text_config_of, unwrap
 from retention.compat import enable_activation_checkpointing
-from retention.gates import GateConfig
+from retention.gates import GateConfig, check_gate_folder_target
 from retention.hub import export_gates, load_gates, push_to_hub
 from retention.io import atomic_directory, save_state
 from retention.losses import beta_stats, capacity_loss, distillation_kl
@@ -342,6 +342,10 @@ def train(
         ckpt = find_checkpoint(out_dir, resume) if resume else None
     except FileNotFoundError as e:
         raise SystemExit(f"{e}: drop --resume to start a fresh run, or give a checkpoint folder (step-N)") from None
+    try:  # the export replaces its folder whole: a folder of someone's files fails now, not after the run
+        check_gate_folder_target(cfg.export_dir())
+    except FileExistsError as e:
+        raise SystemExit(f"export.dir: {e} (--set export.dir=DIR)") from None
     src = cfg.gates.init_from
     # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
