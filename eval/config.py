@@ -14,6 +14,7 @@ from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
 from .methods import Method, available_methods, make_method
 from .protocol import PREFILLS, PROTOCOLS
+from .loaders import HUB_TASKS, check_hub_task
 from .tasks import TASKS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -105,14 +106,23 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     if not isinstance(cfg.lengths, list) or not cfg.lengths or any(
             not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in cfg.lengths):
         _fail("lengths", f"must be a non-empty list of integers >= 64 (context tokens), got {cfg.lengths!r}")
+    available = f"generated: {sorted(TASKS)}; from the Hub: {sorted(HUB_TASKS)}"
     if not isinstance(cfg.tasks, list) or not cfg.tasks:
-        _fail("tasks", f"must be a non-empty list of task names or {{name, params}}; available: {sorted(TASKS)}")
+        _fail("tasks", f"must be a non-empty list of task names or {{name, params}}; {available}")
     for t in cfg.tasks:
         name = t if isinstance(t, str) else (t.get("name") if isinstance(t, dict) else None)
-        if name not in TASKS:
-            _fail("tasks", f"unknown task {name!r}; available: {sorted(TASKS)}")
+        if name == "mmdu":
+            _fail("tasks", "mmdu is multimodal and the sweep feeds text: load it with eval.loaders.load_mmdu and run "
+                           "its dialogues through retention.chat.RetentionChat with a Qwen3-VL model")
+        if name not in TASKS and name not in HUB_TASKS:
+            _fail("tasks", f"unknown task {name!r}; {available}")
         if isinstance(t, dict) and set(t) - {"name", "params"}:
             _fail("tasks", f"a task entry takes 'name' and 'params', got {sorted(t)}")
+        if name in HUB_TASKS:
+            try:
+                check_hub_task(name, dict((t.get("params") or {}) if isinstance(t, dict) else {}))
+            except ValueError as e:
+                _fail("tasks", str(e))
     if not isinstance(cfg.methods, list) or not cfg.methods:
         _fail("methods", f"must be a non-empty list of {{name, params?, label?}}; available: {available_methods()}")
     labels = []

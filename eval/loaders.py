@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -219,3 +220,58 @@ def mmdu_judge(complete: Callable[[str], str]) -> Callable[[str, list[str]], flo
         return 10.0 * min(10.0, float(m.group(1))) if m else 0.0
 
     return metric
+
+
+# --- the Hub sets as sweep tasks -------------------------------------------------------------------
+# ``tasks: [{name: longbench, params: {subset: hotpotqa}}]`` in an eval config: ``items`` is the number of
+# records taken (of each RULER task), and each entry of ``lengths`` is RULER's context-length config, or for LongBench the most
+# context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU is multimodal and the
+# sweep feeds text: run it through ``load_mmdu`` and RetentionChat.
+HUB_TASKS: dict[str, Callable[..., list[Item]]] = {
+    "ruler": load_ruler, "longbench": load_longbench, "longbench_v2": load_longbench_v2,
+}
+
+
+def check_hub_task(name: str, params: dict[str, Any]) -> None:
+    """ValueError naming the problem when ``params`` do not fit the loader (before a model or a download)."""
+    import inspect
+
+    loader = HUB_TASKS[name]
+    taken = {"limit"} | ({"length"} if name == "ruler" else set())  # set by the sweep's items / lengths
+    if set(params) & taken:
+        raise ValueError(f"{name}: {sorted(set(params) & taken)} come from the sweep's items / lengths, not params")
+    try:
+        inspect.signature(loader).bind(**params)
+    except TypeError as e:
+        accepted = sorted(set(inspect.signature(loader).parameters) - taken)
+        raise ValueError(f"{name}: {e}; its params are {accepted}") from None
+    if name == "longbench" and params.get("subset", "hotpotqa") not in LONGBENCH:
+        raise ValueError(f"longbench: unknown subset {params['subset']!r}; English subsets: {sorted(LONGBENCH)}")
+
+
+def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
+    """``text`` cut to at most ``max_tokens`` tokens by dropping its middle (LongBench's truncation)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    half = max_tokens // 2
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[len(ids) - (max_tokens - half):], skip_special_tokens=True)
+
+
+def hub_task_items(name: str, tokenizer, length: int, n: int, **params: Any) -> list[Item]:
+    """``n`` items of a Hub set for a sweep at ``length`` (see :data:`HUB_TASKS`); ``tokenizer=None`` only fetches
+    (so a sweep downloads, or fails offline, before its model loads)."""
+    if name == "ruler":  # RULER's items are made for that length; n of each of its tasks (its rows come task by task)
+        taken: dict[str, int] = {}
+        items = []
+        for it in load_ruler(length, **params):
+            if taken.get(it.task, 0) < n:
+                taken[it.task] = taken.get(it.task, 0) + 1
+                items.append(it)
+        return items
+    items = HUB_TASKS[name](limit=n, **params)
+    if tokenizer is None:
+        return items
+    # the id names the length: an item cut to two lengths is two items (a shared prefill must tell them apart)
+    return [replace(it, id=f"{it.id}@{length}", context=truncate_middle(tokenizer, it.context, length)) for it in items]

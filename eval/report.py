@@ -107,7 +107,8 @@ def plot(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
-            path = out_dir / (f"{task}.png" if field == "score" else f"{task}_kl.png")
+            stem = re.sub(r"[^\w.-]+", "-", task)  # a Hub set's task names its subset: ruler/vt -> ruler-vt.png
+            path = out_dir / (f"{stem}.png" if field == "score" else f"{stem}_kl.png")
             fig.tight_layout()
             fig.savefig(path, dpi=120)
             plt.close(fig)

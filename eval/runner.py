@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from tqdm.auto import tqdm
 
 from .config import EvalConfig
+from .loaders import HUB_TASKS, hub_task_items
 from .methods import PolicyCache
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import generate
@@ -81,19 +82,26 @@ def _set_aside_other_gates(results: Path, gate_ids: dict[str, str | None]) -> li
     return rows
 
 
+def _items(cfg: EvalConfig, spec, tokenizer, length: int) -> list:
+    """A task's items at one length: generated from the config's seed, or ``items`` records of a Hub set."""
+    if spec.name in HUB_TASKS:
+        return hub_task_items(spec.name, tokenizer, length, cfg.items, **spec.params)
+    return generate(spec.name, tokenizer, length, cfg.items, seed=cfg.seed, split=cfg.split, source=cfg.source,
+                    **spec.params)
+
+
 def _jobs(cfg: EvalConfig, tokenizer, done: set) -> Iterator[tuple]:
     """``(item, method, budgets, rows)`` still to run: the budgets of one (item, method) go together,
     so a one-shot prefill is shared by all of them (see :func:`eval.protocol.run_item_budgets`)."""
     methods, budgets = cfg.method_list(), cfg.budget_list()
     for spec in cfg.task_specs():
         for length in cfg.lengths:
-            items = generate(spec.name, tokenizer, length, cfg.items, seed=cfg.seed, split=cfg.split,
-                             source=cfg.source, **spec.params)
-            for item in items:
+            for item in _items(cfg, spec, tokenizer, length):
+                task = item.task if spec.name in HUB_TASKS else spec.name  # a Hub set's rows name its subset
                 for m in methods:
                     todo = []
                     for b in (budgets if m.uses_budget else [None]):
-                        row = {"task": spec.name, "length": length, "item": item.id, "method": m.label,
+                        row = {"task": task, "length": length, "item": item.id, "method": m.label,
                                "budget": "full" if b is None else b.key, "protocol": cfg.protocol, "prefill": cfg.prefill}
                         if row_key(row) not in done:
                             todo.append((b, row))
@@ -127,6 +135,10 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     _drop_torn_tail(results)
+    for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads
+        if spec.name in HUB_TASKS:
+            for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:
+                hub_task_items(spec.name, None, length, cfg.items, **spec.params)
     if model_and_tokenizer is None:
         from .models import load_eval_model
 

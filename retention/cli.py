@@ -109,7 +109,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .hub import HubError
     from .models import ModelNotAvailableError
 
-    return (CacheBudgetError, ChatInputError, ChatSetupError, HubError, ModelNotAvailableError, UnsupportedModelError)
+    errors = (CacheBudgetError, ChatInputError, ChatSetupError, HubError, ModelNotAvailableError, UnsupportedModelError)
+    try:  # `retention eval` over a Hub set that cannot be read here (the eval package may be absent)
+        from eval.loaders import DatasetUnavailableError
+    except ImportError:
+        return errors
+    return (*errors, DatasetUnavailableError)
 
 
 def check_gates_source(gates: str | None) -> None:

@@ -3,7 +3,7 @@ the report (table + plots) from a fixed results file, Hub loaders on local files
 model solving easy needles with the full cache."""
 
 import json
-import os
+import re
 from pathlib import Path
 
 import pytest
@@ -106,7 +106,7 @@ def test_report_from_a_fixed_results_file(tmp_path):
     assert "gaps.png" not in md.read_text()  # 2 items and one budget: no intervals to draw
 
 
-def test_hub_loaders_on_local_files(tmp_path):
+def test_hub_loaders_on_local_files(tmp_path, monkeypatch):
     from eval.loaders import DatasetUnavailableError, load_longbench, load_longbench_v2, load_mmdu, load_ruler
 
     def write(name, rows):
@@ -125,12 +125,110 @@ def test_hub_loaders_on_local_files(tmp_path):
         {"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "hello"},
         {"from": "human", "value": "what was it?"}, {"from": "gpt", "value": "a cat"}]}]))
     assert mm[0].messages[1]["role"] == "assistant" and mm[0].answers == ["a cat"] and mm[0].meta["images"] == ["x.jpg"]
-    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        with pytest.raises(DatasetUnavailableError, match="ruler"):
-            load_ruler(length="nope")
-    finally:
-        del os.environ["HF_DATASETS_OFFLINE"], os.environ["HF_HUB_OFFLINE"]
+    _offline(monkeypatch, tmp_path)
+    with pytest.raises(DatasetUnavailableError, match="ruler"):
+        load_ruler(length="nope")
+
+
+def _offline(monkeypatch, tmp_path):
+    """No Hub, nothing cached: datasets and huggingface_hub read their offline switches at import, so set both."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+
+def _hub_copies(tmp_path):
+    """Local copies of RULER, LongBench (hotpotqa) and LongBench v2 rows, 3 records each, with long contexts."""
+    def write(name, rows):
+        p = tmp_path / name
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(p)
+
+    text = lambda i: " ".join(f"Sentence {k} of document {i} says the river runs north." for k in range(60))
+    return {
+        "ruler": write("ruler.jsonl", [{"context": text(i)[:600], "question": "Which way?", "answer": ["north"],
+                                         "task": task, "answer_prefix": "It runs", "max_new_tokens": 4}
+                                        for task in ("niah_single_1", "vt") for i in range(3)]),  # task by task
+        "longbench": write("hotpotqa.jsonl", [{"context": text(i), "input": "Which way?", "answers": ["north"],
+                                               "_id": f"lb{i}"} for i in range(3)]),
+        "longbench_v2": write("v2.jsonl", [{"_id": f"v{i}", "context": text(i), "question": "Which way?",
+                                            "choice_A": "north", "choice_B": "south", "choice_C": "east",
+                                            "choice_D": "west", "answer": "A"} for i in range(3)]),
+    }
+
+
+def test_hub_sets_run_as_sweep_tasks(tmp_path):
+    """RULER and LongBench v1/v2 named in a config (`items` records; LongBench cut to each length by its middle),
+    scored with their own metrics, one row per item, method and budget."""
+    from eval.config import load_eval_config
+    from eval.loaders import hub_task_items
+    from eval.models import load_eval_model
+    from eval.runner import read_results, run_sweep
+
+    files = _hub_copies(tmp_path)
+    cfg_file = tmp_path / "hub.yaml"
+    cfg_file.write_text(
+        "model: tiny-llama-random\n"
+        f"output: {tmp_path / 'out'}\n"
+        "tasks:\n"
+        f"  - {{name: ruler, params: {{data_files: {files['ruler']}}}}}\n"
+        f"  - {{name: longbench, params: {{subset: hotpotqa, data_files: {files['longbench']}}}}}\n"
+        f"  - {{name: longbench_v2, params: {{data_files: {files['longbench_v2']}}}}}\n"
+        "lengths: [96]\nbudgets: [0.5]\nitems: 2\nmax_new_tokens: 4\n"
+        "methods: [{name: full}, {name: streamingllm}]\n"
+    )
+    model, tok = load_eval_model("tiny-llama-random")
+    results = run_sweep(load_eval_config(cfg_file), (model, tok), progress=False)
+    rows = read_results(results)
+    report = write_report(results)  # one plot per subset: "ruler/vt" is no folder
+    assert (report.parent / "ruler-vt.png").is_file() and "](ruler-vt.png)" in report.read_text()
+    by_task = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r)
+    assert sorted(by_task) == ["longbench/hotpotqa", "longbench_v2", "ruler/niah_single_1", "ruler/vt"]
+    assert {t: {r["metric"] for r in rs} for t, rs in by_task.items()} == {
+        "longbench/hotpotqa": {"f1"}, "longbench_v2": {"choice"}, "ruler/niah_single_1": {"recall"}, "ruler/vt": {"recall"}}
+    assert all(len(rs) == 4 for rs in by_task.values())  # 2 items (of each RULER task) x (full + one budget)
+    assert {r["item"] for r in by_task["longbench/hotpotqa"]} == {"lb0@96", "lb1@96"}
+    # LongBench's truncation: at most `length` tokens, the beginning and the end of the context kept
+    (item,) = hub_task_items("longbench", tok, 96, 1, subset="hotpotqa", data_files=files["longbench"])
+    full = hub_task_items("longbench", None, 96, 1, subset="hotpotqa", data_files=files["longbench"])[0].context
+    n = len(tok(item.context, add_special_tokens=False)["input_ids"])
+    assert 90 <= n <= 96 and full.startswith(item.context[:40]) and full.endswith(item.context[-40:])
+    assert item.id != hub_task_items("longbench", tok, 64, 1, subset="hotpotqa", data_files=files["longbench"])[0].id
+
+
+@pytest.mark.parametrize("task, message", [
+    ("{name: longbench, params: {subset: nosuch}}", "unknown subset 'nosuch'"),
+    ("{name: ruler, params: {limit: 3}}", "come from the sweep's items / lengths"),
+    ("{name: longbench_v2, params: {difficulty: hard, colour: red}}", "colour"),
+    ("mmdu", "mmdu is multimodal and the sweep feeds text"),
+    ("ruller", "from the Hub: ['longbench', 'longbench_v2', 'ruler']"),
+])
+def test_hub_task_config_errors(tmp_path, task, message):
+    from eval.config import EvalConfigError, load_eval_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\ntasks: [{task}]\nmethods: [full]\n")
+    with pytest.raises(EvalConfigError, match=re.escape(message)):
+        load_eval_config(p)
+
+
+def test_an_unreachable_hub_set_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import eval.models
+    from eval.cli import main
+
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    _offline(monkeypatch, tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [ruler]\nmethods: [full]\n")
+    assert main(["run", "--config", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m eval run: error: cannot load 'simonjegou/ruler' from the Hub") and "data_files=" in err
 
 
 @pytest.mark.smollm2
