@@ -141,6 +141,21 @@ def test_an_export_dir_of_other_files_stops_the_run_before_the_model_loads(tiny_
     assert (tmp_path / "work" / "notes.txt").read_text() == "keep me"
 
 
+def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, capsys, monkeypatch):
+    import train.loop as loop
+    from train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "index.html").write_text("<p>text</p>")
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
+    cfg_file.write_text(cfg_file.read_text().replace(str(tiny_setup / "text"), str(tmp_path / "pages")))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(cfg_file)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: ") and "holds no text files: give .txt" in err
+
+
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
     from train import main
 

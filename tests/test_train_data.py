@@ -1,5 +1,7 @@
 """Training data: packing with document boundaries, chat masks, offline corpora, resumable streams."""
 
+import re
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -140,6 +142,42 @@ def test_local_files_and_cache(tmp_path, tokenizer):
     assert train and held
     again, _ = build_data(cfg, tokenizer, cache=tmp_path / "cache")
     assert again == train and any((tmp_path / "cache").iterdir())
+
+
+def test_local_json_in_every_common_layout(tmp_path):
+    """A JSON document (a list of records, {id: record}, a list of strings) reads like JSON lines; before, any .json
+    was read line by line, so a pretty-printed export died with a JSONDecodeError traceback."""
+    import json
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "list.json").write_text(json.dumps([{"messages": chat}, {"messages": chat[:1]}], indent=2))
+    (tmp_path / "map.json").write_text(json.dumps({"a": {"messages": chat}}, indent=2))
+    (tmp_path / "lines.json").write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": chat}) + "\n")
+    (tmp_path / "notes.txt").write_text("not a chat")  # skipped: chat sources read .json / .jsonl
+    read = lambda path, kind="chat", **kw: list(iter_source(SourceConfig(kind=kind, path=str(path), **kw)))
+    assert read(tmp_path / "list.json") == [chat, chat[:1]] and read(tmp_path / "map.json") == [chat]
+    assert read(tmp_path / "lines.json") == [chat, chat] and len(read(tmp_path)) == 5
+    (tmp_path / "strings.json").write_text(json.dumps(["one text", "another"]))
+    assert read(tmp_path / "strings.json", kind="text") == ["one text", "another"]
+    (tmp_path / "conv.jsonl").write_text(json.dumps({"conversation": chat}) + "\n")
+    assert read(tmp_path / "conv.jsonl", field="conversation") == [chat]
+
+
+@pytest.mark.parametrize("content, name, message", [
+    ('{"text": "x"}\n', "a.jsonl", "a record has no 'messages' field (it has ['text']); name the field"),
+    ('{"messages": []}\noops\n', "a.jsonl", "a.jsonl, line 2: not JSON"),
+    ("<p>hi</p>", "a.html", "holds no chat files: give .json, .jsonl files"),
+])
+def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message):
+    from train.data import DataError, check_local_source
+
+    (tmp_path / name).write_text(content)
+    source = SourceConfig(kind="chat", path=str(tmp_path / name))
+    with pytest.raises(DataError, match=re.escape(message)):
+        list(iter_source(source))
+    if "line 2" not in message:  # the first record is what the check before the model load reads
+        with pytest.raises(DataError, match=re.escape(message)):
+            check_local_source(source)
 
 
 def test_stream_is_deterministic_resumable_and_split_by_rank():

@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from retention.cli import user_errors
 
+    from .data import DataError
     from .loop import train
 
     try:
         train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
-    except user_errors() as e:  # a model that cannot load, an unsupported architecture: the message names the fix
+    except (*user_errors(), DataError) as e:  # a model that cannot load, unreadable data: the message names the fix
         parser.exit(2, f"train.py: error: {e}\n")
     return 0

@@ -85,19 +85,60 @@ def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
                 yield turns
 
 
+LOCAL_SUFFIXES = {"text": (".txt", ".md", ".rst", ".json", ".jsonl"), "chat": (".json", ".jsonl"),
+                  "multimodal": (".json", ".jsonl")}
+
+
+def _json_records(f: str) -> Iterator[Any]:
+    """A file's records: JSON lines, or one JSON document (a list of records, ``{id: record}`` or one record)."""
+    if f.endswith(".json"):
+        try:
+            data = json.loads(Path(f).read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            data = None  # JSON lines under a .json name
+        if data is not None:
+            if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+                data = list(data.values())  # {id: record}, the MMDU layout
+            yield from data if isinstance(data, list) else [data]
+            return
+    with open(f, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{f}, line {n}: not JSON ({e}); give JSON lines (one record a line) or one JSON "
+                                    "document (a list of records)") from None
+
+
 def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
     p = Path(path)
     files = sorted(glob.glob(str(p / "**" / "*"), recursive=True)) if p.is_dir() else [str(p)]
+    files = [f for f in files if f.endswith(LOCAL_SUFFIXES[kind])]
+    if not files:
+        raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files (or a folder of them)")
+    key = field or ("text" if kind == "text" else "messages")
     for f in files:
-        if f.endswith((".jsonl", ".json")):
-            with open(f, encoding="utf-8") as fh:
-                for line in fh:
-                    if line.strip():
-                        rec = json.loads(line)
-                        key = field or ("text" if kind == "text" else "messages")
-                        yield rec if kind == "multimodal" and key not in rec else rec[key]
-        elif kind == "text" and f.endswith((".txt", ".md", ".rst")):
+        if not f.endswith((".jsonl", ".json")):
             yield Path(f).read_text(encoding="utf-8", errors="replace")
+            continue
+        for rec in _json_records(f):
+            if kind == "text" and isinstance(rec, str) and field is None:
+                yield rec  # a JSON list of strings, or a string a line
+            elif kind == "multimodal" and isinstance(rec, dict) and key not in rec:
+                yield rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
+            elif not isinstance(rec, dict) or key not in rec:
+                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise DataError(f"{f}: a record has no {key!r} field (it has {keys}); name the field that holds the "
+                                f"{'text' if kind == 'text' else 'conversation'} with `field:` in this source")
+            else:
+                yield rec[key]
+
+
+def check_local_source(source: SourceConfig) -> None:
+    """Read a local source's first record (DataError naming the problem): before the model loads, not after."""
+    if source.kind != "synthetic" and source.path not in BUILTIN_CORPORA and Path(source.path).exists():
+        next(iter(_local_records(source.path, source.kind, source.field)), None)
 
 
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
