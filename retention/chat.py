@@ -134,8 +134,12 @@ class RetentionChat:
         return "".join(self.stream(text, images, **generation_kwargs))
 
     def stream(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> Iterator[str]:
-        """Like :meth:`send`, yielding the reply as it is generated."""
-        from transformers import TextIteratorStreamer
+        """Like :meth:`send`, yielding the reply as it is generated.
+
+        Stopping early (``break``, ``close()``, or Ctrl-C while it waits for the next piece) stops generation at the
+        next token and keeps the reply so far as the assistant's turn, as if ``max_new_tokens`` had ended it there:
+        the cache and the history stay in step and the chat goes on."""
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
         images = list(images or [])
         kwargs = {**self.generation_kwargs, **generation_kwargs}
@@ -157,6 +161,13 @@ class RetentionChat:
         if uncached > self.chunk_size:
             kwargs["prefill_chunk_size"] = self.chunk_size
         result: dict[str, Any] = {}
+        stop = threading.Event()
+
+        class _StopWhenAsked(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), _StopWhenAsked()])
 
         def run() -> None:
             try:
@@ -175,18 +186,28 @@ class RetentionChat:
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        yield from streamer
+        try:
+            yield from streamer
+        except BaseException:  # the caller stopped early: generation must end before the cache is touched again
+            stop.set()
+            thread.join()
+            if "out" in result:
+                self._commit(full, result["out"], turn["message"], kwargs)
+            raise
         thread.join()
         if "error" in result:
             raise result["error"]
-        out = result["out"]
+        self._commit(full, result["out"], turn["message"], kwargs)
+
+    def _commit(self, full: torch.Tensor, out: torch.Tensor, message: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        """Record a finished (or stopped) turn: ``out`` is the prompt ``full`` plus the reply generated."""
         reply_ids = out[0, full.shape[1] :]
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) | {kwargs.get("eos_token_id")} - {None}
         self._last_reply_ended = bool(len(reply_ids)) and int(reply_ids[-1]) in eos
         reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         self.ids = out
-        self.messages += [turn["message"], {"role": "assistant", "content": reply}]
+        self.messages += [message, {"role": "assistant", "content": reply}]
 
     # -- encoding ----------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -275,7 +296,7 @@ class RetentionChat:
 
 # -- command line ----------------------------------------------------------------------------------
 CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /memory, /reset, "
-                 "/help, /quit; begin a message with // to send one that starts with /")
+                 "/help, /quit; begin a message with // to send one that starts with /; Ctrl-C stops a reply")
 
 
 def _memory_line(report: dict[str, Any]) -> str:
@@ -322,8 +343,11 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
             continue
         text = line[1:] if line.startswith("//") else line
         try:
-            for piece in chat.stream(text, pending):
-                print(piece, end="", flush=True)
+            try:
+                for piece in chat.stream(text, pending):
+                    print(piece, end="", flush=True)
+            except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat (the reply so far is kept)
+                print(" [stopped]", end="")
             print()
             print(_memory_line(chat.memory()))
         except (ChatInputError, ChatSetupError) as e:  # nothing was sent; the cache is as before

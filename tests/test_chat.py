@@ -196,3 +196,45 @@ def test_retention_help_names_every_command_in_plain_text(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and all(c in out for c in ("demo", "chat", "push", "average", "eval"))
+
+
+@pytest.mark.parametrize("how", ["close", "ctrl-c"])
+def test_a_reply_stopped_early_is_kept_and_the_chat_goes_on(smollm2, how):
+    """Stopping a streamed reply (`break` / close(), or Ctrl-C while it waits) used to leave generation running into
+    the cache in the background, out of step with the history. Now it ends the reply there: the same state as a reply
+    cut by max_new_tokens at that length, and the next turn gives the same reply as from that state."""
+    model, tok = smollm2
+    prompt = "Write a long story about a lighthouse keeper and her cat."
+    chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=60)
+    stream = chat.stream(prompt)
+    first = next(stream)
+    if how == "close":
+        stream.close()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            stream.throw(KeyboardInterrupt)
+    n_prompt = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"])
+    k = chat.ids.shape[1] - n_prompt
+    assert 1 <= k < 60 and chat.messages[-1]["content"].startswith(first.strip())
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1  # the last token is fed with the next turn
+    reference = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=60)
+    reference.send(prompt, max_new_tokens=k)
+    assert torch.equal(reference.ids, chat.ids) and reference.messages == chat.messages
+    assert chat.send("Now name the cat.", max_new_tokens=12) == reference.send("Now name the cat.", max_new_tokens=12)
+
+
+def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
+    from retention.chat import chat_loop
+
+    class Interrupted(_ScriptedChat):
+        def stream(self, text, images):
+            self.sent.append((text, len(images)))
+            yield "once upon"
+            if text == "story":
+                raise KeyboardInterrupt
+
+    chat = Interrupted(multimodal=False)
+    chat_loop(chat, ["story", "and then?"])
+    out = capsys.readouterr().out
+    assert [t for t, _ in chat.sent] == ["story", "and then?"] and "once upon [stopped]" in out
