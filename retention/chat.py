@@ -378,7 +378,25 @@ def _chat_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"retention chat: {CHAT_COMMANDS}")
-    chat_loop(chat, sys.stdin)
+    try:
+        chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
+    except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
+        print()
+    return 0
+
+
+def _typed_lines() -> Iterator[str]:
+    """Lines typed at a terminal, with a prompt (and readline's editing and history where Python has it)."""
+    try:
+        import readline  # noqa: F401  (input() uses it once imported)
+    except ImportError:
+        pass
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:  # Ctrl-D
+            print()
+            return
     return 0
 
 

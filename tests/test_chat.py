@@ -238,3 +238,19 @@ def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
     chat_loop(chat, ["story", "and then?"])
     out = capsys.readouterr().out
     assert [t for t, _ in chat.sent] == ["story", "and then?"] and "once upon [stopped]" in out
+
+
+def test_typed_lines_prompt_until_ctrl_d(monkeypatch, capsys):
+    from retention import chat as chat_module
+
+    typed = iter(["hello", "/quit"])
+
+    def fake_input(prompt):
+        assert prompt == "> "
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert list(chat_module._typed_lines()) == ["hello", "/quit"]
