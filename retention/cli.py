@@ -69,7 +69,8 @@ def build_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo")
-    demo.add_argument("--budget-tokens", type=int, default=48, help="budget as tokens per KV head (x layers x KV heads)")
+    demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=int, default=48,
+                      help="KV budget in tokens per (layer, KV head), as retention chat's --budget")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.set_defaults(func=_demo)

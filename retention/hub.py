@@ -209,5 +209,5 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("push", help="upload a gate checkpoint folder to the Hugging Face Hub")
     p.add_argument("path", help="checkpoint folder (gates.safetensors, config.json, README.md)")
     p.add_argument("repo_id", help="e.g. your-name/smollm2-135m-retention-gates")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--private", action="store_true", help="create the repo private (when it does not exist yet)")
     p.set_defaults(func=_push_command)
