@@ -107,10 +107,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .attach import UnsupportedModelError
     from .cache.hf import CacheBudgetError
     from .chat import ChatInputError, ChatSetupError
+    from .gates import GateCheckpointError
     from .hub import HubError
     from .models import ModelNotAvailableError
 
-    errors = (CacheBudgetError, ChatInputError, ChatSetupError, HubError, ModelNotAvailableError, UnsupportedModelError)
+    errors = (CacheBudgetError, ChatInputError, ChatSetupError, GateCheckpointError, HubError, ModelNotAvailableError,
+              UnsupportedModelError)
     try:  # `retention eval` over a Hub set that cannot be read here (the eval package may be absent)
         from eval.loaders import DatasetUnavailableError
     except ImportError:
@@ -119,11 +121,13 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 def check_gates_source(gates: str | None) -> None:
-    """Find a ``--gates`` folder or Hub repo before the model loads (seconds to minutes): a typo fails at once."""
+    """Find and read a ``--gates`` folder or Hub repo before the model loads (seconds to minutes): a typo or a
+    damaged checkpoint fails at once."""
     if gates and gates != "untrained":
+        from .gates import RetentionGates
         from .hub import checkpoint_folder
 
-        checkpoint_folder(gates)
+        RetentionGates.from_pretrained(checkpoint_folder(gates))  # a few MB: a damaged file fails now too
 
 
 def main(argv: list[str] | None = None) -> int:

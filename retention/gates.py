@@ -32,6 +32,10 @@ VARIANTS = ("global", "seed", "trimkv")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
 
 
+class GateCheckpointError(ValueError):
+    """A gate checkpoint's files are there but cannot be read (damaged, or of another layout); the message says so."""
+
+
 @dataclass
 class GateConfig:
     """Shape and options of a set of retention gates.
@@ -206,8 +210,18 @@ class RetentionGates(nn.Module):
         for f in (cfg_file, weights):
             if not f.is_file():
                 raise FileNotFoundError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors")
-        gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
-        gates.load_state_dict(load_file(str(weights)))
+        from safetensors import SafetensorError
+
+        try:
+            gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, no gate_config, or a bad value in it
+            raise GateCheckpointError(f"{cfg_file} is not a gate config ({type(e).__name__}: {e}); re-export or "
+                                      "re-download the checkpoint") from None
+        try:
+            gates.load_state_dict(load_file(str(weights)))
+        except (SafetensorError, RuntimeError) as e:  # a cut-off download; tensors of another layout than the config's
+            raise GateCheckpointError(f"{weights} cannot be loaded into the gates config.json describes ({e}); "
+                                      "re-export or re-download the checkpoint") from None
         return gates
 
 

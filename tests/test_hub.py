@@ -55,6 +55,37 @@ def test_export_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
 
 
+def test_a_damaged_checkpoint_is_a_clear_error(checkpoint, tmp_path, capsys, monkeypatch):
+    """A cut-off download or a hand-edited config used to end in a safetensors / JSON traceback."""
+    import shutil
+
+    import retention
+    import retention.models
+    from retention.cli import main
+    from retention.gates import GateCheckpointError
+
+    path, gates, _ = checkpoint
+    cases = {
+        "cut": lambda d: (d / "gates.safetensors").write_bytes((path / "gates.safetensors").read_bytes()[:500]),
+        "json": lambda d: (d / "config.json").write_text("{"),
+        "no_config": lambda d: (d / "config.json").write_text('{"format": "retention-gates/1"}'),
+        "layout": lambda d: (d / "config.json").write_text(json.dumps(other_width)),
+    }
+    other_width = json.loads((path / "config.json").read_text())
+    other_width["gate_config"]["gate_hidden"] += 4  # tensors of one width, a config of another
+    for where in (retention.models, retention):
+        monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    for name, damage in cases.items():
+        broken = tmp_path / name
+        shutil.copytree(path, broken)
+        damage(broken)
+        with pytest.raises(GateCheckpointError, match="re-export or re-download the checkpoint"):
+            load_gates(broken)
+        assert main(["chat", "--gates", str(broken)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("retention chat: error: ") and str(broken) in err, name
+
+
 def test_model_card_says_what_the_variant_is(tmp_path):
     model = tiny_llama()
     cards = {}
