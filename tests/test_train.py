@@ -86,6 +86,54 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
         torch.testing.assert_close(gb.state_dict()[k], v)
 
 
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_the_same_curve(tiny_setup, tmp_path, monkeypatch,
+                                                                               capsys, signame):
+    """Ctrl-C or SIGTERM (preemption) used to kill the run and lose every step since the last checkpoint (4 here).
+    Now the step in progress finishes, a checkpoint is written, and --resume continues the very same run."""
+    import signal
+
+    from train.data import PackedStream
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "a")
+    full = train(load_config(cfg_file, over + ["train.steps=8"]))["history"]
+    calls = {"n": 0}
+    next_batch = PackedStream.next_batch
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 3:  # during step 3
+            os.kill(os.getpid(), getattr(signal, signame))
+        return next_batch(self)
+
+    monkeypatch.setattr(PackedStream, "next_batch", interrupted)
+    cfg_file, over = config_for(tiny_setup, tmp_path / "b")
+    part = train(load_config(cfg_file, over + ["train.steps=8"]))
+    assert part.get("stopped_early") and len(part["history"]) == 3
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step-3"]
+    assert f"{signame}: stopping after this step" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    monkeypatch.setattr(PackedStream, "next_batch", next_batch)
+    resumed = train(load_config(cfg_file, over + ["train.steps=8"]), resume="latest")["history"]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=1e-6, abs=1e-9)
+
+
+def test_a_second_ctrl_c_quits_at_once():
+    import signal
+
+    from train.loop import StopRequests
+
+    with StopRequests(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.asked
+        os.kill(os.getpid(), signal.SIGINT)  # at once: a launcher forwarding the same Ctrl-C
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop._first -= StopRequests.REPEAT_S  # a second later: the user asks again
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path, capsys):
     """Two runs in one folder never mix: a later --resume latest continues the new run, not the earlier one's
     last step, and the earlier checkpoints are kept aside, not deleted."""

@@ -199,6 +199,47 @@ def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
     return dest
 
 
+class StopRequests:
+    """Ctrl-C (SIGINT) or SIGTERM (a preempted machine, a scheduler's time limit) during training asks the run to
+    stop after the step it is in, with a checkpoint, instead of losing every step since the last one; a second
+    Ctrl-C quits at once. Handlers are only installed from the main thread, and restored on exit."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    REPEAT_S = 1.0  # launchers (torchrun) forward the terminal's Ctrl-C to workers that got it too: one request
+
+    def __init__(self, announce: bool) -> None:
+        self.asked, self.announce, self._old, self._first = False, announce, {}, 0.0
+
+    def __enter__(self) -> "StopRequests":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._old[sig] = signal.signal(sig, self._ask)
+        return self
+
+    def _ask(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if self.asked:
+            if signum == signal.SIGINT and time.monotonic() - self._first > self.REPEAT_S:
+                raise KeyboardInterrupt  # asked twice: quit now (the last checkpoint stays)
+            return
+        self.asked, self._first = True, time.monotonic()
+        if self.announce:
+            tqdm.write(f"[retention] {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                       "(Ctrl-C again to quit at once)")
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 def find_checkpoint(output_dir: Path, resume: str) -> Path:
     if resume != "latest":
         p = Path(resume)
@@ -575,67 +616,74 @@ def train(
     t_start = time.perf_counter()
     start_step = step
     held, held_step = None, None  # the latest held-out pass and its step
-    while step < cfg.train.steps:
-        for _ in range(cfg.train.grad_accum):
-            with accelerator.accumulate(distiller):
-                loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.train.clip:
-                    accelerator.clip_grad_norm_(params, cfg.train.clip)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-        step += 1
-        bstats = beta_stats(log_betas)
-        # each rank holds its share of the global mean: the sum over ranks / world is that mean
-        loss, kl, cap = (accelerator.reduce(x.detach(), "mean") for x in (loss, kl, cap))
-        record = {
-            "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
-            "lr": scheduler.get_last_lr()[0], **cap_stats,
-            "beta_mean": float(np.mean(bstats["beta_mean"])),
-        }
-        history.append(record)
-        elapsed = time.perf_counter() - t_start
-        bar.set_postfix(kl=f"{record['kl']:.4f}", cap=f"{record['capacity']:.3f}",
-                        cache=f"{record['soft_cache_entries']:.0f}", tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
-        bar.update(1)
-        if accelerator.trackers:
-            per_layer = {f"beta_{stat.split('_')[1]}/layer_{i:02d}": v for stat in ("beta_mean", "beta_std")
-                         for i, v in enumerate(bstats[stat])}
-            accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
-        if main and step % cfg.train.log_every == 0:
-            per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
-            ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} " if "rank_recall" in record else "")
-            tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
-                       f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            held, held_step = evaluate(), step
-            record["eval_kl"] = held["kl"]
-            if "rank_recall" in held:
-                record["eval_rank_recall"] = held["rank_recall"]
+    # Ctrl-C / SIGTERM in the loop: stop after the step with a checkpoint; after it (held-out pass, export) as usual
+    with StopRequests(announce=main) as stop_requests:
+        while step < cfg.train.steps:
+            for _ in range(cfg.train.grad_accum):
+                with accelerator.accumulate(distiller):
+                    loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.train.clip:
+                        accelerator.clip_grad_norm_(params, cfg.train.clip)
+                    optimizer.step()
+                    if accelerator.sync_gradients:
+                        scheduler.step()
+                    optimizer.zero_grad()
+            step += 1
+            bstats = beta_stats(log_betas)
+            # each rank holds its share of the global mean: the sum over ranks / world is that mean
+            loss, kl, cap = (accelerator.reduce(x.detach(), "mean") for x in (loss, kl, cap))
+            record = {
+                "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
+                "lr": scheduler.get_last_lr()[0], **cap_stats,
+                "beta_mean": float(np.mean(bstats["beta_mean"])),
+            }
+            history.append(record)
+            elapsed = time.perf_counter() - t_start
+            bar.set_postfix(kl=f"{record['kl']:.4f}", cap=f"{record['capacity']:.3f}",
+                            cache=f"{record['soft_cache_entries']:.0f}", tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
+            bar.update(1)
             if accelerator.trackers:
-                accelerator.log({k: record[k] for k in ("eval_kl", "eval_rank_recall") if k in record}, step=step)
-            if main:
-                recall = f", oracle top-B recall {held['rank_recall']:.3f}" if "rank_recall" in held else ""
-                tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}{recall}")
-        stopping = cfg.train.stop_after is not None and step >= cfg.train.stop_after
-        saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
-        with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
-            if main and saving:
-                save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
-                                history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None)
-            if main and saving:
-                old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-                for p in old[: -cfg.train.keep_checkpoints]:
-                    shutil.rmtree(p, ignore_errors=True)
-        if stopping and step < cfg.train.steps:
-            bar.close()
-            accelerator.wait_for_everyone()
-            if main:
-                print(f"[retention] stopped after step {step} as asked; continue with --resume")
-            accelerator.end_training()
-            return {"steps": step, "stopped_early": True, "history": history}
+                per_layer = {f"beta_{stat.split('_')[1]}/layer_{i:02d}": v for stat in ("beta_mean", "beta_std")
+                             for i, v in enumerate(bstats[stat])}
+                accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
+            if main and step % cfg.train.log_every == 0:
+                per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
+                ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} " if "rank_recall" in record else "")
+                tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
+                           f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                held, held_step = evaluate(), step
+                record["eval_kl"] = held["kl"]
+                if "rank_recall" in held:
+                    record["eval_rank_recall"] = held["rank_recall"]
+                if accelerator.trackers:
+                    accelerator.log({k: record[k] for k in ("eval_kl", "eval_rank_recall") if k in record}, step=step)
+                if main:
+                    recall = f", oracle top-B recall {held['rank_recall']:.3f}" if "rank_recall" in held else ""
+                    tqdm.write(f"step {step}: held-out KL {record['eval_kl']:.4f}{recall}")
+            asked = stop_requests.asked
+            if accelerator.num_processes > 1:  # every rank stops at the same step, or the next collective hangs
+                asked = bool(accelerator.reduce(torch.tensor(float(asked), device=accelerator.device), "sum") > 0)
+            stopping = asked or (cfg.train.stop_after is not None and step >= cfg.train.stop_after)
+            saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
+            with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
+                if main and saving:
+                    save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
+                                    history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None)
+                if main and saving:
+                    old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+                    for p in old[: -cfg.train.keep_checkpoints]:
+                        shutil.rmtree(p, ignore_errors=True)
+            if stopping and step < cfg.train.steps:
+                bar.close()
+                accelerator.wait_for_everyone()
+                if main:
+                    why = "when interrupted" if asked else "as asked"
+                    print(f"[retention] stopped after step {step} {why}, checkpoint {out_dir / 'checkpoints' / f'step-{step}'} "
+                          "written; continue with --resume")
+                accelerator.end_training()
+                return {"steps": step, "stopped_early": True, "history": history}
     bar.close()
 
     # the last step's held-out pass already scored these gates: no second pass over the same items
