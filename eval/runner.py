@@ -130,9 +130,16 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
 
 
 def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progress: bool = True) -> Path:
-    """Run every job not yet in ``<output>/results.jsonl``; returns that path."""
+    """Run every job not yet in ``<output>/results.jsonl``; returns that path. A second sweep into the same output
+    while this one runs gets :class:`~retention.io.FolderBusyError` (its rows would interleave with these)."""
+    from retention.io import exclusive_use
+
+    with exclusive_use(cfg.output, "a sweep"):
+        return _run_sweep(cfg, model_and_tokenizer, progress)
+
+
+def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: bool) -> Path:
     out_dir = Path(cfg.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     _drop_torn_tail(results)
     for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads

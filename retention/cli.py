@@ -109,10 +109,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .chat import ChatInputError, ChatSetupError
     from .gates import GateCheckpointError
     from .hub import HubError
+    from .io import FolderBusyError
     from .models import ModelNotAvailableError
 
-    errors = (CacheBudgetError, ChatInputError, ChatSetupError, GateCheckpointError, HubError, ModelNotAvailableError,
-              UnsupportedModelError)
+    errors = (CacheBudgetError, ChatInputError, ChatSetupError, FolderBusyError, GateCheckpointError, HubError,
+              ModelNotAvailableError, UnsupportedModelError)
     try:  # `retention eval` over a Hub set that cannot be read here (the eval package may be absent)
         from eval.loaders import DatasetUnavailableError
     except ImportError:

@@ -25,6 +25,45 @@ def _usual_permissions(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+class FolderBusyError(RuntimeError):
+    """Another process is writing to the folder a run would write to; the message names it and the fix."""
+
+
+@contextlib.contextmanager
+def exclusive_use(folder: str | Path, what: str) -> Iterator[None]:
+    """Hold a lock on ``folder`` while ``what`` (a training run, a sweep) writes there. A second run into the same
+    folder would interleave its rows or checkpoints with the first's: it gets :class:`FolderBusyError` at once.
+    The lock is a file under ``retention.models.cache_dir() / "locks"``, so it holds between processes of one machine."""
+    import hashlib
+
+    from filelock import FileLock, Timeout
+
+    from .models import cache_dir
+
+    # the lock lives in our cache, keyed by the folder's path: the folder itself is not created or touched
+    folder = Path(folder).expanduser().resolve()
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha1(str(folder).encode()).hexdigest()[:16]
+    lock, pid_file = FileLock(str(locks / f"{key}.lock")), locks / f"{key}.pid"
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            holder = f" (pid {int(pid_file.read_text())})"
+        except (OSError, ValueError):
+            holder = ""
+        raise FolderBusyError(f"another process{holder} is writing {what} in {folder}: wait for it to finish, or give "
+                              "this one another output folder") from None
+    try:
+        pid_file.write_text(str(os.getpid()))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            pid_file.unlink()
+        lock.release()
+
+
 def check_replaceable(path: str | Path, ours: Callable[[Path], bool], what: str) -> None:
     """Refuse to replace ``path`` unless it is absent, an empty folder, or ``ours`` (what we write there already).
 

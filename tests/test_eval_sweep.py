@@ -401,6 +401,19 @@ def test_cli_usage_names_the_command_users_type(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m eval run ")
 
 
+def test_a_second_sweep_into_the_same_output_is_refused(tmp_path, capsys, monkeypatch):
+    import eval.models
+    from eval.cli import main
+    from retention.io import exclusive_use
+
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nmethods: [full]\n")
+    with exclusive_use(tmp_path / "out", "a sweep"):
+        assert main(["run", "--config", str(cfg), "--quiet"]) == 2
+    assert "is writing a sweep in" in capsys.readouterr().err
+
+
 def test_a_model_that_cannot_load_is_an_error_not_a_traceback(tmp_path, capsys):
     from eval.cli import main
 

@@ -36,3 +36,27 @@ def test_a_cache_built_twice_at_once_keeps_the_first(tmp_path):
     with atomic_directory(target) as tmp:  # without keep_existing a rewrite still replaces it
         (tmp / "a").write_text("rewritten")
     assert (target / "a").read_text() == "rewritten"
+
+
+def test_a_folder_in_use_is_refused_to_a_second_writer(tmp_path):
+    """Two runs into one output folder interleaved their rows and checkpoints; the second now stops at once, naming
+    the first's pid, and the folder is neither created nor touched by the lock."""
+    import os
+    import subprocess
+    import sys
+
+    from retention.io import FolderBusyError, exclusive_use
+
+    folder = tmp_path / "run"
+    with exclusive_use(folder, "a sweep"):
+        assert not folder.exists()
+        with pytest.raises(FolderBusyError, match=f"another process \\(pid {os.getpid()}\\) is writing a sweep in"):
+            with exclusive_use(tmp_path / "." / "run", "a sweep"):  # the same folder, spelled otherwise
+                pass
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys; from retention.io import exclusive_use\n"
+             f"with exclusive_use({str(folder)!r}, 'a training run'): pass"],
+            capture_output=True, text=True, timeout=120)
+        assert other.returncode != 0 and "FolderBusyError" in other.stderr and f"pid {os.getpid()}" in other.stderr
+    with exclusive_use(folder, "a sweep"):  # released: free again
+        pass

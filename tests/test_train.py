@@ -118,6 +118,20 @@ def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_the_same_curve(t
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=1e-6, abs=1e-9)
 
 
+def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_setup, tmp_path, monkeypatch, capsys):
+    import train.loop as loop
+    from retention.io import exclusive_use
+    from train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
+    with exclusive_use(tmp_path / "run", "a training run"):  # the first run, still going
+        with pytest.raises(SystemExit) as stop:
+            main(["--config", str(cfg_file)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "is writing a training run in" in err and "another output folder" in err
+
+
 def test_a_second_ctrl_c_quits_at_once():
     import signal
 

@@ -26,7 +26,7 @@ from retention.attach import RetentionAttachment, attach_gates, check_gates_matc
 from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig, check_gate_folder_target
 from retention.hub import export_gates, load_gates, push_to_hub
-from retention.io import atomic_directory, save_state
+from retention.io import atomic_directory, exclusive_use, save_state
 from retention.losses import beta_stats, capacity_loss, distillation_kl
 from retention.models import cache_dir, load_model
 
@@ -365,8 +365,15 @@ def train(
     """Run the configured training; returns a summary (losses, export path).
 
     ``model_and_processor``: an already loaded ``(model, tokenizer or processor)`` to train instead of
-    loading ``cfg.model.name`` (which then only names the run).
+    loading ``cfg.model.name`` (which then only names the run). A second run into the same ``train.output_dir``
+    while this one runs gets :class:`~retention.io.FolderBusyError` (rank 0 holds the folder).
     """
+    rank0 = os.environ.get("RANK", "0") == "0"  # before the Accelerator exists: torchrun / accelerate set RANK
+    with exclusive_use(cfg.train.output_dir, "a training run") if rank0 else contextlib.nullcontext():
+        return _train(cfg, resume, push_to_hub_repo, model_and_processor)
+
+
+def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_and_processor: tuple | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
