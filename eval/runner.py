@@ -140,6 +140,7 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
 
 def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: bool) -> Path:
     out_dir = Path(cfg.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     _drop_torn_tail(results)
     for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads
