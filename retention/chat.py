@@ -397,7 +397,6 @@ def _typed_lines() -> Iterator[str]:
         except EOFError:  # Ctrl-D
             print()
             return
-    return 0
 
 
 def register(subparsers: Any) -> None:
