@@ -401,18 +401,20 @@ def _typed_lines() -> Iterator[str]:
 
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
+    from .cli import positive_int
+
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
     p.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo; default: the gates shipped "
                    "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
-    p.add_argument("--budget", type=int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
+    p.add_argument("--budget", type=positive_int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
     p.add_argument("--sink", type=int, default=4, help="first tokens always kept in every head (attention sinks); "
                    "0: the gates alone decide")
     p.add_argument("--recent", type=int, default=0, help="newest tokens always kept in every head (a local window); "
                    "0: the gates alone decide")
     p.add_argument("--pool", type=int, default=1, help="odd width: rank each entry by the best gate score among "
                    "its neighbours in the head (keeps whole spans such as multi-digit numbers); 1: its own score")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk in tokens")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=_chat_command)

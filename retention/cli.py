@@ -69,10 +69,10 @@ def build_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo")
-    demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=int, default=48,
+    demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=positive_int, default=48,
                       help="KV budget in tokens per (layer, KV head), as retention chat's --budget")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=24)
     demo.set_defaults(func=_demo)
 
 
@@ -100,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _command_modules():
         module.register(sub)
     return parser
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a budget, a chunk, a token count), refused before anything loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def user_errors() -> tuple[type[Exception], ...]:

@@ -87,6 +87,19 @@ def test_demo_compares_with_the_shipped_gates(capsys):
     assert "shipped gates: " in out and "smollm2-135m-global" in out
 
 
+@pytest.mark.parametrize("args", [["chat", "--budget", "0"], ["chat", "--budget", "-5"], ["chat", "--max-new-tokens", "0"],
+                                  ["demo", "--budget", "x"], ["chat", "--chunk-size", "0"]])
+def test_a_budget_or_length_below_one_is_a_usage_error(args, capsys):
+    """`--budget 0` used to load the model, then fail with "budget of 0 entries cannot hold the protected window"
+    (and -5 with "-450 entries")."""
+    from retention.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"retention {args[0]}: error: argument {args[1]}" in err
+
+
 def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monkeypatch):
     """`retention chat --recent -1` / `--pool 4`: exit 2 with the flag named, and no model is loaded first."""
     import retention.models
