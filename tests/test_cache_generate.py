@@ -104,6 +104,13 @@ def test_smollm2_unlimited_budget_matches_dynamic_cache():
     _generate(model, cache, **kw)
     report = cache.memory_report()
     assert report["kv_bytes"] < report["full_cache_bytes"]
+    # print(report) is a summary (was a dict with a layers x heads tensor); its numbers are the dict's
+    text = str(report).splitlines()
+    per_layer = report["entries_per_head"][0].sum(dim=1).tolist()
+    assert text[0].startswith(f"KV cache: {report['kept_entries']:,} of {report['full_cache_entries']:,} entries kept")
+    assert text[1].endswith(" ".join(map(str, per_layer))) and sum(per_layer) == report["kept_entries"]
+    assert "tensor(" not in str(report) and len(text) == 4
+    assert str(RetentionCache(model).memory_report()) == "KV cache: empty (nothing prefilled yet)"
 
 
 def test_beam_search_with_unlimited_budget_matches_dynamic_cache():

@@ -479,17 +479,18 @@ class RetentionCache(Cache):
         self.evictions += 1
 
     # -- reports -----------------------------------------------------------------------------------
-    def memory_report(self) -> dict[str, Any]:
-        """Entries kept per (sequence, layer, head), KV bytes in use vs a full cache, page slack."""
+    def memory_report(self) -> "MemoryReport":
+        """Entries kept per (sequence, layer, head), KV bytes in use vs a full cache, page slack: a dict that
+        prints as a short summary (``print(cache.memory_report())``)."""
         if self.store is None:
-            return {"tokens_seen": 0, "kept_entries": 0, "kv_bytes": 0, "full_cache_bytes": 0}
+            return MemoryReport(tokens_seen=0, kept_entries=0, kv_bytes=0, full_cache_bytes=0)
         s = self.store
         elem = s.pool.keys.element_size()
         entry_bytes = 2 * self.head_dim * elem
         kept = int(s.lengths.sum())
         pages = s.pool.num_used
         full_entries = self._seen[0] * self.streams_per_seq * s.batch
-        return {
+        return MemoryReport({
             "tokens_seen": self._seen[0],
             "entries_per_head": s.entries_per_head(),
             "kept_entries": kept,
@@ -504,4 +505,32 @@ class RetentionCache(Cache):
             "pool_capacity_bytes": s.pool.capacity * s.pool.page_bytes(),
             "peak_entries": self.peak_entries,
             "evictions": self.evictions,
-        }
+        })
+
+
+class MemoryReport(dict):
+    """:meth:`RetentionCache.memory_report`: a plain dict of its numbers (``entries_per_head``: ``(batch, layers,
+    kv_heads)`` entries kept; bytes in bytes) whose ``str`` is a summary a person can read."""
+
+    def __str__(self) -> str:
+        if not self.get("tokens_seen"):
+            return "KV cache: empty (nothing prefilled yet)"
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        lines = [f"KV cache: {self['kept_entries']:,} of {self['full_cache_entries']:,} entries kept "
+                 f"({self['kv_fraction']:.1%}), {mib(self['kv_bytes'])} against {mib(self['full_cache_bytes'])} for a "
+                 f"full cache; {self['tokens_seen']:,} tokens seen, eviction rounds: {self['evictions']:,}, peak "
+                 f"{self['peak_entries']:,} entries"]
+        per_head = self["entries_per_head"]
+        for b in range(per_head.shape[0]):
+            seq = f" (sequence {b})" if per_head.shape[0] > 1 else ""
+            layers = per_head[b].sum(dim=1).tolist()
+            lines.append(f"  kept per layer{seq}, all KV heads: {' '.join(str(n) for n in layers)}")
+            flat = per_head[b].flatten()
+            lo, hi = int(flat.argmin()), int(flat.argmax())
+            heads = per_head.shape[2]
+            lines.append(f"  per KV head: {int(flat[lo])} (layer {lo // heads}, head {lo % heads}) to {int(flat[hi])} "
+                         f"(layer {hi // heads}, head {hi % heads}), mean {flat.float().mean():.1f}")
+        lines.append(f"  pages: {self['pages_in_use']:,} in use ({mib(self['page_bytes_in_use'])}, "
+                     f"{self['page_slack_entries']:,} entries of slack), positions and scores "
+                     f"{mib(self['metadata_bytes'])}, pool {mib(self['pool_capacity_bytes'])}")
+        return "\n".join(lines)
