@@ -132,6 +132,19 @@ def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_set
     assert stop.value.code == 2 and "is writing a training run in" in err and "another output folder" in err
 
 
+def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    """Was a size-mismatch traceback from load_state_dict, after the model and data had loaded."""
+    import train.loop as loop
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=2"]))
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit, match=r"config changed since the run started \(gates.gate_hidden 8 -> 16, "
+                                         r"gates.activation 'silu' -> 'gelu'\)"):
+        train(load_config(cfg_file, over + ["train.steps=8", "gates.gate_hidden=16", "gates.activation=gelu"]),
+              resume="latest")
+
+
 def test_a_second_ctrl_c_quits_at_once():
     import signal
 

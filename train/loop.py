@@ -240,6 +240,24 @@ class StopRequests:
             signal.signal(sig, old)
 
 
+def check_resume_fits(cfg: Config, ckpt: Path) -> None:
+    """SystemExit naming the difference when ``ckpt`` holds gates of another variant, width or activation than
+    ``cfg`` builds (a config changed between a run and its resume); runs started from ``init_from`` are checked when
+    their gates are built."""
+    if cfg.gates.init_from:
+        return
+    try:
+        saved = json.loads((ckpt / "state.json").read_text())["gate_config"]
+    except (OSError, ValueError, KeyError):
+        return  # an older checkpoint without it: the state-dict load still checks the shapes
+    wanted = {"variant": cfg.gates.variant, "gate_hidden": cfg.gates.gate_hidden, "activation": cfg.gates.activation}
+    changed = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+    if changed:
+        diff = ", ".join(f"gates.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
+                         f"settings the run started with (--set gates.<key>=<its value>), or start a fresh run")
+
+
 def find_checkpoint(output_dir: Path, resume: str) -> Path:
     if resume != "latest":
         p = Path(resume)
@@ -390,6 +408,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         ckpt = find_checkpoint(out_dir, resume) if resume else None
     except FileNotFoundError as e:
         raise SystemExit(f"{e}: drop --resume to start a fresh run, or give a checkpoint folder (step-N)") from None
+    if ckpt is not None:  # the checkpoint's gates must be the ones this config builds (say so before the model loads)
+        check_resume_fits(cfg, ckpt)
     try:  # the export replaces its folder whole: a folder of someone's files fails now, not after the run
         check_gate_folder_target(cfg.export_dir())
     except FileExistsError as e:
@@ -502,7 +522,11 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     if ckpt is not None:
         from safetensors.torch import load_file
 
-        attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
+        try:
+            attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
+        except RuntimeError as e:  # gates of another shape (a changed init_from or widen_to)
+            raise SystemExit(f"--resume {ckpt}: its gates do not fit the ones this config builds ({e}); resume with the "
+                             "settings the run started with, or start a fresh run") from None
         if (ckpt / "trainable.safetensors").is_file():
             named = dict(model.named_parameters())
             with torch.no_grad():
