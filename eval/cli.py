@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -84,6 +85,10 @@ def _pool(args: argparse.Namespace) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     try:
+        inputs = {Path(p).resolve() for p in args.results}
+        if args.summary and Path(args.summary).with_suffix(".jsonl").resolve() in inputs:
+            raise ValueError(f"--summary {args.summary} copies the pooled rows to {Path(args.summary).with_suffix('.jsonl')}, "
+                             "one of the files to pool: name the page otherwise")
         pairs = parse_pairs(args.pair)
         if methods:  # before pooling: a pair must be among the kept methods
             check_pairs(pairs, set(methods))

@@ -60,6 +60,8 @@ def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | 
             raise FileNotFoundError(f"{p} not found: give the results.jsonl of each sweep (or its published copy)")
     if len({Path(p).resolve() for p in paths}) < len(paths):
         raise ValueError("a results file is given twice: pool sweeps of different items (another `seed:`)")
+    if Path(out).resolve() in {Path(p).resolve() for p in paths}:
+        raise ValueError(f"--out {out} is one of the files to pool: it would be replaced by the pool; give a new file")
     rows, dropped = pool_rows({str(p): read_results(p) for p in paths}, methods)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -216,6 +216,13 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     assert "Produced by" not in page.read_text()
     assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
+    # an input is never replaced by the pool, as --out or as the --summary page's copy of the rows
+    before = a.read_text(), b.read_text()
+    assert main(["pool", str(a), str(b), "--out", str(a)]) == 2
+    assert "is one of the files to pool" in capsys.readouterr().err
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "r.jsonl"), "--summary", str(tmp_path / "b.md")]) == 2
+    assert "one of the files to pool: name the page otherwise" in capsys.readouterr().err
+    assert (a.read_text(), b.read_text()) == before and not (tmp_path / "r.jsonl").exists()
 
 
 def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
