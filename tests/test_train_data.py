@@ -176,10 +176,15 @@ def test_local_json_in_every_common_layout(tmp_path):
     ('{"text": "x"}\n', "a.jsonl", "a record has no 'messages' field (it has ['text']); name the field"),
     ('{"messages": []}\noops\n', "a.jsonl", "a.jsonl, line 2: not JSON"),
     ("<p>hi</p>", "a.html", "holds no chat files: give .json, .jsonl files"),
+    (None, "missing/chats.jsonl", "does not exist here"),  # a local path, not a Hub id: said before the model loads
 ])
 def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message):
     from train.data import DataError, check_local_source
 
+    if content is None:  # never written
+        with pytest.raises(DataError, match=re.escape(message)):
+            check_local_source(SourceConfig(kind="chat", path=str(tmp_path / name)))
+        return
     (tmp_path / name).write_text(content)
     source = SourceConfig(kind="chat", path=str(tmp_path / name))
     with pytest.raises(DataError, match=re.escape(message)):

