@@ -143,6 +143,10 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     _drop_torn_tail(results)
+    from retention.cli import check_gates_source
+
+    for source in [cfg.gates, *(getattr(m, "gates", None) for m in cfg.method_list())]:
+        check_gates_source(source)  # a typo or a damaged checkpoint fails before the model loads
     for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads
         if spec.name in HUB_TASKS:
             for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:

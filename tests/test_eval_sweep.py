@@ -401,6 +401,22 @@ def test_cli_usage_names_the_command_users_type(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m eval run ")
 
 
+@pytest.mark.parametrize("where", ["sweep", "method"])
+def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where):
+    import eval.models
+    from eval.cli import main
+
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = tmp_path / "no-such-gates"
+    sweep_gates, method = (f"gates: {missing}\n", "global_gates") if where == "sweep" else ("", f"{{name: trimkv, gates: {missing}}}")
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
+                   f"methods: [full, {method}]\n")
+    assert main(["run", "--config", str(cfg), "--quiet"]) == 2
+    assert f"gate checkpoint '{missing}' is neither a local folder nor reachable" in capsys.readouterr().err
+
+
 def test_a_second_sweep_into_the_same_output_is_refused(tmp_path, capsys, monkeypatch):
     import eval.models
     from eval.cli import main
