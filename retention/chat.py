@@ -84,6 +84,8 @@ class RetentionChat:
         from .cache import RetentionCache
 
         self.model, self.processor = model, processor
+        # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
+        self.device = unwrap(model).get_input_embeddings().weight.device
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.multimodal = is_multimodal(unwrap(model).config)
         asked_untrained = isinstance(gates, str) and gates == "untrained"
@@ -119,7 +121,7 @@ class RetentionChat:
         """Start a new conversation (the cache's pages go back to its pool)."""
         self.cache.reset()
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
-        self.ids = torch.empty(1, 0, dtype=torch.long)
+        self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)
         self._last_reply_ended = False
         if self.multimodal:
             unwrap(self.model).model.rope_deltas = None
@@ -242,7 +244,7 @@ class RetentionChat:
                 f"this turn is {n} tokens but the cache budget holds {self.budget_tokens} tokens per head: "
                 f"raise the budget to at least {n} (--budget {n}) or send a shorter message / smaller images"
             )
-        return {**dict(enc), "message": message}
+        return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message}
 
     def _closer(self, history: str) -> str:
         """What the template puts after the last reply that the cache does not hold yet."""
@@ -276,12 +278,12 @@ class RetentionChat:
         offset = past + (int(prev.flatten()[0]) if prev is not None else 0)
         pos3 = pos3 + offset
         T = ids.shape[1]
-        text = torch.arange(past, past + T)[None, None]
+        text = torch.arange(past, past + T, device=ids.device)[None, None]
         positions = torch.cat([text, pos3], dim=0)[..., : T - 1]
         with torch.no_grad():
             self.model(
                 input_ids=torch.cat([self.ids, ids], 1)[:, past : past + T - 1],
-                attention_mask=torch.ones(1, past + T - 1, dtype=torch.long),
+                attention_mask=torch.ones(1, past + T - 1, dtype=torch.long, device=ids.device),
                 pixel_values=turn["pixel_values"],
                 image_grid_thw=turn["image_grid_thw"],
                 mm_token_type_ids=mm[:, : T - 1],
@@ -291,7 +293,7 @@ class RetentionChat:
                 logits_to_keep=1,
             )
         # generate() places the last token at text index past + T - 1 plus rope_deltas
-        base.model.rope_deltas = torch.tensor([[int(pos3[0, 0, -1]) - (past + T - 1)]])
+        base.model.rope_deltas = torch.tensor([[int(pos3[0, 0, -1]) - (past + T - 1)]], device=ids.device)
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -365,10 +367,11 @@ def _chat_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e} (--sink / --recent / --pool)", file=sys.stderr)
         return 2
-    from .cli import check_gates_source
+    from .cli import check_gates_source, model_placement
 
-    check_gates_source(args.gates)  # a bad --gates fails before the model loads (retention.cli prints it)
-    model, processor = load_model(args.model)
+    device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
+    check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
+    model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
         chat = RetentionChat(
             model, processor, args.gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
@@ -401,7 +404,7 @@ def _typed_lines() -> Iterator[str]:
 
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
-    from .cli import positive_int
+    from .cli import add_placement_args, positive_int
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
@@ -417,4 +420,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--system", default=None, help="system prompt")
+    add_placement_args(p)
     p.set_defaults(func=_chat_command)

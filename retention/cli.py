@@ -29,10 +29,11 @@ def _demo(args: argparse.Namespace) -> int:
     from .hub import load_gates
     from .models import shipped_gates
 
+    device, dtype = model_placement(args)
     check_gates_source(args.gates)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
+    model, tokenizer = load_model(args.model, device=device, dtype=dtype)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s ({dtype} on {device})")
     if args.gates:
         gates = load_gates(args.gates, model=model)
         print(f"gates: {args.gates} ({gates.config.variant})")
@@ -41,7 +42,8 @@ def _demo(args: argparse.Namespace) -> int:
         print("gates: untrained (beta = 1 everywhere); pass --gates DIR for trained ones")
     attachment = attach_gates(model, gates, mode="score")
     messages = [{"role": "user", "content": args.prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).to(model.device)
     n_prompt = inputs["input_ids"].shape[1]
     print(f"prompt: {n_prompt} tokens")
     budget = RetentionCache.budget_for(model, args.budget_tokens)
@@ -72,6 +74,7 @@ def build_demo_parser(sub) -> None:
     demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=positive_int, default=48,
                       help="KV budget in tokens per (layer, KV head), as retention chat's --budget")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
+    add_placement_args(demo)
     demo.add_argument("--max-new-tokens", type=positive_int, default=24)
     demo.set_defaults(func=_demo)
 
@@ -100,6 +103,33 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _command_modules():
         module.register(sub)
     return parser
+
+
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` / ``--dtype`` of a command that loads a model (resolved by :func:`model_placement`)."""
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N; default: cuda when there is a GPU, else cpu")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bfloat16 on a GPU, "
+                        "float32 on the CPU")
+
+
+def model_placement(args: argparse.Namespace) -> tuple[str, str]:
+    """``(device, dtype)`` for ``load_model`` from ``--device`` / ``--dtype``; ModelNotAvailableError naming the fix
+    for a device this machine lacks or an unknown dtype (before anything loads)."""
+    import torch
+
+    from .models import MODEL_DTYPES, ModelNotAvailableError
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ModelNotAvailableError(f"--device {device!r} is not a device: give cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelNotAvailableError(f"--device {device}: torch sees no CUDA GPU here; leave --device out or give cpu")
+    dtype = args.dtype or ("bfloat16" if kind == "cuda" else "float32")
+    if dtype not in MODEL_DTYPES:
+        raise ModelNotAvailableError(f"--dtype {dtype!r}: choose one of {', '.join(MODEL_DTYPES)}")
+    return device, dtype
 
 
 def positive_int(text: str) -> int:

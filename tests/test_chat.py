@@ -100,6 +100,25 @@ def test_a_budget_or_length_below_one_is_a_usage_error(args, capsys):
     assert stop.value.code == 2 and f"retention {args[0]}: error: argument {args[1]}" in err
 
 
+@pytest.mark.parametrize("command", ["chat", "demo"])
+def test_a_device_or_dtype_this_machine_cannot_use_fails_before_the_model_loads(command, capsys, monkeypatch):
+    """`retention chat/demo` loaded every model on the CPU in float32, GPU or not; --device / --dtype choose (default:
+    cuda and bfloat16 when there is a GPU), and a bad choice is refused first."""
+    import retention
+    import retention.models
+    from retention.cli import main
+
+    for where in (retention.models, retention):
+        monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main([command, "--dtype", "bfloat17"]) == 2
+    assert "--dtype 'bfloat17': choose one of float32, bfloat16, float16" in capsys.readouterr().err
+    assert main([command, "--device", "tpu:what"]) == 2
+    assert "is not a device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([command, "--device", "cuda"]) == 2
+        assert "torch sees no CUDA GPU here" in capsys.readouterr().err
+
+
 def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monkeypatch):
     """`retention chat --recent -1` / `--pool 4`: exit 2 with the flag named, and no model is loaded first."""
     import retention.models

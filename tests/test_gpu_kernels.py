@@ -145,3 +145,25 @@ def test_decode_step_adds_no_host_sync():
     assert evicted == 0
     assert full <= plain, (full, plain)
     assert kept <= plain, (kept, plain)
+
+
+def test_retention_chat_on_the_gpu():
+    """RetentionChat built its inputs on the CPU: on a CUDA model, generate failed on devices. The first reply
+    equals plain generate on the GPU, and a budgeted conversation goes on with its cache and ids there."""
+    from retention import load_model
+    from retention.chat import RetentionChat
+
+    model, tok = load_model("smollm2-135m", device="cuda", dtype="float32")
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
+    reply = chat.send("What is the capital of France?")
+    assert chat.ids.device.type == "cuda"
+    chat.model.retention.detach()
+    x = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                add_generation_prompt=True, return_tensors="pt", return_dict=True).to("cuda")
+    with torch.no_grad():
+        out = model.generate(**x, max_new_tokens=8, do_sample=False)
+    assert reply == tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+    chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
+    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
+        assert isinstance(chat.send(turn), str)
+    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * 90
