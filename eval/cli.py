@@ -103,6 +103,44 @@ def _pool(args: argparse.Namespace) -> int:
     return _publish(args, out)
 
 
+def _list(args: argparse.Namespace) -> int:
+    """What a sweep config can name: tasks (generated and Hub sets), methods and budgets, with their params."""
+    import inspect
+
+    from .loaders import HUB_TASKS
+    from .methods import available_methods
+    from .tasks import TASKS
+
+    def params(fn, skip=()) -> str:
+        names = [n for n in inspect.signature(fn).parameters if n not in skip]
+        return f" (params: {', '.join(names)})" if names else ""
+
+    def first_line(fn) -> str:
+        return (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ").replace("``", "`")
+
+    common = ("tokenizer", "length", "n", "seed", "split", "source", "params")
+    print("tasks, generated (any length, any tokenizer; `seed:` picks the items):")
+    for name, fn in TASKS.items():
+        print(f"  {name:<18} {first_line(fn)}{params(fn, common)}")
+    print("tasks from the Hub (`items` records; `data_files:` for a local copy):")
+    for name, fn in HUB_TASKS.items():
+        print(f"  {name:<18} {first_line(fn)}{params(fn, ('length', 'limit'))}")
+    try:
+        from retention.policies.registry import policy_params
+    except ImportError:
+        policy_params = None
+    print("methods ({name, params?, label?, gates?}):")
+    for name in available_methods():
+        extra = ""
+        if policy_params is not None and name not in ("full", "oracle"):
+            extra = f" (params: {', '.join(policy_params(name))})"
+        elif name == "oracle":
+            extra = " (fidelity only; params: scope, rank)"
+        print(f"  {name}{extra}")
+    print("budgets: a fraction of the context (0.1 or \"10%\"), {tokens: N} per KV head on average, or {entries: N}")
+    return 0
+
+
 def _publish_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--card", default=None, metavar="DIR",
                    help="gate checkpoint folder whose model card gets the summary table and plot")
@@ -148,6 +186,8 @@ def register(subparsers) -> None:
     pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
     _publish_args(pool)
     pool.set_defaults(func=_pool)
+    sub.add_parser("list", help="the tasks, methods and budgets a sweep config can name, with their params").set_defaults(
+        func=_list)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -530,3 +530,19 @@ def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, caps
         assert main(["run", "--config", str(p), "--seed", str(seed), "--quiet"]) == 0
     rows = read_results(tmp_path / "out" / "results.jsonl")
     assert [(r["seed"], r["item"]) for r in rows] == [(3, "fidelity-eval-96-3-0"), (4, "fidelity-eval-96-4-0")]
+
+
+def test_eval_list_names_everything_a_config_can_use(capsys):
+    from eval.cli import main
+    from eval.loaders import HUB_TASKS
+    from eval.methods import available_methods
+    from eval.tasks import TASKS
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(TASKS) | set(HUB_TASKS) | set(available_methods()) == set(lines)
+    assert "(params: keys)" in lines["niah_multikey"] and "window" in lines["snapkv"] and "subset" in lines["longbench"]
+    assert all("``" not in line for line in lines.values())
+    for name in TASKS:  # every generator says what it asks
+        assert len(lines[name].split(None, 1)) == 2 and not lines[name].split(None, 1)[1].startswith("(params"), name

@@ -11,6 +11,8 @@ LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 def variable_tracking(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
                       hops: int = 4) -> list[Item]:
+    """A chain of ``hops`` assignments (VAR X = 12345. VAR Y = VAR X. ...) hidden in real text; name every variable
+    that holds the value."""
     items = []
     for i in range(n):
         rng = rng_for("variable_tracking", split, length, seed, i)
