@@ -145,6 +145,20 @@ def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tin
               resume="latest")
 
 
+def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    """`train.tracker: wandb` without wandb: accelerate skipped it with a warning and the run logged nothing."""
+    import importlib.util
+
+    import train.loop as loop
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match="train.tracker: wandb is not installed: pip install wandb"):
+        train(load_config(cfg_file, over + ["train.tracker=wandb"]))
+
+
 def test_a_second_ctrl_c_quits_at_once():
     import signal
 

@@ -374,6 +374,11 @@ def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
         except ImportError:
             return None, "no tracker: tensorboard is not installed (pip install tensorboard, or set train.tracker: wandb)"
         return "tensorboard", None
+    import importlib.util
+
+    if importlib.util.find_spec(choice) is None:  # accelerate would skip it with a warning and log nothing
+        raise SystemExit(f"train.tracker: {choice} is not installed: pip install {choice}, or set train.tracker: auto "
+                         "(tensorboard when installed) or none")
     return choice, None
 
 
