@@ -522,6 +522,22 @@ def write_summary(results: str | Path, path: str | Path, title: str | None = Non
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+def check_rows_scored_by_card(rows: list[dict[str, Any]], card: str | Path) -> None:
+    """ValueError unless some row was scored by the gates of the checkpoint ``card`` (rows record the fingerprint
+    of the gates that scored them as ``gates_id``): a card must not show another checkpoint's results. Rows from
+    before ``gates_id`` existed cannot be checked and pass."""
+    from retention.gates import RetentionGates
+
+    ids = {r["gates_id"] for r in rows if r.get("gates_id")}
+    if not ids:
+        return
+    own = RetentionGates.from_pretrained(card).fingerprint()
+    if own not in ids:
+        raise ValueError(f"--card {card}: no row was scored by its gates (fingerprint {own}; the rows' gates are "
+                         f"{', '.join(sorted(ids))}): publish into the card of the gates the sweep used, or run the "
+                         f"sweep with `gates: {card}`")
+
+
 def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
             card_section: str | None = None, pairs: list[tuple[str, str]] = (),
             replaces: str | None = None) -> list[Path]:
@@ -542,6 +558,8 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
 
     check_publish_targets(card, readme, card_section=card_section, replaces=replaces)
     rows = read_results(results)
+    if card is not None:
+        check_rows_scored_by_card(rows, card)
     if not rows:
         raise ValueError(f"{results} holds no results")
     src = Path(results)

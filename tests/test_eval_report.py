@@ -325,3 +325,25 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
 
     assert "](gaps.png)" in write_report(tmp_path / "results.jsonl", tmp_path / "report").read_text()
     assert (tmp_path / "report" / "gaps.png").is_file()
+
+
+def test_a_card_only_takes_rows_its_own_gates_scored(tmp_path):
+    """`--card DIR` put any sweep's numbers into DIR's model card; now some row must carry DIR's gates_id."""
+    from eval.report import publish
+    from retention import GateConfig, RetentionGates
+
+    card = _blank_card(tmp_path / "card")
+    own = RetentionGates.from_pretrained(card).fingerprint()
+    other = RetentionGates(GateConfig(num_layers=1, num_kv_heads=1, hidden_size=8, bias_init=1.0)).fingerprint()
+    assert own != other
+
+    def rows_with(gates_id):
+        rows = _rows(*A, "t", [60.0, 70.0]) + _rows(*FULL, "t", [100.0, 90.0])
+        return [{**r, "gates_id": gates_id} if r["method"] != "full" and gates_id else r for r in rows]
+
+    before = (card / "README.md").read_text()
+    with pytest.raises(ValueError, match=f"no row was scored by its gates \\(fingerprint {own}; the rows' gates are {other}\\)"):
+        publish(_write_rows(tmp_path / "other.jsonl", rows_with(other)), card)
+    assert (card / "README.md").read_text() == before
+    publish(_write_rows(tmp_path / "own.jsonl", rows_with(own)), card)
+    publish(_write_rows(tmp_path / "old.jsonl", rows_with(None)), card)  # rows from before gates_id: cannot be checked
