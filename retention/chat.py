@@ -231,9 +231,10 @@ class RetentionChat:
             delta = new_full
         else:
             history = self._render(self.messages, generation_prompt=False)
-            if not new_full.startswith(history):
-                raise ChatSetupError("the chat template re-renders earlier turns, so turns cannot be fed incrementally")
-            delta = self._closer(history) + new_full[len(history) :]
+            if new_full.startswith(history):  # ChatML, Llama, Qwen3-VL: each turn renders after the last
+                delta = self._closer(history) + new_full[len(history) :]
+            else:  # the template renders the last reply otherwise once a turn follows (Qwen3's think blocks)
+                delta = self._after_reply(message, text)
         if self.multimodal:
             enc = self.processor(text=[delta], images=images or None, return_tensors="pt")
         else:
@@ -245,6 +246,27 @@ class RetentionChat:
                 f"raise the budget to at least {n} (--budget {n}) or send a shorter message / smaller images"
             )
         return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message}
+
+    def _after_reply(self, message: dict[str, Any], text: str) -> str:
+        """What follows the last reply when ``message`` is added, for templates that render a reply differently once
+        a turn follows it (Qwen3 drops the empty ``<think>`` block of an answered turn). The cache keeps the reply as
+        it was generated; only the turn's own text (the reply's closer, the message, the generation prompt) is fed."""
+        marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
+        content = marker if isinstance(message["content"], str) else [
+            {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
+        rendered = self._render(self.messages + [{**message, "content": content}], generation_prompt=True)
+        at = rendered.find(marker)
+        reply = self.messages[-1]["content"].strip()
+        for shown in (reply, reply.split("</think>")[-1].strip()):  # a reasoning part may be left out
+            start = rendered.rfind(shown, 0, at) if shown else -1
+            if start >= 0:
+                after = rendered[start + len(shown) :].replace(marker, text)
+                if self._last_reply_ended:  # the stop token was generated; generate feeds it with this turn
+                    stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
+                    after = after[len(stop) :] if after.startswith(stop) else after
+                return after
+        raise ChatSetupError("the chat template renders earlier turns without the reply generated, so turns cannot "
+                             "be fed incrementally; give RetentionChat a processor whose chat template appends turns")
 
     def _closer(self, history: str) -> str:
         """What the template puts after the last reply that the cache does not hold yet."""

@@ -286,3 +286,47 @@ def test_typed_lines_prompt_until_ctrl_d(monkeypatch, capsys):
 
     monkeypatch.setattr("builtins.input", fake_input)
     assert list(chat_module._typed_lines()) == ["hello", "/quit"]
+
+
+# Qwen3's way (reduced): an answered assistant turn loses its empty <think> block once a user turn follows it, so the
+# conversation does not render as the turns fed so far plus the new one
+QWEN3_LIKE_TEMPLATE = (
+    "{% set ns = namespace(q=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.q = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.q %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+def test_a_template_that_rerenders_the_last_reply_still_chats_incrementally(smollm2):
+    """Such templates (Qwen3) used to stop the chat at its second turn with a ChatSetupError. Now only the new turn
+    is fed after the reply as generated: the ids are turn 1, reply 1, the new turn, reply 2, and reply 2 is what
+    plain generate gives from those ids."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from retention.compat import cache_kwargs
+
+    model, tok = smollm2
+    tok = copy.deepcopy(tok)
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=12)
+    first = chat.send("My name is Ada.")
+    n_first = chat.ids.shape[1]
+    second = chat.send("What is my name?")
+    text = tok.decode(chat.ids[0], skip_special_tokens=False)
+    turn = "<|im_start|>user\nWhat is my name?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert text.count("What is my name?") == 1 and text.count("<think>") == 2  # turn 1's block stays as fed
+    prompt_end = text.index(turn) + len(turn)
+    before, after = text[: text.index(turn)], text[prompt_end:]
+    assert before.count(first.strip()) == 1 and before.rstrip().endswith("<|im_end|>")  # reply 1 once, then closed
+    assert after.strip().startswith(second.strip())
+    n_prompt = len(tok(text[:prompt_end], add_special_tokens=False)["input_ids"])
+    assert n_first < n_prompt < chat.ids.shape[1]
+    chat.model.retention.detach()
+    with torch.no_grad():
+        out = model.generate(input_ids=chat.ids[:, :n_prompt], attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
+                             **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=12, do_sample=False)
+    assert tok.decode(out[0, n_prompt:], skip_special_tokens=True) == second
