@@ -32,9 +32,19 @@ def prompt_ids(tokenizer, item: Item) -> tuple[list[int], list[int]]:
     """``(context_ids, prompt_ids)``: the tokens before the question, and the whole prompt (chat
     template, generation prompt and answer prefix); the first is a prefix of the second."""
     if item.messages is not None:
-        history = item.messages
+        history, question = item.messages, {"role": "user", "content": item.question}
         before = render_chat(tokenizer, history)
-        full = render_chat(tokenizer, history + [{"role": "user", "content": item.question}], add_generation_prompt=True)
+        full = render_chat(tokenizer, history + [question], add_generation_prompt=True)
+        if not full.startswith(before) and history and history[-1]["role"] == "assistant":
+            # a template that renders an answered turn otherwise once a turn follows (Qwen3's think blocks): the
+            # conversation as a chat feeds it, the history as rendered and then the new turn (RetentionChat's way)
+            from retention.chat import shown_reply, text_after_reply
+
+            after = text_after_reply(lambda m: render_chat(tokenizer, m, add_generation_prompt=True), history,
+                                     question, item.question)
+            shown = shown_reply(history[-1]["content"])
+            if after is not None and shown in before:
+                full = before[: before.rindex(shown) + len(shown)] + after
     else:
         full = render_chat(tokenizer, [{"role": "user", "content": item.context + "\n\n" + item.question}],
                            add_generation_prompt=True)

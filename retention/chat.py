@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -54,6 +54,29 @@ def _load_gates(gates: RetentionGates | str | Path | None, model: nn.Module) -> 
     from .hub import load_gates
 
     return load_gates(gates)  # checked against the model by the caller, with the fix in the message
+
+
+def shown_reply(reply: str) -> str:
+    """A reply's text as chat templates show it in later turns: without a reasoning part (``...</think>``)."""
+    return reply.split("</think>")[-1].strip()
+
+
+def text_after_reply(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
+                     message: dict[str, Any], text: str) -> str | None:
+    """What a chat template renders after the last reply of ``messages`` once ``message`` (its text ``text``) follows,
+    generation prompt included: the reply's closer, the new turn and the prompt. ``render(messages)`` renders with
+    the generation prompt. ``None`` when the reply's text is not found before the new turn."""
+    marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
+    content = marker if isinstance(message["content"], str) else [
+        {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
+    rendered = render(messages + [{**message, "content": content}])
+    at = rendered.find(marker)
+    reply = messages[-1]["content"].strip() if isinstance(messages[-1]["content"], str) else ""
+    for shown in dict.fromkeys((reply, shown_reply(reply))):  # a reasoning part may be left out
+        start = rendered.rfind(shown, 0, at) if shown and at >= 0 else -1
+        if start >= 0:
+            return rendered[start + len(shown) :].replace(marker, text)
+    return None
 
 
 class RetentionChat:
@@ -251,22 +274,15 @@ class RetentionChat:
         """What follows the last reply when ``message`` is added, for templates that render a reply differently once
         a turn follows it (Qwen3 drops the empty ``<think>`` block of an answered turn). The cache keeps the reply as
         it was generated; only the turn's own text (the reply's closer, the message, the generation prompt) is fed."""
-        marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
-        content = marker if isinstance(message["content"], str) else [
-            {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
-        rendered = self._render(self.messages + [{**message, "content": content}], generation_prompt=True)
-        at = rendered.find(marker)
-        reply = self.messages[-1]["content"].strip()
-        for shown in (reply, reply.split("</think>")[-1].strip()):  # a reasoning part may be left out
-            start = rendered.rfind(shown, 0, at) if shown else -1
-            if start >= 0:
-                after = rendered[start + len(shown) :].replace(marker, text)
-                if self._last_reply_ended:  # the stop token was generated; generate feeds it with this turn
-                    stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
-                    after = after[len(stop) :] if after.startswith(stop) else after
-                return after
-        raise ChatSetupError("the chat template renders earlier turns without the reply generated, so turns cannot "
-                             "be fed incrementally; give RetentionChat a processor whose chat template appends turns")
+        after = text_after_reply(lambda m: self._render(m, generation_prompt=True), self.messages, message, text)
+        if after is None:
+            raise ChatSetupError("the chat template renders earlier turns without the reply generated, so turns "
+                                 "cannot be fed incrementally; give RetentionChat a processor whose chat template "
+                                 "appends turns")
+        if self._last_reply_ended:  # the stop token was generated; generate feeds it with this turn
+            stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
+            after = after[len(stop) :] if after.startswith(stop) else after
+        return after
 
     def _closer(self, history: str) -> str:
         """What the template puts after the last reply that the cache does not hold yet."""

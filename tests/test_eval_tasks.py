@@ -96,3 +96,24 @@ def test_bad_arguments_are_named(tok):
         generate("needle", tok, 512, 1)
     with pytest.raises(ValueError, match="split must be one of"):
         generate("niah_single", tok, 512, 1, split="test")
+
+
+def test_a_dialogue_under_a_template_that_rerenders_answered_turns(tok):
+    """Qwen3-like templates render an answered turn otherwise once a question follows; prompt_ids refused such a
+    dialogue ("does not keep earlier turns as a prefix"). Now the prompt is the history as rendered (as a chat
+    holds it) and then the question's turn, as RetentionChat feeds it."""
+    import copy
+
+    from chat_templates import QWEN3_LIKE_TEMPLATE
+    from eval.protocol import prompt_ids
+
+    qwen3_like = copy.deepcopy(tok)
+    qwen3_like.chat_template = QWEN3_LIKE_TEMPLATE
+    (item,) = generate("dialogue_memory", qwen3_like, 512, 1, seed=3)
+    ctx, ids = prompt_ids(qwen3_like, item)
+    history = render_chat(qwen3_like, item.messages)
+    assert ids[: len(ctx)] == ctx and abs(len(ctx) - count_tokens(qwen3_like, history)) <= 1
+    text = qwen3_like.decode(ids)
+    turn = f"<|im_start|>user\n{item.question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{item.answer_prefix}"
+    assert history.endswith("<|im_end|>\n") and text == history + turn
+    assert text.count(item.question) == 1 and text.count("<think>") == 2  # the last answer's block, as it was fed
