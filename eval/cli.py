@@ -19,11 +19,13 @@ def _run(args: argparse.Namespace) -> int:
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from .report import check_pairs, check_publish_targets, parse_pairs
+    from .report import check_pairs, check_publish_targets, check_sweep_scores_card, parse_pairs
 
     try:  # before the sweep: a typo here should not cost an hour of evaluation
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         check_pairs(parse_pairs(args.pair), {m.label for m in cfg.method_list()})
+        if args.card:
+            check_sweep_scores_card(cfg, args.card)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

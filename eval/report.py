@@ -538,6 +538,29 @@ def check_rows_scored_by_card(rows: list[dict[str, Any]], card: str | Path) -> N
                          f"sweep with `gates: {card}`")
 
 
+def check_sweep_scores_card(cfg: Any, card: str | Path) -> None:
+    """Before a sweep: ValueError when none of the gates it scores with is the checkpoint ``card``'s, so that
+    publishing into that card would be refused afterwards (:func:`check_rows_scored_by_card`). Sweeps with
+    untrained gates, or without gated methods, are left to that check."""
+    from retention.gates import RetentionGates
+    from retention.hub import checkpoint_folder
+    from retention.models import shipped_gates
+
+    from .methods import PolicyCache
+
+    gated = [m for m in cfg.method_list() if isinstance(m, PolicyCache) and m.policy(streaming=False).uses_gates]
+    if not gated or cfg.gates == "untrained":
+        return
+    sweep = cfg.gates or shipped_gates(cfg.model)
+    if sweep is None:
+        return  # untrained gates for a model without shipped ones: nothing to compare before the model loads
+    sources = {str(sweep), *(str(m.gates) for m in gated if getattr(m, "gates", None))}
+    own = RetentionGates.from_pretrained(card).fingerprint()
+    if own not in {RetentionGates.from_pretrained(checkpoint_folder(s)).fingerprint() for s in sources}:
+        raise ValueError(f"--card {card}: this sweep scores with other gates ({', '.join(sorted(sources))}), so its "
+                         f"rows cannot go into that card; set `gates: {card}` in the config or publish elsewhere")
+
+
 def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
             card_section: str | None = None, pairs: list[tuple[str, str]] = (),
             replaces: str | None = None) -> list[Path]:

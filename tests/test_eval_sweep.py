@@ -417,6 +417,28 @@ def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     assert f"gate checkpoint '{missing}' is neither a local folder nor reachable" in capsys.readouterr().err
 
 
+def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
+    import eval.models
+    from eval.cli import main
+    from eval.config import load_eval_config
+    from eval.report import check_sweep_scores_card
+    from retention import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    for name, bias in (("a", 1.0), ("b", 2.0)):
+        export_gates(RetentionGates(GateConfig.for_model(model, bias_init=bias)), tmp_path / name, base_model="m")
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: tiny-llama-random\ngates: {tmp_path / 'a'}\noutput: {tmp_path / 'out'}\n"
+                   "tasks: [niah_single]\nmethods: [full, global_gates]\n")
+    check_sweep_scores_card(load_eval_config(cfg), tmp_path / "a")  # its own gates: fine
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["run", "--config", str(cfg), "--card", str(tmp_path / "b"), "--quiet"]) == 2
+    assert "this sweep scores with other gates" in capsys.readouterr().err
+
+
 def test_a_second_sweep_into_the_same_output_is_refused(tmp_path, capsys, monkeypatch):
     import eval.models
     from eval.cli import main
