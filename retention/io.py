@@ -33,16 +33,16 @@ class FolderBusyError(RuntimeError):
 def exclusive_use(folder: str | Path, what: str) -> Iterator[None]:
     """Hold a lock on ``folder`` while ``what`` (a training run, a sweep) writes there. A second run into the same
     folder would interleave its rows or checkpoints with the first's: it gets :class:`FolderBusyError` at once.
-    The lock is a file under ``retention.models.cache_dir() / "locks"``, so it holds between processes of one machine."""
+    The lock is a file in the system's temp folder, so it holds between the processes of one machine."""
+    import getpass
     import hashlib
 
     from filelock import FileLock, Timeout
 
-    from .models import cache_dir
-
-    # the lock lives in our cache, keyed by the folder's path: the folder itself is not created or touched
+    # the lock lives in the temp folder (cleared by the system, one per user), keyed by the folder's path: the
+    # folder itself is not created or touched
     folder = Path(folder).expanduser().resolve()
-    locks = cache_dir() / "locks"
+    locks = Path(tempfile.gettempdir()) / f"retention-locks-{getpass.getuser()}"
     locks.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha1(str(folder).encode()).hexdigest()[:16]
     lock, pid_file = FileLock(str(locks / f"{key}.lock")), locks / f"{key}.pid"
