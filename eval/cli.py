@@ -29,7 +29,13 @@ def _run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = run_sweep(cfg, progress=not args.quiet)
+    try:
+        results = run_sweep(cfg, progress=not args.quiet)
+    except KeyboardInterrupt:  # every finished row is on disk: the same command resumes after them
+        done = len(read_results(Path(cfg.output) / "results.jsonl"))
+        print(f"\ninterrupted: {done} rows are in {Path(cfg.output) / 'results.jsonl'}; run the same command to go on "
+              "from there", file=sys.stderr)
+        return 130
     print(markdown_table(read_results(results)))
     print(f"\nresults: {results}\nreport: {write_report(results)}")
     return _publish(args, results)

@@ -568,3 +568,19 @@ def test_eval_list_names_everything_a_config_can_use(capsys):
     assert all("``" not in line for line in lines.values())
     for name in TASKS:  # every generator says what it asks
         assert len(lines[name].split(None, 1)) == 2 and not lines[name].split(None, 1)[1].startswith("(params"), name
+
+
+def test_an_interrupted_sweep_says_how_to_go_on(tmp_path, capsys, monkeypatch):
+    import eval.runner
+    from eval.cli import main
+
+    def interrupted(cfg, *a, **k):
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "results.jsonl").write_text('{"task": "t"}\n{"task": "u"}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval.runner, "run_sweep", interrupted)
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nmethods: [full]\n")
+    assert main(["run", "--config", str(cfg), "--quiet"]) == 130
+    assert "interrupted: 2 rows are in" in capsys.readouterr().err
