@@ -44,4 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
     except (*user_errors(), DataError) as e:  # a model that cannot load, unreadable data: the message names the fix
         parser.exit(2, f"train.py: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C twice (once stops after the step with a checkpoint), or before training
+        parser.exit(130, "\ntrain.py: interrupted; --resume continues from the latest checkpoint, if one was written\n")
     return 0
