@@ -3,7 +3,7 @@
 import pytest
 
 from retention.chat import RetentionChat
-from tiny_vl import photos, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+from tiny_vl import photos, tiny_qwen3_vl_for, tiny_qwen3_vl_processor, vl_chat_on
 
 
 def test_three_turn_chat_with_images_stays_within_budget():
@@ -26,3 +26,10 @@ def test_three_turn_chat_with_images_stays_within_budget():
     last = chat.memory()
     assert last["tokens_seen"] * streams > budget + chat.cache.slack
     assert last["kept_entries"] < last["full_cache_entries"]
+
+
+def test_a_vl_chat_keeps_its_ids_and_cache_in_step():
+    """Two turns (a photo, then text): the cache holds every id but the last reply's last token (fed with the next
+    turn), on the model's device (the same helper runs on a GPU in tests/test_gpu_kernels.py)."""
+    out = vl_chat_on("cpu")
+    assert out["cache_length"] == out["ids"].shape[1] - 1 and out["device"] == out["model_device"] == "cpu"

@@ -167,3 +167,11 @@ def test_retention_chat_on_the_gpu():
     for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
         assert isinstance(chat.send(turn), str)
     assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * 90
+
+
+def test_a_vl_chat_on_the_gpu():
+    """The multimodal turn (pixel values, M-RoPE positions) on a CUDA model; the CPU twin is in test_chat_vl.py."""
+    from tiny_vl import vl_chat_on
+
+    out = vl_chat_on("cuda")
+    assert out["cache_length"] == out["ids"].shape[1] - 1 and out["device"] == out["model_device"] == "cuda"

@@ -67,3 +67,22 @@ def photos(n: int):
 
     paths = photo_paths()
     return [Image.open(paths[i % len(paths)]).convert("RGB") for i in range(n)]
+
+
+def vl_chat_on(device: str) -> dict:
+    """Two turns of RetentionChat with a tiny random Qwen3-VL on ``device`` (a photo, then text only), no budget:
+    the chat's ``ids``, its cache length and the devices they ended on. Shared by the CPU test and the GPU one, so
+    the GPU test runs what the CPU one checks."""
+    import warnings
+
+    from retention.chat import RetentionChat
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        chat = RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+    for text, images in (("What is this?", photos(1)), ("Say more.", None)):
+        chat.send(text, images=images)
+    return {"ids": chat.ids, "cache_length": chat.cache.get_seq_length(), "device": chat.ids.device.type,
+            "model_device": next(model.parameters()).device.type}
