@@ -86,9 +86,22 @@ def test_resume_continues_the_same_loss_curve(tiny_setup, tmp_path):
         torch.testing.assert_close(gb.state_dict()[k], v)
 
 
+@pytest.fixture
+def default_signals():
+    """SIGINT / SIGTERM as an interactive process has them (a background job starts with SIGINT ignored)."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_the_same_curve(tiny_setup, tmp_path, monkeypatch,
-                                                                               capsys, signame):
+                                                                               capsys, signame, default_signals):
     """Ctrl-C or SIGTERM (preemption) used to kill the run and lose every step since the last checkpoint (4 here).
     Now the step in progress finishes, a checkpoint is written, and --resume continues the very same run."""
     import signal
@@ -159,7 +172,7 @@ def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(ti
         train(load_config(cfg_file, over + ["train.tracker=wandb"]))
 
 
-def test_a_second_ctrl_c_quits_at_once():
+def test_a_second_ctrl_c_quits_at_once(default_signals):
     import signal
 
     from train.loop import StopRequests
@@ -173,6 +186,12 @@ def test_a_second_ctrl_c_quits_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # started with SIGINT ignored (nohup, a background job): kept so
+    with StopRequests(announce=False) as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        assert not stop.asked
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path, capsys):

@@ -218,7 +218,8 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name)
-                self._old[sig] = signal.signal(sig, self._ask)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): leave it so
+                    self._old[sig] = signal.signal(sig, self._ask)
         return self
 
     def _ask(self, signum: int, frame: Any) -> None:
