@@ -137,26 +137,31 @@ def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES[kind])]
     if not files:
         raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files (or a folder of them)")
-    key = field or ("text" if kind == "text" else "messages")
     for f in files:
         if not f.endswith((".jsonl", ".json")):
             yield Path(f).read_text(encoding="utf-8", errors="replace")
             continue
         for rec in _json_records(f):
-            if kind == "chat":
-                # ShareGPT's layout keeps the turns under "conversations"
-                here = "conversations" if field is None and isinstance(rec, dict) and key not in rec else key
-                if not isinstance(rec, dict) or here not in rec:
-                    _missing_field(f, rec, key, kind)
-                yield chat_turns(rec[here], f)
-            elif kind == "text" and isinstance(rec, str) and field is None:
-                yield rec  # a JSON list of strings, or a string a line
-            elif kind == "multimodal" and isinstance(rec, dict) and key not in rec:
-                yield rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
-            elif not isinstance(rec, dict) or key not in rec:
-                _missing_field(f, rec, key, kind)
-            else:
-                yield rec[key]
+            yield _record_content(rec, kind, field, f)
+
+
+def _record_content(rec: Any, kind: str, field: str | None, where: str) -> Any:
+    """What one record of a local file or a Hub dataset gives a source of ``kind``: a text, a conversation's turns,
+    or a multimodal record whole; DataError naming ``where`` when it has no such field."""
+    key = field or ("text" if kind == "text" else "messages")
+    if kind == "chat":
+        # ShareGPT's layout keeps the turns under "conversations"
+        here = "conversations" if field is None and isinstance(rec, dict) and key not in rec else key
+        if not isinstance(rec, dict) or here not in rec:
+            _missing_field(where, rec, key, kind)
+        return chat_turns(rec[here], where)
+    if kind == "text" and isinstance(rec, str) and field is None:
+        return rec  # a JSON list of strings, or a string a line
+    if kind == "multimodal" and isinstance(rec, dict) and key not in rec:
+        return rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
+    if not isinstance(rec, dict) or key not in rec:
+        _missing_field(where, rec, key, kind)
+    return rec[key]
 
 
 def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
@@ -188,15 +193,8 @@ def _hub_records(source: SourceConfig) -> Iterator[Any]:
             f"cannot load dataset {source.path!r} (split {source.split!r}) from the Hub: {e}. "
             f"Use a local file/folder or a builtin corpus {sorted(BUILTIN_CORPORA)}"
         ) from None
-    key = source.field or ("text" if source.kind == "text" else "messages")
     for row in ds:
-        if source.kind == "chat":  # chat-template messages, or ShareGPT's "conversations" of {from, value} turns
-            here = "conversations" if source.field is None and key not in row else key
-            if here not in row:
-                _missing_field(source.path, row, key, source.kind)
-            yield chat_turns(row[here], source.path)
-        else:  # multimodal rows in LLaVA / MMDU layout (conversations + images) are converted as a whole
-            yield row if source.kind == "multimodal" and key not in row else row[key]
+        yield _record_content(row, source.kind, source.field, source.path)
 
 
 def iter_source(source: SourceConfig) -> Iterator[Any]:
