@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from retention.models import MODEL_DTYPES
+from retention.models import MODEL_DTYPES, device_problem
 
 from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
@@ -87,16 +87,9 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
     if cfg.dtype is not None and cfg.dtype not in MODEL_DTYPES:
         _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(MODEL_DTYPES)} (or leave it out: the model's own)")
-    if cfg.device is not None:
-        import torch
-
-        try:
-            device = torch.device(cfg.device)
-        except (RuntimeError, TypeError):
-            _fail("device", f"{cfg.device!r} is not a device; give cpu, cuda or cuda:N (or leave it out: cuda when there is one)")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            _fail("device", f"{cfg.device!r}, but torch sees no CUDA GPU here; leave device out (cuda when there is "
-                            "one, else cpu) or set device: cpu")
+    problem = device_problem(cfg.device) if cfg.device is not None else None
+    if problem:
+        _fail("device", f"{problem}; or leave device out (cuda when there is one, else cpu)")
     for key in ("items", "chunk", "max_new_tokens"):
         v = getattr(cfg, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

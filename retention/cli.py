@@ -117,16 +117,13 @@ def model_placement(args: argparse.Namespace) -> tuple[str, str]:
     for a device this machine lacks or an unknown dtype (before anything loads)."""
     import torch
 
-    from .models import MODEL_DTYPES, ModelNotAvailableError
+    from .models import MODEL_DTYPES, ModelNotAvailableError, device_problem
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ModelNotAvailableError(f"--device {device!r} is not a device: give cpu, cuda or cuda:N") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ModelNotAvailableError(f"--device {device}: torch sees no CUDA GPU here; leave --device out or give cpu")
-    dtype = args.dtype or ("bfloat16" if kind == "cuda" else "float32")
+    problem = device_problem(device)
+    if problem:
+        raise ModelNotAvailableError(f"--device {problem}; or leave --device out (cuda when there is one, else cpu)")
+    dtype = args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
     if dtype not in MODEL_DTYPES:
         raise ModelNotAvailableError(f"--dtype {dtype!r}: choose one of {', '.join(MODEL_DTYPES)}")
     return device, dtype

@@ -48,6 +48,18 @@ EMBEDDED_MODELS = {
 CHECKPOINT_DIRS = (Path(__file__).resolve().parent / "checkpoints", Path(__file__).resolve().parents[1] / "checkpoints")
 
 
+def device_problem(device: str) -> str | None:
+    """Why a model cannot go to ``device`` here (not a device name; cuda where torch sees no GPU), or None. Callers
+    add the fix in their own terms (a config key, a command-line flag)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        return f"{device!r} is not a device; give cpu, cuda or cuda:N"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"{device!r}, but torch sees no CUDA GPU here"
+    return None
+
+
 class ModelNotAvailableError(RuntimeError):
     """A model's files cannot be found; the message names how to get them."""
 
