@@ -408,11 +408,11 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .cli import check_gates_source, model_placement
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
-    check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
+    gates = check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
     model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
         chat = RetentionChat(
-            model, processor, args.gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
+            model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
             max_new_tokens=args.max_new_tokens, system=args.system, policy=policy,
         )
     except (ChatSetupError, FileNotFoundError) as e:

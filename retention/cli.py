@@ -7,6 +7,10 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .gates import RetentionGates
 
 
 DEMO_PROMPT = (
@@ -24,18 +28,19 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import attach_gates, load_model
+    from .attach import check_gates_match
     from .cache import RetentionCache
     from .compat import cache_kwargs
     from .hub import load_gates
     from .models import shipped_gates
 
     device, dtype = model_placement(args)
-    check_gates_source(args.gates)
+    gates = check_gates_source(args.gates)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=dtype)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s ({dtype} on {device})")
-    if args.gates:
-        gates = load_gates(args.gates, model=model)
+    if gates is not None:
+        check_gates_match(model, gates.config)
         print(f"gates: {args.gates} ({gates.config.variant})")
     else:
         gates = None
@@ -159,14 +164,16 @@ def user_errors() -> tuple[type[Exception], ...]:
     return (*errors, DatasetUnavailableError)
 
 
-def check_gates_source(gates: str | None) -> None:
+def check_gates_source(gates: str | None) -> RetentionGates | None:
     """Find and read a ``--gates`` folder or Hub repo before the model loads (seconds to minutes): a typo or a
-    damaged checkpoint fails at once."""
+    damaged checkpoint fails at once. Returns the gates read (``None`` for none or ``"untrained"``), for the caller
+    to use once the model is there rather than read them again."""
     if gates and gates != "untrained":
         from .gates import RetentionGates
         from .hub import checkpoint_folder
 
-        RetentionGates.from_pretrained(checkpoint_folder(gates))  # a few MB: a damaged file fails now too
+        return RetentionGates.from_pretrained(checkpoint_folder(gates))  # a few MB: a damaged file fails now too
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
