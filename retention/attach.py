@@ -33,6 +33,7 @@ from .ops.retention_attention import retention_attention
 # model_type of the top-level config -> model_type of its text decoder
 SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
+    "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_vl": "qwen3_vl_text",
@@ -56,16 +57,57 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def sliding_window_of(text_config: Any) -> int | None:
+    """The attention window (tokens) of the decoder's sliding-window layers; ``None`` when every layer is full.
+
+    Qwen2/Qwen3 mark such layers in ``layer_types``; Mistral slides every layer when ``sliding_window`` is set.
+    """
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window
+
+
+def check_supported(config: Any) -> None:
+    """Raise :class:`UnsupportedModelError` unless retention gates can drive this model (its top-level config).
+
+    Checked from the config alone, so loaders can refuse before the weights are read.
+    """
+    model_type = getattr(config, "model_type", None)
+    name = getattr(config, "_name_or_path", "") or "this model"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"retention gates do not support model_type {model_type!r} ({name}); "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = sliding_window_of(text)
+    if window is not None:
+        # the gated attention and the retention cache attend over every kept entry: a window would be ignored,
+        # so the student and the cache would silently stop matching the model
+        off = "sliding_window=None"
+        if getattr(text, "layer_types", None) is not None:
+            off += f', layer_types=["full_attention"] * {len(text.layer_types)}'
+        raise UnsupportedModelError(
+            f"{name} has sliding-window attention layers ({window} tokens); retention gates and the retention "
+            "cache attend over every kept entry and do not support a window. If your contexts stay within "
+            f"{window} tokens the window changes nothing: load the model with every layer full, "
+            f"load_model(..., {off}) or the same keywords to from_pretrained (for train.py and the eval "
+            "configs, save_pretrained the model so loaded and name that folder)"
+        )
+
+
 def text_config_of(model: nn.Module):
     """Config of the text decoder (the model's own config for text-only models)."""
     base = unwrap(model)
     config = getattr(base, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"retention gates do not support model_type {model_type!r} ({type(base).__name__}); "
-            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            f"retention gates do not support model_type {getattr(config, 'model_type', None)!r} "
+            f"({type(base).__name__}); supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
+    check_supported(config)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -339,7 +381,7 @@ def attach_gates(
     mode: str = "student",
     **gate_options: Any,
 ) -> RetentionAttachment:
-    """Attach retention gates to ``model`` (Llama, Qwen2/2.5, Qwen3, Qwen3-VL) in place.
+    """Attach retention gates to ``model`` (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-VL; no sliding-window layers) in place.
 
     ``gates`` may be built gates, a :class:`GateConfig`, or ``None`` (built from the model with
     ``gate_options``, e.g. ``variant="trimkv"``). The gates become the submodule ``retention_gates`` of

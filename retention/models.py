@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attach import check_supported
 from .io import atomic_directory
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
@@ -197,12 +198,16 @@ def load_model(
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     revision: str | None = None,
+    check_support: bool = True,
     **kwargs: Any,
 ) -> tuple[torch.nn.Module, Any]:
     """Load a base model and its tokenizer (text models) or processor (vision-language models).
 
     ``name_or_path``: an embedded name (``smollm2-135m``), a Hub id (``Qwen/Qwen3-VL-4B-Instruct``) or a
-    local folder. Returns ``(model, tokenizer_or_processor)`` with the model in eval mode.
+    local folder. Returns ``(model, tokenizer_or_processor)`` with the model in eval mode. Keyword arguments
+    that name config attributes override them (``sliding_window=None``); the rest go to ``from_pretrained``.
+    With ``check_support`` (the default) an architecture the gates cannot drive is refused from its config,
+    before the weights load (:func:`retention.attach.check_supported`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
@@ -218,14 +223,18 @@ def load_model(
             f"({', '.join(sorted(EMBEDDED_MODELS))})"
         )
     try:
-        config = AutoConfig.from_pretrained(path, revision=revision)
+        # kwargs naming config attributes (``sliding_window=None``) override the config, as from_pretrained does
+        config, model_kwargs = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
     except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: {e}\n"
             f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
             "or a local folder with config.json"
         ) from None
-    common = dict(revision=revision, attn_implementation=attn_implementation, dtype=dtype or torch.float32, **kwargs)
+    if check_support:
+        check_supported(config)  # before the weights are read: an unsupported model may be gigabytes
+    common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
+                  dtype=dtype or torch.float32, **model_kwargs)
     if is_multimodal(config):
         model = AutoModelForImageTextToText.from_pretrained(path, **common)
         processor = AutoProcessor.from_pretrained(path, revision=revision)

@@ -175,8 +175,36 @@ def test_unsupported_architecture_lists_supported_ones():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*supported: \\['llama', 'qwen2', 'qwen3', 'qwen3_vl'\\]"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*supported: \\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_vl'\\]"):
         attach_gates(model)
+
+
+@pytest.mark.parametrize("arch,window", [("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+                                         ("mistral", dict(sliding_window=8))])
+def test_sliding_window_layers_are_refused_with_the_keywords_that_turn_them_off(arch, window, tmp_path):
+    """The gated attention and the retention cache ignore a window, so a model with one would silently stop
+    matching itself (student and cache alike): refused from the config, before load_model reads weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from retention import load_model
+
+    model = BUILDERS[arch](**window)
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention layers \\(8 tokens\\)"):
+        attach_gates(model)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")  # proves the refusal comes before reading them
+    with pytest.raises(UnsupportedModelError, match="load_model\\(\\.\\.\\., sliding_window=None") as err:
+        load_model(str(tmp_path))
+    # the keywords the message names give a model with every layer full: the same as one built without a window
+    keywords = eval("dict(" + str(err.value).split("load_model(..., ")[1].split(")")[0] + ")")
+    model.save_pretrained(tmp_path)
+    config, rest = AutoConfig.from_pretrained(tmp_path, return_unused_kwargs=True, **keywords)
+    unwindowed = AutoModelForCausalLM.from_pretrained(tmp_path, config=config, **rest).eval()
+    x = inputs_for(arch)  # 19 tokens: past the window
+    with torch.no_grad():
+        assert torch.equal(unwindowed(**x).logits, BUILDERS[arch]()(**x).logits)
+        assert not torch.allclose(model(**x).logits, BUILDERS[arch]()(**x).logits, atol=1e-3)
+    attach_gates(unwindowed)  # accepted now
 
 
 def test_gates_for_another_model_are_refused():

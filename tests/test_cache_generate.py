@@ -25,7 +25,7 @@ def _generate(model, cache, **kw):
         return model.generate(**cache_kwargs(cache), pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
 def test_unlimited_budget_matches_dynamic_cache(name):
     model = _with_gates(name)
     ids = torch.randint(0, 100, (1, 23), generator=torch.Generator().manual_seed(0))

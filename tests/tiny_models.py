@@ -37,6 +37,15 @@ def tiny_llama(attn_implementation="sdpa", **overrides):
 
 
 @_seeded
+def tiny_mistral(attn_implementation="sdpa", **overrides):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(**{**TEXT, "sliding_window": None, **overrides})  # Mistral v0.2+: no window
+    cfg._attn_implementation = attn_implementation
+    return MistralForCausalLM(cfg)
+
+
+@_seeded
 def tiny_qwen2(attn_implementation="sdpa", **overrides):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -83,7 +92,7 @@ def tiny_qwen3_vl(attn_implementation="sdpa", tokens=None, **overrides):
     return Qwen3VLForConditionalGeneration(cfg)
 
 
-BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_vl": tiny_qwen3_vl}
+BUILDERS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_vl": tiny_qwen3_vl}
 
 
 def vl_inputs(n_images: int = 1, text_before: int = 5, text_after: int = 6, grid=(1, 4, 4), seed: int = 0):
