@@ -186,3 +186,38 @@ def test_generate_sizes_never_exceed_budget_plus_slack(model):
 def test_budget_too_small_for_options_is_clear(model):
     with pytest.raises(CacheBudgetError, match="protected window"):
         RetentionCache(model, budget=10, protected_window=4)
+
+
+@pytest.mark.parametrize("budget,problem", [(0.1, "a number of entries"), ("100", "a number of entries"),
+                                            (True, "a number of entries"), ([60, 0.5], "a number of entries"),
+                                            (0, "at least 1 entry"), (-3, "at least 1 entry"), ([60, -1], "at least 1 entry")])
+def test_a_budget_that_is_not_a_count_of_entries_is_named(model, budget, problem):
+    """A fraction, a string, a bool or a negative count used to fail deep inside (``list(0.1)``) or report the
+    "protected window" of an option nobody set."""
+    with pytest.raises(CacheBudgetError, match=problem):
+        RetentionCache(model, budget=budget)
+    with pytest.raises(CacheBudgetError, match=problem):
+        RetentionCache(model).set_budget(budget)
+
+
+def test_integer_budgets_of_numpy_and_torch_behave_as_ints(model):
+    import numpy as np
+
+    want = RetentionCache(model, budget=60)
+    ids = torch.randint(0, 100, (2, 30), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(want))
+    for budget in (np.int64(60), torch.tensor(60), torch.tensor([60, 60]), (60, 60)):
+        cache = RetentionCache(model, budget=budget)
+        assert cache.budget == (60 if np.ndim(budget) == 0 else [60, 60])
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(cache)), ref)
+
+
+def test_a_policy_may_be_named(model):
+    from retention.policies import EvictionPolicy
+
+    cache = RetentionCache(model, policy="streamingllm", budget=60)
+    assert isinstance(cache.policy, EvictionPolicy) and cache.policy.name == "streamingllm"
+    with pytest.raises(ValueError, match="unknown policy 'snapkvv'; available: .*'snapkv'"):
+        RetentionCache(model, policy="snapkvv", budget=60)
+    with pytest.raises(TypeError, match="policy must be an EvictionPolicy"):
+        RetentionCache(model, policy=3, budget=60)

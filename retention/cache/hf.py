@@ -19,6 +19,7 @@ M-RoPE positions stay true positions after eviction.
 from __future__ import annotations
 
 import copy
+import numbers
 import weakref
 from typing import Any, Sequence
 
@@ -35,6 +36,13 @@ from .select import rank_in_groups, select_keep
 
 class CacheBudgetError(ValueError):
     """The budget cannot hold what the options require (protected window, per-head minimum, a turn)."""
+
+
+def _is_count(value: Any) -> bool:
+    """An integer (Python, NumPy or a one-element integer tensor), not a bool or a float."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _no_cache() -> None:
@@ -142,6 +150,14 @@ class RetentionCache(Cache):
                 "attach_gates(model, gates, mode='score') (retention.attach) before generating"
             )
         self.attachment = attachment
+        if isinstance(policy, str):  # a name, as the eval configs and the CLI take it
+            from ..policies.registry import get_policy
+
+            policy = get_policy(policy)
+        if policy is not None and not isinstance(policy, EvictionPolicy):
+            raise TypeError(
+                f"policy must be an EvictionPolicy (retention.policies) or a policy name, got {type(policy).__name__}"
+            )
         self.policy = policy if policy is not None else GlobalGatesPolicy()
         self.policy.validate()
         self.policy.bind(unwrap(model))
@@ -149,8 +165,7 @@ class RetentionCache(Cache):
         self.streams_per_seq = self.num_layers * self.num_kv_heads
         self.slack = self.streams_per_seq * page_size if slack is None else slack
         self.initial_pages = initial_pages
-        self.budget = budget
-        self._check_budget(budget)
+        self.budget = self._check_budget(budget)
         self.store: PagedKVStore | None = None
         self._seen = [0] * self.num_layers
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -173,13 +188,23 @@ class RetentionCache(Cache):
     def set_budget(self, budget: int | Sequence[int] | None) -> None:
         """Change the budget (checked as in the constructor); the next eviction or :meth:`compress`
         enforces it. E.g. compress copies of one prefilled cache to several budgets."""
-        self._check_budget(budget)
-        self.budget = budget
+        self.budget = self._check_budget(budget)
 
-    def _check_budget(self, budget: int | Sequence[int] | None) -> None:
+    def _check_budget(self, budget: int | Sequence[int] | None) -> int | list[int] | None:
+        """The budget as an int or a list of ints, once it is checked to fit the options."""
         if budget is None:
-            return
-        values = [budget] if isinstance(budget, int) else list(budget)
+            return None
+        listed = isinstance(budget, (Sequence, torch.Tensor)) and not isinstance(budget, str)
+        values = [budget] if _is_count(budget) else list(budget) if listed else None
+        if values is None or not all(_is_count(b) for b in values):
+            raise CacheBudgetError(
+                f"budget must be a number of entries (an int, or one int per sequence), got {budget!r}; "
+                "for a number of tokens in every layer and KV head use RetentionCache.budget_for(model, tokens=N)"
+            )
+        values = [int(b) for b in values]
+        budget = values[0] if _is_count(budget) else values
+        if min(values, default=1) < 1:
+            raise CacheBudgetError(f"budget must be at least 1 entry, got {budget!r}")
         n = self.streams_per_seq
         need = (self.protected_window + self.min_per_head) * n
         if self.policy.budget_scope == "head" and self.policy.head_budgets is not None:
@@ -194,10 +219,11 @@ class RetentionCache(Cache):
                     f"per-head minimum ({self.min_per_head}) in all {n} (layer, KV head) streams: "
                     f"use a budget >= {max(need, 1)} entries or smaller options"
                 )
+        return budget
 
     def _budgets(self, batch: int) -> torch.Tensor:
-        if isinstance(self.budget, int):
-            return torch.full((batch,), self.budget, dtype=torch.long)
+        if _is_count(self.budget):
+            return torch.full((batch,), int(self.budget), dtype=torch.long)
         if len(self.budget) != batch:
             raise CacheBudgetError(f"{len(self.budget)} budgets given for a batch of {batch} sequences")
         return torch.tensor(list(self.budget), dtype=torch.long)
