@@ -180,6 +180,16 @@ def shipped_gates(model_or_name: Any) -> Path | None:
     return None
 
 
+def shipped_checkpoint(name_or_path: str | Path) -> Path | None:
+    """A shipped gate checkpoint named by its folder (``smollm2-135m-global``, or the checkout's
+    ``checkpoints/smollm2-135m-global`` from any working directory); ``None`` when it names none."""
+    parts = Path(name_or_path).parts
+    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "checkpoints"):
+        return None
+    found = (d / parts[-1] for d in CHECKPOINT_DIRS if (d / parts[-1] / "gates.safetensors").is_file())
+    return next(found, None)
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Embedded name -> cached local folder; anything else (Hub id or local path) is returned as is."""
     if name_or_path in EMBEDDED_MODELS:

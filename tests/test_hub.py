@@ -2,6 +2,7 @@
 
 import base64
 import json
+from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client huggingface_hub 2.x uses
 import pytest
@@ -136,6 +137,26 @@ def test_unreachable_repo_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HubError, match="neither a local folder nor reachable"):
         load_gates("someone/does-not-exist-retention-gates")
+
+
+def test_shipped_gates_load_by_name_from_any_folder(monkeypatch, tmp_path):
+    """``load_gates("checkpoints/smollm2-135m-global")``, as the README had it, is a path into the checkout: run from
+    another folder (or with the wheel installed) it went to the Hub. A shipped checkpoint's folder name, bare or
+    under ``checkpoints/``, now finds the package's copy; other missing paths still go to the Hub."""
+    from retention.hub import checkpoint_folder
+    from retention.models import shipped_gates
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    shipped = shipped_gates("smollm2-135m")
+    assert checkpoint_folder("checkpoints/smollm2-135m-global") == shipped
+    assert checkpoint_folder("smollm2-135m-global") == shipped
+    assert load_gates("smollm2-135m-global").config.variant == "global"
+    for missing in ("checkpoints/not-shipped", "elsewhere/smollm2-135m-global", "a/checkpoints/smollm2-135m-global"):
+        with pytest.raises(HubError, match="neither a local folder nor reachable"):
+            checkpoint_folder(missing)
+    (tmp_path / "smollm2-135m-global").mkdir()  # a folder of that name here wins, as any local path does
+    assert checkpoint_folder("smollm2-135m-global") == Path("smollm2-135m-global")
 
 
 class FakeHub:

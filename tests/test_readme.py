@@ -1,0 +1,43 @@
+"""The README's Python examples run as written, from a folder outside the checkout (as an installed user runs
+them), on the embedded model. Only ``max_new_tokens`` is lowered, to keep the run short."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def run_example(code: str, cwd: Path) -> str:
+    code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=4", code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(README.parent)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"README example failed:\n{code}\n--- stderr ---\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_the_readme_has_the_examples_this_file_runs():
+    blocks = python_blocks()
+    assert len(blocks) == 3, "a Python example was added to or removed from the README: update tests/test_readme.py"
+    assert "RetentionChat(model, tok" in blocks[2] and "model, tok" in blocks[1]  # the chat example reuses the model
+
+
+def test_python_in_ten_lines(tmp_path):
+    out = run_example(python_blocks()[0], tmp_path)
+    assert out.count("<|im_start|>assistant") == 2  # teacher and student each generated
+
+
+def test_inference_with_a_global_budget_then_a_chat(tmp_path):
+    blocks = python_blocks()
+    out = run_example(blocks[1] + "\n" + blocks[2], tmp_path)
+    assert out.count("KV cache:") == 2  # the cache's memory report, then the chat's
