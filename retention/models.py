@@ -201,6 +201,36 @@ def is_multimodal(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = None, check_support: bool = True,
+                **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """A model's config without its weights, and the keyword arguments that name no config attribute.
+
+    ``kwargs`` naming config attributes (``sliding_window=None``) override them, as ``from_pretrained`` does.
+    :class:`ModelNotAvailableError` when there is no config to read; with ``check_support``,
+    :class:`retention.attach.UnsupportedModelError` for an architecture the gates cannot drive.
+    """
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: the folder has no config.json; give the folder that "
+            "save_pretrained wrote (config.json, weights, tokenizer), a Hub id, or an embedded name "
+            f"({', '.join(sorted(EMBEDDED_MODELS))})"
+        )
+    try:
+        config, rest = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
+    except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: {e}\n"
+            f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
+            "or a local folder with config.json"
+        ) from None
+    if check_support:
+        check_supported(config)  # from the config: an unsupported model's weights may be gigabytes
+    return config, rest
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -219,30 +249,14 @@ def load_model(
     With ``check_support`` (the default) an architecture the gates cannot drive is refused from its config,
     before the weights load (:func:`retention.attach.check_supported`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    path = resolve_model_path(name_or_path)
     if isinstance(dtype, str):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)}")
         dtype = getattr(torch, dtype)
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
-        raise ModelNotAvailableError(
-            f"cannot load model {name_or_path!r}: the folder has no config.json; give the folder that "
-            "save_pretrained wrote (config.json, weights, tokenizer), a Hub id, or an embedded name "
-            f"({', '.join(sorted(EMBEDDED_MODELS))})"
-        )
-    try:
-        # kwargs naming config attributes (``sliding_window=None``) override the config, as from_pretrained does
-        config, model_kwargs = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
-    except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
-        raise ModelNotAvailableError(
-            f"cannot load model {name_or_path!r}: {e}\n"
-            f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
-            "or a local folder with config.json"
-        ) from None
-    if check_support:
-        check_supported(config)  # before the weights are read: an unsupported model may be gigabytes
+    path = resolve_model_path(name_or_path)
+    config, model_kwargs = load_config(name_or_path, revision=revision, check_support=check_support, **kwargs)
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
                   dtype=dtype or torch.float32, **model_kwargs)
     if is_multimodal(config):

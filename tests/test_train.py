@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from retention.hub import load_gates
 from retention.models import embedded_model_dir
@@ -492,3 +492,25 @@ def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup
     missing = tmp_path / "stage1" / "final"
     with pytest.raises(SystemExit, match="not a folder here: train the run that writes it first"):
         train(load_config(cfg_file, over + [f"gates.init_from={missing}", "model.name=/nonexistent/model"]))
+
+
+def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):
+    """``data.eval_fraction: 0`` (or data too small to hold a row out) used to print "KL nan" and write NaN, which
+    is not JSON, into the exported config.json."""
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    summary = train(load_config(cfg_file, over + ["train.steps=2", "data.eval_fraction=0", "train.eval_every=1"]))
+    out = capsys.readouterr().out
+    assert "no held-out rows: data.eval_fraction is 0; the run reports no held-out KL" in out
+    assert "nan" not in out.lower() and "held_out_kl" not in summary
+    exported = (tmp_path / "run" / "final" / "config.json").read_text()
+    json.loads(exported, parse_constant=lambda c: pytest.fail(f"{c} in the exported config.json"))
+    assert all("eval_kl" not in h for h in summary["history"])
+
+
+def test_rows_longer_than_the_models_positions_are_refused_before_it_loads(tiny_setup, tmp_path):
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    limit = AutoConfig.from_pretrained(tiny_setup / "model").max_position_embeddings
+    with pytest.raises(SystemExit, match=f"data.seq_len = {limit + 1} is longer than .*'s {limit} positions "
+                                         f"\\(max_position_embeddings\\): use --set data.seq_len={limit} or less"):
+        train(load_config(cfg_file, over + [f"data.seq_len={limit + 1}"]))
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -397,6 +397,16 @@ def train(
         return _train(cfg, resume, push_to_hub_repo, model_and_processor)
 
 
+def check_positions(cfg: Config, model_config: Any) -> None:
+    """Refuse rows longer than the positions the base model was built for: the gates would learn to keep entries
+    for attention that the model itself never computes in use (RoPE past its trained range)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and cfg.data.seq_len > limit:
+        raise SystemExit(f"data.seq_len = {cfg.data.seq_len} is longer than {cfg.model.name}'s {limit} positions "
+                         f"(max_position_embeddings): use --set data.seq_len={limit} or less")
+
+
 def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_and_processor: tuple | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -427,6 +437,10 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
         raise SystemExit(f"gates.init_from = {src!r} is not a folder here: train the run that writes it first "
                          f"(a stage-1 config's export.dir), or point init_from at a gate checkpoint folder or Hub repo")
+    if model_and_processor is None:  # the model's config, not its weights: what cannot work fails before the load
+        from retention.models import load_config
+
+        check_positions(cfg, load_config(cfg.model.name, revision=cfg.model.revision)[0])
     start_gates = None
     if src:  # loaded (and widened) before the model, so a bad checkpoint or width fails before the expensive load
         start_gates = load_gates(src)
@@ -459,6 +473,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     # -- model and gates --------------------------------------------------------------------------
     if model_and_processor is not None:
         model, processor = model_and_processor
+        check_positions(cfg, unwrap(model).config)
     else:
         model, processor = load_model(
             cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
@@ -558,6 +573,11 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, budget {budget_text}" if evicting else
                      f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
         print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; {data_text}; {world}")
+        if not eval_rows:  # reported as missing, not as NaN numbers
+            print("[retention] no held-out " + ("items" if evicting else "rows") + ": "
+                  + ("data.eval_fraction is 0" if cfg.data.eval_fraction == 0 else
+                     f"the data fills too few to hold any out (more data, or a shorter data.seq_len)")
+                  + "; the run reports no held-out KL")
         if tracker_note:
             print(f"[retention] {tracker_note}")
 
@@ -623,8 +643,6 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
 
     def evaluate() -> dict[str, float]:
         """Held-out KL, capacity loss, soft cache size and mean beta over the first ``eval_batches`` batches."""
-        if not eval_rows:
-            return {"kl": float("nan"), "capacity": float("nan"), "soft_cache_entries": float("nan"), "beta_mean": float("nan")}
         vals: dict[str, list[float]] = {"kl": [], "capacity": [], "soft_cache_entries": [], "beta_mean": []}
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
@@ -640,7 +658,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                     vals.setdefault("rank_recall", []).append(cap_stats["rank_recall"])
         return {k: float(np.mean(v)) for k, v in vals.items()}
 
-    if before is None and cfg.train.report_before:
+    if before is None and cfg.train.report_before and eval_rows:
         before = evaluate()  # the untrained gates on the held-out rows, for the before/after report
         if main:
             print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
@@ -689,7 +707,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                 ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} " if "rank_recall" in record else "")
                 tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
                            f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_rows:
                 held, held_step = evaluate(), step
                 record["eval_kl"] = held["kl"]
                 if "rank_recall" in held:
@@ -724,13 +742,14 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     bar.close()
 
     # the last step's held-out pass already scored these gates: no second pass over the same items
-    after = held if held_step == step else evaluate()
+    after = (held if held_step == step else evaluate()) if eval_rows else {}
     summary: dict[str, Any] = {
         "steps": step, "first_kl": history[0]["kl"] if history else None, "final_kl": history[-1]["kl"] if history else None,
-        "final_capacity": history[-1]["capacity"] if history else None, "held_out_kl": after["kl"],
-        "held_out_capacity": after["capacity"], "held_out_soft_cache_entries": after["soft_cache_entries"],
-        "tokens_per_step": tokens_per_step,
+        "final_capacity": history[-1]["capacity"] if history else None, "tokens_per_step": tokens_per_step,
     }
+    if after:
+        summary.update(held_out_kl=after["kl"], held_out_capacity=after["capacity"],
+                       held_out_soft_cache_entries=after["soft_cache_entries"])
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
@@ -750,14 +769,14 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             (out_dir / "history.json").write_text(json.dumps(history, indent=1))
             if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
                 model.save_pretrained(str(export_dir / "lora"))
-            if before is not None:
+            if before is not None and after:
                 print(f"[retention] held-out rows, before -> after training (budget {budget_text}):")
                 for k, name in (("kl", "KL(teacher || student)"), ("capacity", "capacity loss"),
                                 ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta"),
                                 ("rank_recall", "oracle top-B recall")):
                     if k in before and k in after:
                         print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
-            print(f"[retention] held-out KL {after['kl']:.4f}; gates exported to {export_dir}")
+            print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ") + f"gates exported to {export_dir}")
             if repo:
                 print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
     accelerator.end_training()
