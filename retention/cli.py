@@ -102,7 +102,10 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="retention", description=__doc__.replace("``", ""))  # plain text in a terminal
+    parser.add_argument("--version", action="version", version=f"retention {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     build_demo_parser(sub)
     for module in _command_modules():

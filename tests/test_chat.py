@@ -229,6 +229,11 @@ def test_retention_help_names_every_command_in_plain_text(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and all(c in out for c in ("demo", "chat", "push", "average", "eval"))
+    import retention
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"retention {retention.__version__}"
 
 
 @pytest.mark.parametrize("how", ["close", "ctrl-c"])

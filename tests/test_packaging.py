@@ -40,6 +40,9 @@ def _sources(package_root: str) -> set[str]:
 def test_the_wheel_holds_every_module_and_the_shipped_gates(wheel):
     from retention.models import EMBEDDED_MODELS
 
+    import retention
+
+    assert wheel.name.startswith(f"retention-{retention.__version__}-")  # one version: retention.__version__
     names = set(zipfile.ZipFile(wheel).namelist())
     # pyproject.toml lists the packages by hand: a new subpackage missing from that list fails here
     for root in ("retention", "train", "eval"):
@@ -65,6 +68,7 @@ def test_an_installed_wheel_finds_its_shipped_gates(wheel, tmp_path):
         "from retention.hub import load_gates\n"
         "path = m.shipped_gates('smollm2-135m')\n"
         "print(retention.__file__); print(path); print(load_gates(path).fingerprint())\n"
+        "assert load_gates('smollm2-135m-global').fingerprint() == load_gates(path).fingerprint()  # by name\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}  # ahead of the checkout's editable install
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
