@@ -107,6 +107,9 @@ class RetentionChat:
         from .cache import RetentionCache
 
         self.model, self.processor = model, processor
+        text_cfg = unwrap(model).config
+        text_cfg = text_cfg.get_text_config() if hasattr(text_cfg, "get_text_config") else text_cfg
+        self.max_positions: int | None = getattr(text_cfg, "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
         self.device = unwrap(model).get_input_embeddings().weight.device
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -146,6 +149,7 @@ class RetentionChat:
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
         self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)
         self._last_reply_ended = False
+        self._warned_positions = False
         if self.multimodal:
             unwrap(self.model).model.rope_deltas = None
 
@@ -182,6 +186,7 @@ class RetentionChat:
             self._prefill_multimodal(turn)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         kwargs.setdefault("max_new_tokens", self.max_new_tokens)
+        self._warn_past_positions(full.shape[1] + kwargs["max_new_tokens"])
         uncached = full.shape[1] - self.cache.get_seq_length()
         if uncached > self.chunk_size:
             kwargs["prefill_chunk_size"] = self.chunk_size
@@ -223,6 +228,19 @@ class RetentionChat:
         if "error" in result:
             raise result["error"]
         self._commit(full, result["out"], turn["message"], kwargs)
+
+    def _warn_past_positions(self, tokens: int) -> None:
+        """Warn once per conversation when it may run past the model's positions: the cache stays within its
+        budget however long the chat, but RoPE past the trained range degrades every reply."""
+        if self.max_positions is None or tokens <= self.max_positions or self._warned_positions:
+            return
+        self._warned_positions = True
+        warnings.warn(
+            f"this conversation may reach {tokens:,} tokens, past the model's {self.max_positions:,} positions "
+            "(max_position_embeddings): the cache stays within its budget, but the model reads positions it was "
+            "never trained on and its replies degrade; reset() (/reset in retention chat) starts a new conversation",
+            stacklevel=3,
+        )
 
     def _commit(self, full: torch.Tensor, out: torch.Tensor, message: dict[str, Any], kwargs: dict[str, Any]) -> None:
         """Record a finished (or stopped) turn: ``out`` is the prompt ``full`` plus the reply generated."""
@@ -344,6 +362,12 @@ def _memory_line(report: dict[str, Any]) -> str:
             f"{report['kept_entries']:,} entries kept; {report['tokens_seen']} tokens seen]")
 
 
+def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        print(f"\nwarning: {w.message}", file=sys.stderr)
+    caught.clear()
+
+
 def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
     """``retention chat``'s loop over ``lines``: each a message or a command (:data:`CHAT_COMMANDS`). Replies stream to
     stdout, errors go to stderr; a mistyped command is named, never sent to the model as a message, and a message
@@ -384,8 +408,14 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
         text = line[1:] if line.startswith("//") else line
         try:
             try:
-                for piece in chat.stream(text, pending):
-                    print(piece, end="", flush=True)
+                with warnings.catch_warnings(record=True) as caught:  # shown as a line, not a source location
+                    warnings.simplefilter("always")
+                    try:
+                        for piece in chat.stream(text, pending):
+                            _show_warnings(caught)
+                            print(piece, end="", flush=True)
+                    finally:
+                        _show_warnings(caught)
             except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat (the reply so far is kept)
                 print(" [stopped]", end="")
             print()

@@ -325,3 +325,31 @@ def test_a_template_that_rerenders_the_last_reply_still_chats_incrementally(smol
         out = model.generate(input_ids=chat.ids[:, :n_prompt], attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
                              **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=12, do_sample=False)
     assert tok.decode(out[0, n_prompt:], skip_special_tokens=True) == second
+
+
+def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys):
+    """The cache keeps a long chat within its budget, but positions keep growing: past max_position_embeddings the
+    model reads RoPE positions it never saw. Warned once per conversation, again after a reset."""
+    import warnings
+
+    from retention.chat import chat_loop
+
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=4)
+    assert chat.max_positions == model.config.max_position_embeddings == 8192
+    chat.max_positions = 50  # a short window stands in for 8192 positions (the first turn fills 36)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chat.send("Hi.")  # 32 tokens with the system prompt, 36 with the reply: within 50
+        assert not caught
+        chat.send("Tell me about rivers and lakes.")
+        chat.send("And mountains?")
+        chat.reset()
+        chat.send("Hi.")
+        chat.send("Tell me about rivers and lakes.")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and all("past the model's 50 positions" in m and "/reset" in m for m in messages)
+    chat.reset()
+    chat_loop(chat, ["Hi.", "Tell me about rivers and lakes.", "And mountains?"])
+    err = capsys.readouterr().err
+    assert err.count("warning: this conversation may reach") == 1 and "UserWarning" not in err
