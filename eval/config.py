@@ -102,8 +102,14 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     available = f"generated: {sorted(TASKS)}; from the Hub: {sorted(HUB_TASKS)}"
     if not isinstance(cfg.tasks, list) or not cfg.tasks:
         _fail("tasks", f"must be a non-empty list of task names or {{name, params}}; {available}")
+    seen_tasks: dict[str, Any] = {}
     for t in cfg.tasks:
         name = t if isinstance(t, str) else (t.get("name") if isinstance(t, dict) else None)
+        if name in TASKS and name in seen_tasks:  # rows are keyed by the task's name: two variants would mix
+            _fail("tasks", f"lists {name} twice ({seen_tasks[name]!r} and {t!r}); a sweep's rows name a generated "
+                           "task by its name alone, so one output holds one variant of it: sweep the other "
+                           "into a second output")
+        seen_tasks[name] = t
         if name == "mmdu":
             _fail("tasks", "mmdu is multimodal and the sweep feeds text: load it with eval.loaders.load_mmdu and run "
                            "its dialogues through retention.chat.RetentionChat with a Qwen3-VL model")

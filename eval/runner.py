@@ -8,6 +8,7 @@ items the first run did.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -57,27 +58,50 @@ def _drop_torn_tail(path: Path) -> None:
             fh.truncate(data.rfind(b"\n") + 1)
 
 
-def _set_aside_other_gates(results: Path, gate_ids: dict[str, str | None]) -> list[dict[str, Any]]:
-    """The rows of ``results`` a resumed sweep may keep: rows a gated method scored with other gates than
-    it has now (say the shipped checkpoint changed) move to ``results.replaced.jsonl`` and are scored
-    again, so one table never mixes two sets of gates. Rows written before rows carried ``gates_id``
-    are kept as they are (delete them to rescore)."""
-    def other_gates(r: dict[str, Any]) -> bool:
+def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
+    """What a row's score depends on beyond its key (task, length, item, method, budget, protocol, prefill)
+    and its gates: each row records these, and a resumed sweep rescores rows that recorded other values."""
+    return {"model": cfg.model, "dtype": cfg.dtype or "float32", "max_new_tokens": cfg.max_new_tokens, "chunk": cfg.chunk}
+
+
+def item_sha(item) -> str:
+    """A short hash of what an item shows the model and scores against: task params, haystack source or a
+    changed generator make other items under the same id."""
+    text = json.dumps([item.context, item.question, item.answers, item.messages, item.continuation,
+                       item.answer_prefix, item.metric, item.max_new_tokens], sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _set_aside_stale(results: Path, gate_ids: dict[str, str | None], settings: dict[str, Any],
+                     item_shas: dict[tuple, str]) -> list[dict[str, Any]]:
+    """The rows of ``results`` a resumed sweep may keep. A row scored with other gates than its method has now
+    (say the shipped checkpoint changed), with other settings (:func:`sweep_settings`: another model,
+    ``max_new_tokens``...) or on another item under the same id (:func:`item_sha`) moves to
+    ``results.replaced.jsonl`` and is scored again, so one table never mixes two setups. A value a row does not
+    record (rows from before it was recorded) counts as the same."""
+    def changes(r: dict[str, Any]) -> list[str]:
+        found = []
         now = gate_ids.get(r.get("method"))
-        return bool(now) and r.get("gates_id", now) != now
+        if now and r.get("gates_id", now) != now:
+            found.append(f"{r['method']} gates ({r['gates_id']} -> {now})")
+        found += [f"{k} ({r[k]!r} -> {v!r})" for k, v in settings.items() if k in r and r[k] != v]
+        sha = item_shas.get((r.get("task"), r.get("length"), r.get("item")))
+        if sha and r.get("item_sha", sha) != sha:
+            found.append(f"{r['task']} items (other text under the same ids: task params, source or generator)")
+        return found
 
     rows = read_results(results)
-    stale = [r for r in rows if other_gates(r)]
+    stale = {i: c for i, r in enumerate(rows) if (c := changes(r))}
     if stale:
         from retention.io import atomic_write_bytes
 
         aside = results.with_name("results.replaced.jsonl")
         with open(aside, "a") as fh:
-            fh.write(jsonl(stale))
-        rows = [r for r in rows if not other_gates(r)]
+            fh.write(jsonl([rows[i] for i in stale]))
+        rows = [r for i, r in enumerate(rows) if i not in stale]
         atomic_write_bytes(results, jsonl(rows).encode())
-        changes = sorted({f"{r['method']} ({r['gates_id']} -> {gate_ids[r['method']]})" for r in stale})
-        print(f"[eval] {len(stale)} rows were scored by other gates than the methods have now: {', '.join(changes)}; "
+        named = sorted({c for cs in stale.values() for c in cs})
+        print(f"[eval] {len(stale)} rows were scored with another setup than this config's: {'; '.join(named)}; "
               f"moved to {aside} and scored again")
     return rows
 
@@ -90,23 +114,26 @@ def _items(cfg: EvalConfig, spec, tokenizer, length: int) -> list:
                     **spec.params)
 
 
-def _jobs(cfg: EvalConfig, tokenizer, done: set) -> Iterator[tuple]:
+def _sweep_items(cfg: EvalConfig, tokenizer) -> list[tuple[str, int, Any]]:
+    """``(task, length, item)`` of the whole sweep, in order; a Hub set's rows name its subset as their task."""
+    return [(item.task if spec.name in HUB_TASKS else spec.name, length, item)
+            for spec in cfg.task_specs() for length in cfg.lengths for item in _items(cfg, spec, tokenizer, length)]
+
+
+def _jobs(cfg: EvalConfig, items: list[tuple[str, int, Any]], done: set) -> Iterator[tuple]:
     """``(item, method, budgets, rows)`` still to run: the budgets of one (item, method) go together,
     so a one-shot prefill is shared by all of them (see :func:`eval.protocol.run_item_budgets`)."""
     methods, budgets = cfg.method_list(), cfg.budget_list()
-    for spec in cfg.task_specs():
-        for length in cfg.lengths:
-            for item in _items(cfg, spec, tokenizer, length):
-                task = item.task if spec.name in HUB_TASKS else spec.name  # a Hub set's rows name its subset
-                for m in methods:
-                    todo = []
-                    for b in (budgets if m.uses_budget else [None]):
-                        row = {"task": task, "length": length, "item": item.id, "method": m.label,
-                               "budget": "full" if b is None else b.key, "protocol": cfg.protocol, "prefill": cfg.prefill}
-                        if row_key(row) not in done:
-                            todo.append((b, row))
-                    if todo:
-                        yield item, m, [b for b, _ in todo], [r for _, r in todo]
+    for task, length, item in items:
+        for m in methods:
+            todo = []
+            for b in (budgets if m.uses_budget else [None]):
+                row = {"task": task, "length": length, "item": item.id, "method": m.label,
+                       "budget": "full" if b is None else b.key, "protocol": cfg.protocol, "prefill": cfg.prefill}
+                if row_key(row) not in done:
+                    todo.append((b, row))
+            if todo:
+                yield item, m, [b for b, _ in todo], [r for _, r in todo]
 
 
 def prepare_model(cfg: EvalConfig, model, tokenizer):
@@ -157,8 +184,10 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     model, tok = prepare_model(cfg, *model_and_tokenizer)
     gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
-    done = {row_key(r) for r in _set_aside_other_gates(results, gate_ids)}
-    jobs = list(_jobs(cfg, tok, done))
+    items = _sweep_items(cfg, tok)
+    shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
+    done = {row_key(r) for r in _set_aside_stale(results, gate_ids, sweep_settings(cfg), shas)}
+    jobs = list(_jobs(cfg, items, done))
     references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
                                         disable=not progress) as bar:
@@ -182,9 +211,9 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
                                         prefill_mode=cfg.prefill, chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens,
                                         reference=ref, shared=share)
             for row, res in zip(rows, results_):
-                res = {**row, "policy": method.name, "metric": item.metric, "model": cfg.model, "seed": cfg.seed,
-                       "split": cfg.split, **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}),
-                       **res}
+                res = {**row, "policy": method.name, "metric": item.metric, **sweep_settings(cfg), "seed": cfg.seed,
+                       "split": cfg.split, "item_sha": shas[(row["task"], row["length"], row["item"])],
+                       **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}), **res}
                 fh.write(json.dumps(res) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())

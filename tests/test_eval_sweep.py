@@ -534,12 +534,60 @@ def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
     export_gates(second, tmp_path / "g", base_model="tiny")
     capsys.readouterr()
     run_sweep(load_eval_config(p), progress=False)
-    assert f"mine ({first.fingerprint()} -> {second.fingerprint()})" in capsys.readouterr().out
+    assert f"mine gates ({first.fingerprint()} -> {second.fingerprint()})" in capsys.readouterr().out
     again, aside = read_results(results), read_results(results.parent / "results.replaced.jsonl")
     assert aside == [r for r in rows if r["method"] == "mine"] and len(aside) == 2
     assert [r for r in again if r["method"] == "snapkv"] == [r for r in rows if r["method"] == "snapkv"]
     assert sorted(r["item"] for r in again if r.get("gates_id") == second.fingerprint()) == sorted(r["item"] for r in aside)
     assert len(again) == len(rows)
+
+
+def test_a_resumed_sweep_rescores_rows_of_another_setup(tmp_path, capsys):
+    """Rows were keyed by task, item id, method and budget alone: after editing max_new_tokens, the model or a
+    task's params, re-running the command kept every old row and reported it as the new setup's. Now rows record
+    the setup (sweep_settings, item_sha) and those of another move aside and are scored again."""
+    import json
+
+    def config(max_new_tokens=2, keys=2):
+        p = tmp_path / "c.yaml"
+        p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\n"
+                     f"tasks: [{{name: niah_multikey, params: {{keys: {keys}}}}}, fidelity]\nlengths: [128]\n"
+                     f"budgets: [0.25]\nitems: 2\nmax_new_tokens: {max_new_tokens}\nmethods: [{{name: streamingllm}}]\n")
+        return load_eval_config(p)
+
+    results = run_sweep(config(), progress=False)
+    rows = read_results(results)
+    assert {(r["max_new_tokens"], r["chunk"], r["model"], r["dtype"]) for r in rows} == {(2, 512, "tiny-llama-random", "float32")}
+    run_sweep(config(), progress=False)  # the same setup: nothing to do
+    assert read_results(results) == rows
+    aside = results.parent / "results.replaced.jsonl"
+    assert not aside.exists()
+
+    capsys.readouterr()
+    run_sweep(config(max_new_tokens=3), progress=False)
+    assert "4 rows were scored with another setup than this config's: max_new_tokens (2 -> 3)" in capsys.readouterr().out
+    assert read_results(aside) == rows
+    assert {r["max_new_tokens"] for r in read_results(results)} == {3} and len(read_results(results)) == 4
+
+    run_sweep(config(max_new_tokens=3, keys=3), progress=False)  # other needles under the same item ids
+    out = capsys.readouterr().out
+    assert "2 rows were scored with another setup" in out and "niah_multikey items (other text under the same ids" in out
+    now = read_results(results)
+    assert len(now) == 4 and len({r["item_sha"] for r in now if r["task"] == "niah_multikey"}) == 2
+
+    # rows written before rows recorded their setup are kept as they are
+    results.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("max_new_tokens", "item_sha")}) + "\n"
+                               for r in now))
+    run_sweep(config(max_new_tokens=5, keys=3), progress=False)
+    assert "rows were scored with another setup" not in capsys.readouterr().out and len(read_results(results)) == 4
+
+
+def test_a_generated_task_listed_twice_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: tiny-llama-random\ntasks: [{name: niah_multikey, params: {keys: 2}}, "
+                 "{name: niah_multikey, params: {keys: 4}}]\nmethods: [{name: full}]\n")
+    with pytest.raises(EvalConfigError, match="lists niah_multikey twice.*sweep the other into a second output"):
+        load_eval_config(p)
 
 
 def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, capsys):
