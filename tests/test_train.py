@@ -152,10 +152,37 @@ def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tin
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=2"]))
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    with pytest.raises(SystemExit, match=r"config changed since the run started \(gates.gate_hidden 8 -> 16, "
-                                         r"gates.activation 'silu' -> 'gelu'\)"):
+    with pytest.raises(SystemExit, match=r"config changed since the run started \(gates.activation 'silu' -> 'gelu'; "
+                                         r"gates.gate_hidden 8 -> 16\)"):
         train(load_config(cfg_file, over + ["train.steps=8", "gates.gate_hidden=16", "gates.activation=gelu"]),
               resume="latest")
+    # a checkpoint from before the config was saved with it: the gate settings are still checked
+    state = tmp_path / "run" / "checkpoints" / "step-2" / "state.json"
+    meta = json.loads(state.read_text())
+    del meta["config"]
+    state.write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match=r"gates.gate_hidden 8 -> 16"):
+        train(load_config(cfg_file, over + ["train.steps=8", "gates.gate_hidden=16"]), resume="latest")
+
+
+def test_a_resume_with_other_data_or_optimiser_settings_is_refused_but_steps_and_logging_may_change(
+        tiny_setup, tmp_path, monkeypatch):
+    """--resume after editing data.seq_len (or lr, the data mix...) went on silently: the loss curve continued on
+    other rows and the before/after report compared two data sets."""
+    import train.loop as loop
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    train(load_config(cfg_file, over + ["train.steps=4", "train.stop_after=2"]))
+    load_model = loop.load_model
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit, match=r"\(data.seq_len 32 -> 48; train.lr 0.05 -> 0.01\); resume with the settings"):
+        train(load_config(cfg_file, over + ["train.steps=4", "data.seq_len=48", "train.lr=0.01"]), resume="latest")
+    with pytest.raises(SystemExit, match=r"data.sources \[.*\] -> \[.*\]"):
+        train(load_config(cfg_file, over + ["train.steps=4", "data.sources.0.weight=2"]), resume="latest")
+    monkeypatch.setattr(loop, "load_model", load_model)
+    summary = train(load_config(cfg_file, over + ["train.steps=6", "train.log_every=1", "train.save_every=3"]),
+                    resume="latest")
+    assert summary["steps"] == 6
 
 
 def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def extra_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
                     extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
-                    sharded_optimizer: bool = False) -> None:
+                    sharded_optimizer: bool = False, settings: dict[str, Any] | None = None) -> None:
     """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base."""
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors")
@@ -178,7 +178,7 @@ def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStrea
             tmp / "trainer_state.pt",
         )
         meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict(),
-                "before": before}
+                "before": before, **({"config": settings} if settings is not None else {})}
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -241,15 +241,51 @@ class StopRequests:
             signal.signal(sig, old)
 
 
+# what --resume may change: how long the run goes, how it logs, saves and exports; every other key shapes the loss curve
+RESUME_MAY_CHANGE = frozenset({
+    "train.steps", "train.stop_after", "train.save_every", "train.keep_checkpoints", "train.log_every",
+    "train.eval_every", "train.tracker", "train.report_before", "train.output_dir", "export.dir", "export.push_to_hub",
+    "model.gradient_checkpointing",
+})
+
+
+def run_settings(cfg: Config) -> dict[str, Any]:
+    """The config as dotted keys (``data.seq_len``; lists such as ``data.sources`` whole), as JSON stores it."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", cfg.to_dict())
+    return json.loads(json.dumps(flat, default=str))
+
+
 def check_resume_fits(cfg: Config, ckpt: Path) -> None:
-    """SystemExit naming the difference when ``ckpt`` holds gates of another variant, width or activation than
-    ``cfg`` builds (a config changed between a run and its resume); runs started from ``init_from`` are checked when
-    their gates are built."""
+    """SystemExit naming the difference when the config changed since the run started in a way that changes its loss
+    curve (``data.seq_len``, ``train.lr``...; anything but :data:`RESUME_MAY_CHANGE`), or, for checkpoints from
+    before the config was saved with them, when ``ckpt`` holds gates of another variant, width or activation."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError):
+        return  # the load reports a damaged checkpoint
+    if "config" in state:
+        now = run_settings(cfg)
+        changed = sorted(k for k in set(state["config"]) | set(now)
+                         if k not in RESUME_MAY_CHANGE and state["config"].get(k) != now.get(k))
+        if changed:
+            diff = "; ".join(f"{k} {state['config'].get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
+                             "settings the run started with, or start a fresh run (only train.steps, stop_after, "
+                             "save_every, logging, trackers and export settings may change on --resume)")
+        return
     if cfg.gates.init_from:
         return
-    try:
-        saved = json.loads((ckpt / "state.json").read_text())["gate_config"]
-    except (OSError, ValueError, KeyError):
+    saved = state.get("gate_config")
+    if saved is None:
         return  # an older checkpoint without it: the state-dict load still checks the shapes
     wanted = {"variant": cfg.gates.variant, "gate_hidden": cfg.gates.gate_hidden, "activation": cfg.gates.activation}
     changed = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
@@ -725,7 +761,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
                 if main and saving:
                     save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
-                                    history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None)
+                                    history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None,
+                                    settings=run_settings(cfg))
                 if main and saving:
                     old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
                     for p in old[: -cfg.train.keep_checkpoints]:
