@@ -201,6 +201,16 @@ def is_multimodal(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+# from_pretrained keywords that say where and how to fetch files (not config attributes): the config, the weights
+# and the tokenizer all take them
+HUB_KWARGS = ("token", "cache_dir", "local_files_only", "force_download", "proxies", "trust_remote_code", "subfolder",
+              "code_revision")
+
+
+def hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
+
+
 def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = None, check_support: bool = True,
                 **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """A model's config without its weights, and the keyword arguments that name no config attribute.
@@ -212,7 +222,7 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path)
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+    if Path(path).is_dir() and not (Path(path) / kwargs.get("subfolder", "") / "config.json").is_file():
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: the folder has no config.json; give the folder that "
             "save_pretrained wrote (config.json, weights, tokenizer), a Hub id, or an embedded name "
@@ -220,6 +230,7 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
         )
     try:
         config, rest = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
+        rest.update(hub_kwargs(kwargs))  # the config read them; the weights are fetched the same way
     except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: {e}\n"
@@ -261,10 +272,10 @@ def load_model(
                   dtype=dtype or torch.float32, **model_kwargs)
     if is_multimodal(config):
         model = AutoModelForImageTextToText.from_pretrained(path, **common)
-        processor = AutoProcessor.from_pretrained(path, revision=revision)
+        processor = AutoProcessor.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **common)
-        processor = AutoTokenizer.from_pretrained(path, revision=revision)
+        processor = AutoTokenizer.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
     if name_or_path in EMBEDDED_MODELS:  # name the model by its Hub id, not the cache folder (gate checkpoints record it)
         model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id
     if device is not None:

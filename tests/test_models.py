@@ -106,6 +106,23 @@ def test_local_folder_loads_like_a_hub_id(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, src(input_ids=ids).logits)
 
 
+def test_fetch_keywords_reach_the_config_the_weights_and_the_tokenizer(tmp_path):
+    """load_model reads the config first (to refuse what the gates cannot drive before the weights): keywords that
+    say where files are (subfolder, token, cache_dir...) must reach the weights and the tokenizer too."""
+    from tiny_models import tiny_qwen3
+
+    from transformers import AutoTokenizer
+
+    src = tiny_qwen3()
+    src.save_pretrained(tmp_path / "inner")
+    AutoTokenizer.from_pretrained(models.embedded_model_dir()).save_pretrained(tmp_path / "inner")
+    model, tok = load_model(str(tmp_path), subfolder="inner", local_files_only=True)
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, src(input_ids=ids).logits)
+    assert tok("hello").input_ids
+
+
 @pytest.mark.smollm2
 def test_second_load_comes_from_the_safetensors_cache(monkeypatch):
     first = models.embedded_model_dir()
