@@ -102,24 +102,28 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False, p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retention.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--gates", default=None, help="gate checkpoint (default: untrained gates; costs are the same)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--budget", type=int, default=512, help="tokens per (layer, KV head) on average")
-    p.add_argument("--new", type=int, default=16, help="decoded tokens timed per setting")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--budget", type=positive_int, default=512, help="tokens per (layer, KV head) on average")
+    p.add_argument("--new", type=positive_int, default=16, help="decoded tokens timed per setting")
+    p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk")
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
-    p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over every setting (noisy machines)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    p.add_argument("--repeats", type=positive_int, default=1, help="interleaved rounds over every setting (noisy machines)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help=f"also profile {PROFILE_STEPS} decode steps of every setting and write the top ops to FILE")
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1, got {args.repeats}")
     import torch
 
+    from retention.models import device_problem
+
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if problem := device_problem(args.device):
+        p.error(f"--device {problem}")
 
     from retention import attach_gates, load_model
     from retention.hub import load_gates

@@ -205,13 +205,15 @@ def cpu_check(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retention.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths (GPU: 2048..32768, CPU: 64 128)")
-    p.add_argument("--dims", type=int, nargs="+", default=None, help="head dims (GPU: 64 128, CPU: 64)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU: 8, CPU: 1)")
-    p.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA group)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (GPU: 10, CPU: 1)")
+    p.add_argument("--seq", type=positive_int, nargs="+", default=None, help="sequence lengths (GPU: 2048..32768, CPU: 64 128)")
+    p.add_argument("--dims", type=positive_int, nargs="+", default=None, help="head dims (GPU: 64 128, CPU: 64)")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="KV heads (GPU: 8, CPU: 1)")
+    p.add_argument("--group", type=positive_int, default=4, help="query heads per KV head (GQA group)")
+    p.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (GPU: 10, CPU: 1)")
     p.add_argument("--methods", nargs="+", default=None, choices=["ours", "fa2", "sdpa", "sdpa+bias", "flex"],
                    help="GPU methods to run (default: all)")
     args = p.parse_args(argv)

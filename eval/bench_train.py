@@ -117,19 +117,25 @@ def _measure_peak(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retention.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seq-len", type=positive_int, default=512)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--reps", type=positive_int, default=3)
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
     p.add_argument("--measure-peak", choices=["floor", "step"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
 
+    from retention.models import device_problem
+
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if problem := device_problem(args.device):
+        p.error(f"--device {problem}")
     if args.measure_peak:
         _measure_peak(args)
         return 0

@@ -27,3 +27,27 @@ def test_bench_decode_table_and_profile(tmp_path, capsys):
     assert [s.split("\n")[0] for s in sections] == ["8, full@B", "64, budget", "64, full", "64, plain", "64, bare"]
     for s in sections:
         assert "host time per step" in s and "aten::" in s and "Self CPU time total" in s
+
+
+@pytest.mark.parametrize("script,args,words", [
+    ("bench_decode", ["--contexts", "0"], "--contexts: must be at least 1, got 0"),
+    ("bench_decode", ["--new", "0"], "--new: must be at least 1"),  # was a StatisticsError after every prefill
+    ("bench_decode", ["--budget", "-1"], "--budget: must be at least 1"),
+    ("bench_decode", ["--device", "cuda:0"], "torch sees no CUDA GPU here"),
+    ("bench_decode", ["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    ("bench_train", ["--seq-len", "0"], "--seq-len: must be at least 1"),
+    ("bench_train", ["--device", "cuda"], "torch sees no CUDA GPU here"),
+    ("bench_kernels", ["--seq", "64", "0"], "--seq: must be at least 1"),
+])
+def test_benchmark_arguments_are_checked_before_anything_loads(script, args, words, capsys, monkeypatch):
+    import importlib
+
+    import retention
+
+    if "cuda" in " ".join(args) and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has the GPU the argument names")
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    main = importlib.import_module(f"eval.{script}").main
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2 and words in capsys.readouterr().err
