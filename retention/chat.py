@@ -86,7 +86,7 @@ class RetentionChat:
     budget is ``budget_tokens * L * H_kv`` entries, shared globally); ``None`` keeps everything.
     ``gates``: trained gates, a checkpoint folder or Hub repo id, ``"untrained"``, or ``None``: the gates
     already attached, else those shipped for an embedded model (``checkpoints/``), else untrained gates
-    (with a warning). ``chunk_size``: prefill chunk in tokens.
+    (with a warning). ``chunk_size``: prefill chunk in tokens. ``policy``: as :class:`RetentionCache` takes it.
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class RetentionChat:
         gates: RetentionGates | str | Path | None = None,
         *,
         budget_tokens: int | None = None,
-        policy: EvictionPolicy | None = None,
+        policy: EvictionPolicy | str | None = None,
         chunk_size: int = 256,
         max_new_tokens: int = 256,
         system: str | None = None,

@@ -124,13 +124,15 @@ class RetentionCache(Cache):
     ``slack``: eviction starts once a sequence holds more than ``budget + slack`` entries and cuts
     back to ``budget`` (default: one page per stream). ``protected_window``: the newest tokens are
     always kept in every head. ``min_per_head``: each (layer, KV head) keeps at least this many.
+    ``policy``: an :class:`EvictionPolicy` or a name for :func:`retention.policies.get_policy` (``"snapkv"``);
+    default :class:`GlobalGatesPolicy`.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         budget: int | Sequence[int] | None = None,
-        policy: EvictionPolicy | None = None,
+        policy: EvictionPolicy | str | None = None,
         *,
         slack: int | None = None,
         page_size: int = 16,
