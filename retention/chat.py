@@ -280,12 +280,8 @@ class RetentionChat:
             enc = self.processor(text=[delta], images=images or None, return_tensors="pt")
         else:
             enc = self.tokenizer(delta, add_special_tokens=False, return_tensors="pt")
-        n = enc["input_ids"].shape[1]
-        if self.budget_tokens is not None and n > self.budget_tokens:
-            raise ChatInputError(
-                f"this turn is {n} tokens but the cache budget holds {self.budget_tokens} tokens per head: "
-                f"raise the budget to at least {n} (--budget {n}) or send a shorter message / smaller images"
-            )
+        # a turn longer than the budget is fine: it is prefilled in chunks and competes for the budget like every
+        # earlier entry (a pasted document, then questions about it, is what the cache is for)
         return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message}
 
     def _after_reply(self, message: dict[str, Any], text: str) -> str:
@@ -371,7 +367,7 @@ def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
 def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
     """``retention chat``'s loop over ``lines``: each a message or a command (:data:`CHAT_COMMANDS`). Replies stream to
     stdout, errors go to stderr; a mistyped command is named, never sent to the model as a message, and a message
-    the chat refuses (over the budget, say) is reported as not sent."""
+    the chat refuses (an image for a text-only model, say) is reported as not sent."""
     pending: list[Any] = []
     for line in lines:
         line = line.strip()
