@@ -69,9 +69,13 @@ def _publish(args: argparse.Namespace, results) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from .report import check_pairs, markdown_table, parse_pairs, write_report
-    from .runner import read_results
+    from .runner import load_result_file
 
-    rows = read_results(args.results)
+    try:
+        rows = load_result_file(args.results)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"no results in {args.results}", file=sys.stderr)
         return 2

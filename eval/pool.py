@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .runner import jsonl, read_results, row_key
+from .runner import jsonl, load_result_file, row_key
 
 
 def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
@@ -55,14 +55,11 @@ def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | 
     """Write the pooled rows of ``paths`` (results.jsonl files) to ``out``; returns ``(out, dropped methods)``."""
     from retention.io import atomic_write_bytes
 
-    for p in paths:
-        if not Path(p).is_file():
-            raise FileNotFoundError(f"{p} not found: give the results.jsonl of each sweep (or its published copy)")
     if len({Path(p).resolve() for p in paths}) < len(paths):
         raise ValueError("a results file is given twice: pool sweeps of different items (another `seed:`)")
     if Path(out).resolve() in {Path(p).resolve() for p in paths}:
         raise ValueError(f"--out {out} is one of the files to pool: it would be replaced by the pool; give a new file")
-    rows, dropped = pool_rows({str(p): read_results(p) for p in paths}, methods)
+    rows, dropped = pool_rows({str(p): load_result_file(p) for p in paths}, methods)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, jsonl(rows).encode())

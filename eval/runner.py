@@ -43,6 +43,33 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+ROW_FIELDS = ("task", "length", "item", "method", "budget", "score")  # what every report and pool reads
+
+
+def load_result_file(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a results file a user names (``report``, ``pool``): FileNotFoundError or ValueError naming the file,
+    the line and the fix when it is missing or is not a sweep's rows. A torn last line (a sweep still writing, or
+    interrupted) is left out, as :func:`read_results` does."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: give the results.jsonl of a sweep (or its published copy)")
+    lines = p.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):
+                continue  # torn by an interrupted write
+            raise ValueError(f"{p}, line {i}: not JSON; a results file holds one JSON row per line") from None
+        missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f"{p}, line {i}: a row without {', '.join(missing)}; is this the results.jsonl of an "
+                             "eval sweep (python -m eval run)?")
+        rows.append(row)
+    return rows
+
+
 def jsonl(rows: list[dict[str, Any]]) -> str:
     """Rows as results-file text: one JSON object per line, the inverse of :func:`read_results`."""
     return "".join(json.dumps(r) + "\n" for r in rows)

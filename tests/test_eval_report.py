@@ -196,7 +196,7 @@ def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
         p.write_text("".join(__import__("json").dumps(r) + "\n" for r in rs))
     out, dropped = pool_results([a, b], tmp_path / "pooled" / "results.jsonl", methods=["full", "global_gates"])
     assert dropped == ["snapkv"] and len(out.read_text().splitlines()) == 20
-    with pytest.raises(FileNotFoundError, match="results.jsonl of each sweep"):
+    with pytest.raises(FileNotFoundError, match="results.jsonl of a sweep"):
         pool_results([a, tmp_path / "nope.jsonl"], tmp_path / "x.jsonl")
 
 
@@ -347,3 +347,27 @@ def test_a_card_only_takes_rows_its_own_gates_scored(tmp_path):
     assert (card / "README.md").read_text() == before
     publish(_write_rows(tmp_path / "own.jsonl", rows_with(own)), card)
     publish(_write_rows(tmp_path / "old.jsonl", rows_with(None)), card)  # rows from before gates_id: cannot be checked
+
+
+def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys):
+    """A stray JSON lines file was a KeyError traceback, and a missing one "no results"."""
+    import json
+
+    from eval.cli import main
+
+    good = tmp_path / "good.jsonl"
+    row = {"task": "niah_single", "length": 128, "item": "i0", "method": "full", "budget": "full", "score": 1.0}
+    good.write_text(json.dumps(row) + "\n" + json.dumps({**row, "item": "i1"}) + "\n" + '{"task": "niah_si')  # torn
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text(json.dumps(row) + "\n" + json.dumps({"a": 1}) + "\n")
+    for argv, words in ((["report", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
+                        (["report", str(junk)], "junk.jsonl, line 2: a row without task, length, item, method, budget, score"),
+                        (["pool", str(junk), str(good), "--out", str(tmp_path / "p.jsonl")], "junk.jsonl, line 2"),
+                        (["pool", str(tmp_path / "missing.jsonl"), str(good), "--out", str(tmp_path / "p.jsonl")],
+                         "missing.jsonl not found")):
+        assert main(argv) == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "p.jsonl").exists()
+    from eval.runner import load_result_file
+
+    assert [r["item"] for r in load_result_file(good)] == ["i0", "i1"]  # a torn last line is left out
