@@ -170,5 +170,7 @@ def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
     known = [f.name for f in fields(EvalConfig)]
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise EvalConfigError(f"unknown key(s) {unknown} in {p}; allowed: {known}")
+        hint = ("; this is a training config: python train.py --config " + str(p)
+                if {"train", "data", "loss"} & set(unknown) else "")
+        raise EvalConfigError(f"unknown key(s) {unknown} in {p}; allowed: {known}{hint}")
     return validate(EvalConfig(**data))

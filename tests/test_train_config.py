@@ -101,3 +101,16 @@ def test_moving_a_run_moves_its_export(tmp_path):
         assert cfg.export_dir() == tmp_path / "moved" / "final", path.name
     cfg = load_config("smollm2.yaml", [f"train.output_dir={tmp_path / 'moved'}", f"export.dir={tmp_path / 'there'}"])
     assert cfg.export_dir() == tmp_path / "there"
+
+
+def test_the_other_commands_config_is_named_with_its_command():
+    """train.py given an eval sweep config said "unknown key 'output'"; the eval, "unknown key(s) [...]"."""
+    from pathlib import Path
+
+    from eval.config import EvalConfigError, load_eval_config
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match="is an evaluation sweep config .*python -m eval run --config"):
+        load_config(root / "eval" / "configs" / "tiny.yaml")
+    with pytest.raises(EvalConfigError, match="this is a training config: python train.py --config"):
+        load_eval_config(root / "configs" / "smollm2.yaml")

@@ -458,6 +458,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for assignment in overrides:
         key = _apply_override(data, assignment)
         lines[key] = f"--set {assignment}"  # type: ignore[assignment]
+    if isinstance(data, dict) and {"tasks", "methods", "budgets"} & set(data) and not {"train", "data"} & set(data):
+        raise ConfigError(f"{source} is an evaluation sweep config (tasks, methods, budgets): "
+                          f"run it with python -m eval run --config {source}")
     cfg = _build(Config, data, "", lines, source)
     _validate(cfg, lines, source)
     if path is not None:
