@@ -86,7 +86,7 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     if not isinstance(cfg.model, str) or not cfg.model:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
     if cfg.dtype is not None and cfg.dtype not in MODEL_DTYPES:
-        _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(MODEL_DTYPES)} (or leave it out: the model's own)")
+        _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(MODEL_DTYPES)} (or leave it out: float32)")
     problem = device_problem(cfg.device) if cfg.device is not None else None
     if problem:
         _fail("device", f"{problem}; or leave device out (cuda when there is one, else cpu)")
