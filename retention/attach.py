@@ -242,6 +242,16 @@ def retention_attention_function(
                                                       query_weights=state.past_mass_queries)
             return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
+    if state.layer == 0 and isinstance(attention_mask, torch.Tensor):  # once per forward (a device sync)
+        from .cache.hf import _new_token_valid
+
+        valid = _new_token_valid(attention_mask, key.shape[0], key.shape[2])
+        if valid is not None and not bool(valid.all()):
+            raise ValueError(
+                "student mode does not support padded batches (the gated attention would attend to the padding): "
+                "run sequences one at a time or packed (position_ids restarting per document); for generation "
+                "with eviction use score mode and a RetentionCache, which handles padding"
+            )
     log_beta = state.log_beta
     Tq, Tk = query.shape[2], key.shape[2]
     if Tk == Tq:

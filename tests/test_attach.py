@@ -299,3 +299,20 @@ def test_activation_checkpointing_is_enabled_under_this_transformers_name():
         warnings.simplefilter("error", FutureWarning)
         enable_activation_checkpointing(model)
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_student_mode_refuses_a_padded_batch_instead_of_attending_to_the_padding():
+    """The gated attention takes no padding mask: a padded batch in student mode silently attended to the pad
+    tokens. Plain, all-ones and packed batches still run; a padded one names score mode and packing."""
+    model = tiny_llama()
+    att = attach_gates(model)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    packed = torch.cat([torch.arange(6), torch.arange(6)])[None].expand(2, 12)
+    with torch.no_grad(), att.student():
+        plain = model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, plain)
+        model(input_ids=ids, position_ids=packed)
+        with pytest.raises(ValueError, match="student mode does not support padded batches.*score mode"):
+            model(input_ids=ids, attention_mask=padded)
