@@ -180,12 +180,20 @@ class RetentionChat:
                 f"{', '.join(assisted)}: assisted decoding works on the first turn only, since transformers "
                 "re-feeds every earlier turn to a filled cache; pass it to the first send() or drop it"
             )
+        for key in ("num_beams", "num_return_sequences"):
+            if (kwargs.get(key) or 1) > 1:
+                raise ChatInputError(
+                    f"{key}={kwargs[key]}: a chat keeps one reply per turn in its cache; for beams or several "
+                    "samples call model.generate with a RetentionCache directly (it supports both)"
+                )
+        kwargs.setdefault("max_new_tokens", self.max_new_tokens)
+        if (kwargs["max_new_tokens"] or 0) < 1:
+            raise ChatInputError(f"max_new_tokens must be at least 1, got {kwargs['max_new_tokens']}")
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         self._warn_past_positions(full.shape[1] + kwargs["max_new_tokens"])
         uncached = full.shape[1] - self.cache.get_seq_length()
         if uncached > self.chunk_size:

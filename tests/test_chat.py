@@ -366,3 +366,20 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
     chat_loop(chat, ["Hi.", "Tell me about rivers and lakes.", "And mountains?"])
     err = capsys.readouterr().err
     assert err.count("warning: this conversation may reach") == 1 and "UserWarning" not in err
+
+
+@pytest.mark.parametrize("kwargs,words", [({"num_beams": 2}, "num_beams=2: a chat keeps one reply per turn"),
+                                          ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+                                          ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0")])
+def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs(smollm2, kwargs, words):
+    """They failed inside generate's thread with transformers' streamer errors ("TextStreamer only supports batch
+    size 1"); now they are named as the chat's, and the session goes on unchanged."""
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=4)
+    chat.send("Hi.")
+    seen, messages = chat.memory()["tokens_seen"], list(chat.messages)
+    with pytest.raises(ChatInputError, match=words):
+        chat.send("Again.", **kwargs)
+    assert chat.memory()["tokens_seen"] == seen and chat.messages == messages
+    assert chat.send("Again.")
+    chat.model.retention.detach()
