@@ -236,8 +236,22 @@ def test_too_little_data_is_a_clear_error():
 
 def test_held_out_rows_all_have_distilled_positions(tokenizer):
     """Rows cut from the middle of a long user turn distil nothing: they would report a held-out KL of 0."""
-    cfg = DataConfig(sources=[SourceConfig(kind="chat", path="sharegpt", max_docs=40)], seq_len=128, eval_fraction=0.3)
+    cfg = DataConfig(sources=[SourceConfig(kind="chat", path="sharegpt", max_docs=40)], seq_len=128, eval_fraction=0.3,
+                     keep_untargeted_rows=True)
     rows, held = build_data(cfg, tokenizer)
     assert held and all(any(r.loss_mask) for r in held)
     n_eval = int((len(rows) + len(held)) * 0.3)
     assert len(held) <= n_eval + 1
+
+
+def test_training_rows_without_distilled_positions_are_dropped_unless_kept(tokenizer):
+    """They trained only the capacity term (15% of the default config's rows: 93 of 604). Dropped by default; the
+    published configs keep them (keep_untargeted_rows: true), as their gates were trained."""
+    import dataclasses
+
+    cfg = DataConfig(sources=[SourceConfig(kind="chat", path="sharegpt", max_docs=40)], seq_len=128, eval_fraction=0.3)
+    kept, held = build_data(dataclasses.replace(cfg, keep_untargeted_rows=True), tokenizer)
+    dropped, held_again = build_data(cfg, tokenizer)
+    untargeted = [r for r in kept if not any(r.loss_mask)]
+    assert untargeted, "the data should hold rows inside long user turns for this test to mean anything"
+    assert dropped == [r for r in kept if any(r.loss_mask)] and held_again == held

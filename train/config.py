@@ -105,6 +105,10 @@ class DataConfig:
     seed: int = 0
     eval_fraction: float = 0.05
     min_doc_tokens: int = 16
+    # a packed row with no distilled position (inside a long user turn) trains only the capacity term: it pushes
+    # betas down with no KL to say what matters. Dropped unless true (the shipped gates' configs keep them, as they
+    # were trained)
+    keep_untargeted_rows: bool = False
 
 
 @dataclass

@@ -485,7 +485,10 @@ def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[l
     n_eval = held_out_count(len(rows), cfg.eval_fraction)
     # a held-out row without distilled positions (e.g. the middle of a long user turn) measures no KL
     held = [r for r in rows[len(rows) - n_eval :] if any(r.loss_mask)]
-    return rows[: len(rows) - n_eval], held
+    train = rows[: len(rows) - n_eval]
+    if not cfg.keep_untargeted_rows:  # no KL there: only the capacity term would train on them
+        train = [r for r in train if any(r.loss_mask)]
+    return train, held
 
 
 # -- multimodal conversations (Qwen3-VL) ----------------------------------------------------------
