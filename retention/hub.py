@@ -87,7 +87,7 @@ def model_card(config: dict[str, Any]) -> str:
         "```python",
         "from retention import load_model, attach_gates, load_gates",
         f'model, tok = load_model("{base}")',
-        f'gates = load_gates("<this repo or folder>", model=model)',
+        'gates = load_gates("<this repo or folder>", model=model)',
         'attach_gates(model, gates, mode="score")',
         *_CARD_CACHE.get(gc["variant"], _CARD_CACHE["global"]),
         "# model.generate(**inputs, cache=cache)  # past_key_values=cache before transformers 5.24",

@@ -56,7 +56,7 @@ def test_student_equals_brute_force_with_gradients(arch, monkeypatch):
 @pytest.mark.parametrize("mode", ["teacher", "student"])
 def test_packed_documents_equal_each_document_alone(arch, mode):
     model = BUILDERS[arch]()
-    att = attach_gates(model, bias_init=0.0, mode=mode)
+    attach_gates(model, bias_init=0.0, mode=mode)
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 100, (1, n), generator=g) for n in (7, 12, 5)]
     ids = torch.cat(docs, dim=1)

@@ -612,7 +612,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         if not eval_rows:  # reported as missing, not as NaN numbers
             print("[retention] no held-out " + ("items" if evicting else "rows") + ": "
                   + ("data.eval_fraction is 0" if cfg.data.eval_fraction == 0 else
-                     f"the data fills too few to hold any out (more data, or a shorter data.seq_len)")
+                     "the data fills too few to hold any out (more data, or a shorter data.seq_len)")
                   + "; the run reports no held-out KL")
         if tracker_note:
             print(f"[retention] {tracker_note}")

@@ -19,7 +19,7 @@ def window_attention(query: torch.Tensor, view, query_pos: torch.Tensor, window:
     ``(B, Q)``. Returns ``(B, H, G, W, L)`` float32 with ``G = Hq / H`` query heads per KV head.
     """
     B, Hq, Q, D = query.shape
-    H, L = view.keys.shape[1], view.keys.shape[2]
+    H = view.keys.shape[1]
     W = Q if window is None else min(window, Q)
     q = query[:, :, Q - W :].float().reshape(B, H, Hq // H, W, D)
     s = torch.einsum("bhgwd,bhld->bhgwl", q, view.keys.float()) * D**-0.5
