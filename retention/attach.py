@@ -446,8 +446,15 @@ def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
 
 
+def _model_stem(name: str | None) -> str:
+    """A model's name without its owner or folder (``HuggingFaceTB/SmolLM2-135M-Instruct`` and a local
+    ``/models/SmolLM2-135M-Instruct`` are the same model), lower case; ``""`` when unknown."""
+    return str(name or "").rstrip("/").rsplit("/", 1)[-1].lower()
+
+
 def check_gates_match(model: nn.Module, config: GateConfig) -> None:
-    """Raise a clear error when gates were built for another base model."""
+    """Raise a clear error when gates were built for a base model of other shapes; warn when they were trained for
+    another model of the same shapes (a base model's gates on its fine-tune, say)."""
     cfg = text_config_of(model)
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
     have = (config.num_layers, config.num_kv_heads, config.hidden_size)
@@ -457,3 +464,11 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
             f"{have}, the model has {want}; use gates trained for this base model "
             f"({config.base_model or 'unknown base'})"
         )
+    model_name = getattr(cfg, "_name_or_path", "") or getattr(getattr(unwrap(model), "config", None), "_name_or_path", "")
+    if _model_stem(config.base_model) and _model_stem(model_name) and _model_stem(config.base_model) != _model_stem(model_name):
+        import warnings
+
+        # same shapes, so they load; but a gate scores the hidden states of the model it was trained on
+        warnings.warn(f"these gates were trained for {config.base_model}, and the model is {model_name}: the shapes "
+                      "match, so they load, but their scores were learned on the other model's hidden states; "
+                      "train gates for this model (train.py) for eviction you can trust")

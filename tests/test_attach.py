@@ -316,3 +316,18 @@ def test_student_mode_refuses_a_padded_batch_instead_of_attending_to_the_padding
         model(input_ids=ids, position_ids=packed)
         with pytest.raises(ValueError, match="student mode does not support padded batches.*score mode"):
             model(input_ids=ids, attention_mask=padded)
+
+
+def test_gates_trained_for_another_model_of_the_same_shapes_are_warned_about():
+    import warnings
+
+    from retention.attach import check_gates_match
+
+    model = tiny_llama()
+    model.config._name_or_path = "someone/Tiny-Instruct"
+    cfg = GateConfig.for_model(model)
+    for base, warned in (("someone/Tiny-Base", True), ("/local/models/tiny-instruct", False), ("", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_gates_match(model, GateConfig(**{**cfg.to_dict(), "base_model": base}))
+        assert bool([w for w in caught if "trained for someone/Tiny-Base" in str(w.message)]) == warned, base
