@@ -432,12 +432,20 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
 
 def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
-    from .policies import GlobalGatesPolicy
+    from .policies import GlobalGatesPolicy, get_policy
 
-    try:  # the policy checks --sink / --recent / --pool before the model loads
-        policy = GlobalGatesPolicy(sink=args.sink, recent=args.recent, pool=args.pool)
+    gate_options = {"sink": args.sink, "recent": args.recent, "pool": args.pool}
+    try:  # the policy checks its options before the model loads
+        if args.policy == "global_gates":
+            policy = GlobalGatesPolicy(**{**{"sink": 4, "recent": 0, "pool": 1},
+                                          **{k: v for k, v in gate_options.items() if v is not None}})
+        else:
+            given = [f"--{k}" for k, v in gate_options.items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to --policy global_gates, not {args.policy}")
+            policy = get_policy(args.policy)
     except ValueError as e:
-        print(f"error: {e} (--sink / --recent / --pool)", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     from .cli import check_gates_source, model_placement
 
@@ -477,18 +485,22 @@ def _typed_lines() -> Iterator[str]:
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
     from .cli import add_placement_args, positive_int
+    from .policies import POLICIES
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
     p.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo; default: the gates shipped "
                    "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
     p.add_argument("--budget", type=positive_int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
-    p.add_argument("--sink", type=int, default=4, help="first tokens always kept in every head (attention sinks); "
-                   "0: the gates alone decide")
-    p.add_argument("--recent", type=int, default=0, help="newest tokens always kept in every head (a local window); "
-                   "0: the gates alone decide")
-    p.add_argument("--pool", type=int, default=1, help="odd width: rank each entry by the best gate score among "
-                   "its neighbours in the head (keeps whole spans such as multi-digit numbers); 1: its own score")
+    p.add_argument("--policy", default="global_gates", choices=sorted(POLICIES), metavar="POLICY",
+                   help="eviction policy: global_gates (the learned gates, default) or a baseline to compare with "
+                   f"({', '.join(sorted(set(POLICIES) - {'global_gates'}))})")
+    p.add_argument("--sink", type=int, default=None, help="global_gates: first tokens always kept in every head "
+                   "(attention sinks; default 4); 0: the gates alone decide")
+    p.add_argument("--recent", type=int, default=None, help="global_gates: newest tokens always kept in every head "
+                   "(a local window; default 0)")
+    p.add_argument("--pool", type=int, default=None, help="global_gates: odd width, rank each entry by the best gate "
+                   "score among its neighbours in the head (keeps whole spans such as multi-digit numbers); default 1")
     p.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--system", default=None, help="system prompt")

@@ -383,3 +383,29 @@ def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs
     assert chat.memory()["tokens_seen"] == seen and chat.messages == messages
     assert chat.send("Again.")
     chat.model.retention.detach()
+
+
+def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
+    """`retention chat --policy streamingllm` compares a baseline in the same chat; the gates' own options are
+    refused with another policy, before the model loads."""
+    import retention.chat as chat_module
+    import retention.models
+    from retention.cli import main
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["chat", "--policy", "streamingllm", "--sink", "2"]) == 2
+    assert "--sink apply to --policy global_gates, not streamingllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["chat", "--policy", "snapkvv"])
+    assert "invalid choice: 'snapkvv'" in capsys.readouterr().err
+
+    used = {}
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(chat_module, "chat_loop", lambda chat, lines: used.update(policy=chat.cache.policy))
+    for argv, name, sink in ((["--policy", "streamingllm"], "streamingllm", None), ([], "global_gates", 4),
+                             (["--sink", "0"], "global_gates", 0)):
+        assert main(["chat", "--budget", "32", *argv]) == 0
+        assert used["policy"].name == name
+        if name == "global_gates":  # the default sink is 4, as in GlobalGatesPolicy
+            assert used["policy"].sink == sink
+        smollm2[0].retention.detach()
