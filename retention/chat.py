@@ -489,7 +489,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
-    p.add_argument("--gates", default=None, help="gate checkpoint folder or Hub repo; default: the gates shipped "
+    p.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name; default: the gates shipped "
                    "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
     p.add_argument("--budget", type=positive_int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
     p.add_argument("--policy", default="global_gates", choices=sorted(POLICIES), metavar="POLICY",
