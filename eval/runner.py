@@ -211,9 +211,10 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     model, tok = prepare_model(cfg, *model_and_tokenizer)
     gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
+    settings = sweep_settings(cfg)
     items = _sweep_items(cfg, tok)
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
-    done = {row_key(r) for r in _set_aside_stale(results, gate_ids, sweep_settings(cfg), shas)}
+    done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas)}
     jobs = list(_jobs(cfg, items, done))
     references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
@@ -238,7 +239,7 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
                                         prefill_mode=cfg.prefill, chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens,
                                         reference=ref, shared=share)
             for row, res in zip(rows, results_):
-                res = {**row, "policy": method.name, "metric": item.metric, **sweep_settings(cfg), "seed": cfg.seed,
+                res = {**row, "policy": method.name, "metric": item.metric, **settings, "seed": cfg.seed,
                        "split": cfg.split, "item_sha": shas[(row["task"], row["length"], row["item"])],
                        **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}), **res}
                 fh.write(json.dumps(res) + "\n")

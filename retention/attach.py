@@ -69,19 +69,25 @@ def sliding_window_of(text_config: Any) -> int | None:
     return window
 
 
-def check_supported(config: Any) -> None:
+def text_config(config: Any) -> Any:
+    """The text decoder's config within a model's top-level config (the config itself for text-only models)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_supported(config: Any, owner: str | None = None) -> None:
     """Raise :class:`UnsupportedModelError` unless retention gates can drive this model (its top-level config).
 
-    Checked from the config alone, so loaders can refuse before the weights are read.
+    Checked from the config alone, so loaders can refuse before the weights are read. ``owner`` names the model
+    when its config has no ``_name_or_path`` (a model built from a config: its class name).
     """
     model_type = getattr(config, "model_type", None)
-    name = getattr(config, "_name_or_path", "") or "this model"
+    name = getattr(config, "_name_or_path", "") or owner or "this model"
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"retention gates do not support model_type {model_type!r} ({name}); "
             f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     window = sliding_window_of(text)
     if window is not None:
         # the gated attention and the retention cache attend over every kept entry: a window would be ignored,
@@ -102,13 +108,8 @@ def text_config_of(model: nn.Module):
     """Config of the text decoder (the model's own config for text-only models)."""
     base = unwrap(model)
     config = getattr(base, "config", None)
-    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"retention gates do not support model_type {getattr(config, 'model_type', None)!r} "
-            f"({type(base).__name__}); supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
-    check_supported(config)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_supported(config, owner=type(base).__name__)
+    return text_config(config)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -465,7 +466,8 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
             f"({config.base_model or 'unknown base'})"
         )
     model_name = getattr(cfg, "_name_or_path", "") or getattr(getattr(unwrap(model), "config", None), "_name_or_path", "")
-    if _model_stem(config.base_model) and _model_stem(model_name) and _model_stem(config.base_model) != _model_stem(model_name):
+    trained_for, this = _model_stem(config.base_model), _model_stem(model_name)
+    if trained_for and this and trained_for != this:
         import warnings
 
         # same shapes, so they load; but a gate scores the hidden states of the model it was trained on

@@ -107,9 +107,7 @@ class RetentionChat:
         from .cache import RetentionCache
 
         self.model, self.processor = model, processor
-        text_cfg = unwrap(model).config
-        text_cfg = text_cfg.get_text_config() if hasattr(text_cfg, "get_text_config") else text_cfg
-        self.max_positions: int | None = getattr(text_cfg, "max_position_embeddings", None)
+        self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
         self.device = unwrap(model).get_input_embeddings().weight.device
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -437,8 +435,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     gate_options = {"sink": args.sink, "recent": args.recent, "pool": args.pool}
     try:  # the policy checks its options before the model loads
         if args.policy == "global_gates":
-            policy = GlobalGatesPolicy(**{**{"sink": 4, "recent": 0, "pool": 1},
-                                          **{k: v for k, v in gate_options.items() if v is not None}})
+            policy = GlobalGatesPolicy(**{k: v for k, v in gate_options.items() if v is not None})  # else its defaults
         else:
             given = [f"--{k}" for k, v in gate_options.items() if v is not None]
             if given:

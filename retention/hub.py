@@ -119,7 +119,8 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
 
 def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else a shipped checkpoint of that
-    name (:func:`retention.models.shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded once, then read from the local Hub cache). HubError naming the fix otherwise."""
+    name (:func:`retention.models.shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded
+    once, then read from the local Hub cache). HubError naming the fix otherwise."""
     p = Path(path_or_repo_id)
     if p.exists():
         return p

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attach import check_supported
+from .attach import check_supported, text_config
 from .io import atomic_directory
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
@@ -171,7 +171,7 @@ def shipped_gates(model_or_name: Any) -> Path | None:
         name = model_or_name
     else:
         config = model_or_name.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(config)
         name = getattr(config, "_name_or_path", "") or getattr(model_or_name.config, "_name_or_path", "")
     for spec in EMBEDDED_MODELS.values():
         if name in (spec.name, spec.hub_id) and spec.gates:

@@ -436,8 +436,9 @@ def train(
 def check_positions(cfg: Config, model_config: Any) -> None:
     """Refuse rows longer than the positions the base model was built for: the gates would learn to keep entries
     for attention that the model itself never computes in use (RoPE past its trained range)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(text, "max_position_embeddings", None)
+    from retention.attach import text_config
+
+    limit = getattr(text_config(model_config), "max_position_embeddings", None)
     if limit is not None and cfg.data.seq_len > limit:
         raise SystemExit(f"data.seq_len = {cfg.data.seq_len} is longer than {cfg.model.name}'s {limit} positions "
                          f"(max_position_embeddings): use --set data.seq_len={limit} or less")

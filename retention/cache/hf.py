@@ -224,8 +224,8 @@ class RetentionCache(Cache):
         return budget
 
     def _budgets(self, batch: int) -> torch.Tensor:
-        if _is_count(self.budget):
-            return torch.full((batch,), int(self.budget), dtype=torch.long)
+        if isinstance(self.budget, int):  # _check_budget stored an int or a list of ints
+            return torch.full((batch,), self.budget, dtype=torch.long)
         if len(self.budget) != batch:
             raise CacheBudgetError(f"{len(self.budget)} budgets given for a batch of {batch} sequences")
         return torch.tensor(list(self.budget), dtype=torch.long)
