@@ -6,7 +6,6 @@ import argparse
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,7 +42,6 @@ def _demo(args: argparse.Namespace) -> int:
         check_gates_match(model, gates.config)
         print(f"gates: {args.gates} ({gates.config.variant})")
     else:
-        gates = None
         print("gates: untrained (beta = 1 everywhere); pass --gates DIR for trained ones")
     attachment = attach_gates(model, gates, mode="score")
     messages = [{"role": "user", "content": args.prompt}]
@@ -54,10 +52,12 @@ def _demo(args: argparse.Namespace) -> int:
     budget = RetentionCache.budget_for(model, args.budget_tokens)
     # beside the gates asked for, the checkpoint shipped for this model (if any): what training buys
     shipped = shipped_gates(model)
-    same = shipped is not None and args.gates and Path(args.gates).resolve() == shipped.resolve()
+    shipped_set = None if shipped is None else load_gates(shipped, model=model)
+    # the same gates however they were named (a path, the shipped name, a Hub copy): one row, not two
+    same = shipped_set is not None and gates is not None and shipped_set.fingerprint() == gates.fingerprint()
     rows = [("full", None, None), (f"global top-B, B={budget}", budget, None)]
-    if shipped is not None and not same:
-        rows.append(("  with shipped gates", budget, load_gates(shipped, model=model)))
+    if shipped_set is not None and not same:
+        rows.append(("  with shipped gates", budget, shipped_set))
     print(f"{'cache':<22} {'KV entries kept':>16} {'KV MiB':>8}  answer")
     for name, b, other in rows:
         cache = RetentionCache(model, budget=b)

@@ -101,6 +101,18 @@ def test_demo_compares_with_the_shipped_gates(capsys):
     assert "shipped gates: " in out and "smollm2-135m-global" in out
 
 
+@pytest.mark.parametrize("gates", ["checkpoints/smollm2-135m-global", "smollm2-135m-global"])
+def test_demo_with_the_shipped_gates_named_runs_them_once(gates, capsys, monkeypatch, tmp_path):
+    """Named by the shipped name (or run from another folder) the shipped gates did not match the path check, and the
+    demo scored them twice; the gates are now compared by fingerprint."""
+    from retention.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the checkout path is relative: from elsewhere it resolves through the shipped name
+    assert main(["demo", "--gates", gates, "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "with shipped gates" not in out and f"gates: {gates} (global)" in out
+
+
 @pytest.mark.parametrize("args", [["chat", "--budget", "0"], ["chat", "--budget", "-5"], ["chat", "--max-new-tokens", "0"],
                                   ["demo", "--budget", "x"], ["chat", "--chunk-size", "0"]])
 def test_a_budget_or_length_below_one_is_a_usage_error(args, capsys):
