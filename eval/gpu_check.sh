@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, as eval/results/gpu-h100/ was made: the compiled-kernel tests, then the three
 # benchmarks, each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
-# randomly initialised copy of the model's config where the weights cannot be brought along.
+# randomly initialised copy of the model (eval/random_copy.py) where the weights cannot be brought along; a
+# MODEL folder is also the model of the GPU chat tests (RETENTION_GPU_MODEL), which otherwise need the embedded one.
 #
 #   eval/gpu_check.sh [OUT_DIR]                       # default OUT_DIR runs/gpu-check
 #   PY=python3 MODEL=/path/to/model PYTEST_ARGS="-n 8" eval/gpu_check.sh out
+#
+# Without the GGUF there: `python eval/random_copy.py smollm2-135m shape --no-weights` here (3 MB), carry `shape`,
+# then `python3 eval/random_copy.py shape /tmp/smol-random && MODEL=/tmp/smol-random eval/gpu_check.sh` there.
+# Budget about 10 minutes: the fp32 attention tests at d = 128 each take 200-215 s to compile on an H100.
 set -u -o pipefail
 OUT=${1:-runs/gpu-check}
 PY=${PY:-python}
 MODEL=${MODEL:-smollm2-135m}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ -d "$MODEL" ]; then export RETENTION_GPU_MODEL=$MODEL; fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: these checks need a GPU'" || exit 1
 # a process of its own: interpreter-mode test modules set TRITON_INTERPRET=1 for theirs
 $PY -m pytest -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -v --durations=8 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"

@@ -32,6 +32,9 @@ pytestmark = [
 ]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# the embedded model by default; RETENTION_GPU_MODEL names a folder instead (e.g. a random-weight copy of its config
+# and tokenizer, where the GGUF cannot be brought to the GPU machine): the chat checks compare paths, not answers
+GPU_MODEL = os.environ.get("RETENTION_GPU_MODEL")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,7 +156,7 @@ def test_retention_chat_on_the_gpu():
     from retention import load_model
     from retention.chat import RetentionChat
 
-    model, tok = load_model("smollm2-135m", device="cuda", dtype="float32")
+    model, tok = load_model(GPU_MODEL or "smollm2-135m", device="cuda", dtype="float32")
     chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
     reply = chat.send("What is the capital of France?")
     assert chat.ids.device.type == "cuda"
@@ -166,12 +169,13 @@ def test_retention_chat_on_the_gpu():
     chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
     for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
         assert isinstance(chat.send(turn), str)
-    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * 90
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
 
 
 def test_a_vl_chat_on_the_gpu():
     """The multimodal turn (pixel values, M-RoPE positions) on a CUDA model; the CPU twin is in test_chat_vl.py."""
     from tiny_vl import vl_chat_on
 
-    out = vl_chat_on("cuda")
+    out = vl_chat_on("cuda", tokenizer_dir=GPU_MODEL)
     assert out["cache_length"] == out["ids"].shape[1] - 1 and out["device"] == out["model_device"] == "cuda"

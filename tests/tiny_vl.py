@@ -15,8 +15,9 @@ CHAT_TEMPLATE = (
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def tiny_qwen3_vl_processor():
-    """Qwen3VLProcessor built locally; images at most 112x112 pixels (16 merged tokens)."""
+def tiny_qwen3_vl_processor(tokenizer_dir: str | Path | None = None):
+    """Qwen3VLProcessor built locally; images at most 112x112 pixels (16 merged tokens). The tokenizer is the
+    embedded model's unless ``tokenizer_dir`` names a folder holding another (a machine without the package)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
     from retention.models import embedded_model_dir
@@ -28,7 +29,7 @@ def tiny_qwen3_vl_processor():
                 return None
             return super().check_argument_for_proper_class(name, arg)
 
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or embedded_model_dir())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     images = Qwen2VLImageProcessorPil(
         patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=112 * 112
@@ -69,7 +70,7 @@ def photos(n: int):
     return [Image.open(paths[i % len(paths)]).convert("RGB") for i in range(n)]
 
 
-def vl_chat_on(device: str) -> dict:
+def vl_chat_on(device: str, tokenizer_dir: str | Path | None = None) -> dict:
     """Two turns of RetentionChat with a tiny random Qwen3-VL on ``device`` (a photo, then text only), no budget:
     the chat's ``ids``, its cache length and the devices they ended on. Shared by the CPU test and the GPU one, so
     the GPU test runs what the CPU one checks."""
@@ -77,7 +78,7 @@ def vl_chat_on(device: str) -> dict:
 
     from retention.chat import RetentionChat
 
-    proc = tiny_qwen3_vl_processor()
+    proc = tiny_qwen3_vl_processor(tokenizer_dir)
     model = tiny_qwen3_vl_for(proc).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose

@@ -1,0 +1,33 @@
+"""``eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot travel.
+Config and tokenizer are the source's; the weights are fresh, seeded, and the copy loads like any model folder."""
+
+import torch
+from safetensors.torch import load_file
+
+from retention import load_model
+from retention.models import embedded_model_dir
+
+
+def test_a_random_copy_keeps_config_and_tokenizer_and_draws_seeded_weights(tmp_path):
+    from tiny_models import tiny_llama
+    from transformers import AutoTokenizer
+
+    from eval.random_copy import main
+
+    src = tiny_llama(seed=7)  # not the copy's default seed (0), which would draw the same weights
+    src.save_pretrained(tmp_path / "src")
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "shape"), "--no-weights"]) == 0
+    assert not list((tmp_path / "shape").glob("*.safetensors"))  # small enough to carry: no weights
+    for name in ("a", "b"):
+        assert main([str(tmp_path / "shape"), str(tmp_path / name)]) == 0  # the default seed, twice
+    assert main([str(tmp_path / "shape"), str(tmp_path / "c"), "--seed", "1"]) == 0
+
+    model, tok = load_model(str(tmp_path / "a"))
+    assert model.config.num_hidden_layers == src.config.num_hidden_layers
+    assert model.config.hidden_size == src.config.hidden_size and tok("hello").input_ids
+    weights = {n: load_file(tmp_path / n / "model.safetensors") for n in ("a", "b", "c")}
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(weights["a"][key], weights["b"][key])  # seeded: the same copy twice
+    assert not torch.equal(weights["a"][key], weights["c"][key])
+    assert not torch.equal(weights["a"][key], src.state_dict()[key])  # fresh weights, not the source's
