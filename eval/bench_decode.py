@@ -10,7 +10,11 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 ``--repeats R`` runs every setting R times in interleaved rounds (machine noise then hits all settings
-alike) and prints the median of the rounds with their range. ``--profile FILE`` also profiles 4 more
+alike) and prints the median of the rounds with their range. An untimed warm-up round (``--warmup``, one by default)
+runs every setting first: per-shape setup that a long-running process pays once would otherwise be charged
+to whichever setting meets a shape first (on an H100, PyTorch's cuDNN attention builds a new plan for each
+key length, about 2 ms per layer and step, so the first DynamicCache setting to decode lengths 4097, 4098, ...
+paid it and the next one did not); its medians are printed too, as the cold cost. ``--profile FILE`` also profiles 4 more
 decode steps of every setting (first round) with ``torch.profiler`` and writes the ops that take the most
 time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where a
 setting's extra milliseconds go.
@@ -102,7 +106,7 @@ def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from retention.cli import positive_int
+    from retention.cli import non_negative_int, positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     p.add_argument("--repeats", type=positive_int, default=1, help="interleaved rounds over every setting (noisy machines)")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="untimed rounds over every setting first (per-shape setup: cuDNN plans, Triton autotuning)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help=f"also profile {PROFILE_STEPS} decode steps of every setting and write the top ops to FILE")
     args = p.parse_args(argv)
@@ -138,17 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         (n, name, args.budget if name == "budget" else None) for n in args.contexts for name in ("budget", "full", "plain", "bare")
     ]
     runs: dict[tuple, list] = {s: [] for s in settings}
-    for r in range(args.repeats):
+    cold: dict[tuple, list] = {s: [] for s in settings}
+    for r in range(-args.warmup, args.repeats):  # rounds below 0 warm up, untimed in the table
         for n, name, b in settings:
             mode = "teacher" if name == "bare" else "score"  # teacher mode: the gates are bypassed
             with model.retention.use_mode(mode):
-                runs[(n, name, b)].append(run_one(model, ids[:n], b, args.new, args.chunk, plain=name in ("plain", "bare"),
-                                                  profile=bool(args.profile) and r == 0))
+                run = run_one(model, ids[:n], b, args.new, args.chunk, plain=name in ("plain", "bare"),
+                              profile=bool(args.profile) and r == 0)
+            (runs if r >= 0 else cold)[(n, name, b)].append(run)
     print(f"model {args.model} ({args.dtype} on {args.device}), budget B = {args.budget} tokens per KV head "
           f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}"
-          + (f", median of {args.repeats} interleaved rounds (range in brackets)" if args.repeats > 1 else ""))
-    print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill |")
-    print("|---|---|---|---|---|---|---|")
+          + (f", median of {args.repeats} interleaved rounds (range in brackets)" if args.repeats > 1 else "")
+          + (f", after {args.warmup} untimed warm-up round(s) (the first one's median: 'cold')" if args.warmup else ""))
+    print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill | cold ms/token |")
+    print("|---|---|---|---|---|---|---|---|")
     floor_ms = statistics.median(r[0] for r in runs[settings[0]])
     for n, name, b in settings:
         ms = [r[0] for r in runs[(n, name, b)]]
@@ -157,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         full_entries = n * streams
         peaks = "| | |" if peak is None or name == "full@B" else f"| {peak:,} | {peak / full_entries:.2f}x |"
         med = statistics.median(ms)
-        print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | {med / floor_ms:.2f}x {peaks}")
+        first = f"{cold[(n, name, b)][0][0]:.1f}" if cold[(n, name, b)] else ""
+        print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | {med / floor_ms:.2f}x {peaks} {first} |")
     if args.profile:
         out = Path(args.profile)
         out.parent.mkdir(parents=True, exist_ok=True)

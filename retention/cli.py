@@ -137,15 +137,24 @@ def model_placement(args: argparse.Namespace) -> tuple[str, str]:
     return device, dtype
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a budget, a chunk, a token count), refused before anything loads."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a budget, a chunk, a token count), refused before anything loads."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a number of warm-up rounds)."""
+    return _int_at_least(text, 0)
 
 
 def user_errors() -> tuple[type[Exception], ...]:

@@ -29,7 +29,39 @@ def test_bench_decode_table_and_profile(tmp_path, capsys):
         assert "host time per step" in s and "aten::" in s and "Self CPU time total" in s
 
 
+def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(monkeypatch, capsys):
+    """Every setting runs an untimed warm-up round first: per-shape setup (cuDNN attention plans per key length on
+    an H100) is then not charged to whichever setting meets a shape first. Timed rounds feed the medians; the first
+    warm-up round is the 'cold' column."""
+    import itertools
+
+    import bench_decode
+    from tiny_models import tiny_llama
+
+    import retention
+
+    model = tiny_llama()
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(bench_decode, "real_text_ids", lambda tok, n: list(range(n)))
+    clock = itertools.count(1)  # each call's "ms/token" is its call number: rounds are told apart
+    calls = []
+
+    def fake_run(model, ids, budget, new, chunk, plain=False, profile=False):
+        calls.append(profile)
+        return float(next(clock)), {"kv_bytes": 2**20}, None, None
+
+    monkeypatch.setattr(bench_decode, "run_one", fake_run)
+    assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--warmup", "1", "--device", "cpu"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]  # below the header
+    assert len(calls) == 5 * 3  # 5 settings x (1 warm-up + 2 timed rounds)
+    for i, row in enumerate(rows):  # setting i ran as call i+1 (warm-up), i+6 and i+11 (timed)
+        assert row[1] == ["full@B", "budget", "full", "plain", "bare"][i]
+        assert row[2] == f"{(i + 6 + i + 11) / 2:.1f} [{i + 6:.1f}-{i + 11:.1f}]"
+        assert row[-1].strip(" |") == f"{i + 1:.1f}"
+
+
 @pytest.mark.parametrize("script,args,words", [
+    ("bench_decode", ["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
     ("bench_decode", ["--contexts", "0"], "--contexts: must be at least 1, got 0"),
     ("bench_decode", ["--new", "0"], "--new: must be at least 1"),  # was a StatisticsError after every prefill
     ("bench_decode", ["--budget", "-1"], "--budget: must be at least 1"),
