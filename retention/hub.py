@@ -121,14 +121,20 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
     """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else a shipped checkpoint of that
     name (:func:`retention.models.shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded
     once, then read from the local Hub cache). HubError naming the fix otherwise."""
-    p = Path(path_or_repo_id)
+    p = Path(path_or_repo_id).expanduser()
     if p.exists():
         return p
-    from .models import shipped_checkpoint
+    from .models import looks_like_a_path, shipped_checkpoint
 
     shipped = shipped_checkpoint(p)  # "smollm2-135m-global": the installed package's copy, from any folder
     if shipped is not None:
         return shipped
+    if looks_like_a_path(str(path_or_repo_id)):  # no Hub id has this form: say what is missing
+        raise HubError(
+            f"gate checkpoint {str(path_or_repo_id)!r}: there is no such folder (looked for {p.resolve()}); give "
+            "the folder a training run exported (gates.safetensors, config.json), a shipped checkpoint's name "
+            "(smollm2-135m-global) or a Hub repo id (owner/name)"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

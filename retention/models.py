@@ -191,10 +191,19 @@ def shipped_checkpoint(name_or_path: str | Path) -> Path | None:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Embedded name -> cached local folder; anything else (Hub id or local path) is returned as is."""
+    """Embedded name -> cached local folder; ``~/...`` -> the home folder's path; anything else (Hub id or local
+    path) is returned as is."""
+    name_or_path = str(name_or_path)
     if name_or_path in EMBEDDED_MODELS:
         return str(embedded_model_dir(name_or_path))
+    if name_or_path.startswith("~"):
+        return str(Path(name_or_path).expanduser())
     return name_or_path
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name that can only be a local path: a Hub id is ``name`` or ``owner/name``, never ``/x``, ``./x``, ``a/b/c``."""
+    return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or "\\" in name
 
 
 def is_multimodal(config: Any) -> bool:
@@ -222,6 +231,12 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path)
+    if looks_like_a_path(str(name_or_path)) and not Path(path).exists():
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: there is no such folder (looked for {Path(path).resolve()}); give "
+            "the folder that save_pretrained wrote, a Hub id (owner/name), or an embedded name "
+            f"({', '.join(sorted(EMBEDDED_MODELS))})"
+        )
     if Path(path).is_dir() and not (Path(path) / kwargs.get("subfolder", "") / "config.json").is_file():
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: the folder has no config.json; give the folder that "
@@ -232,8 +247,9 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
         config, rest = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
         rest.update(hub_kwargs(kwargs))  # the config read them; the weights are fetched the same way
     except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
+        local = "" if Path(path).exists() else f" (nor is there a local folder {Path(path).resolve()})"
         raise ModelNotAvailableError(
-            f"cannot load model {name_or_path!r}: {e}\n"
+            f"cannot load model {name_or_path!r}{local}: {e}\n"
             f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
             "or a local folder with config.json"
         ) from None

@@ -133,6 +133,12 @@ def test_load_refuses_gates_of_another_model(checkpoint):
         load_gates(path, model=other)
 
 
+def test_a_checkpoint_under_home_loads_by_tilde(checkpoint, monkeypatch):
+    path, _, _ = checkpoint
+    monkeypatch.setenv("HOME", str(Path(path).parent))
+    assert load_gates(f"~/{Path(path).name}").config == load_gates(path).config
+
+
 def test_unreachable_repo_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HubError, match="neither a local folder nor reachable"):
@@ -152,8 +158,11 @@ def test_shipped_gates_load_by_name_from_any_folder(monkeypatch, tmp_path):
     assert checkpoint_folder("checkpoints/smollm2-135m-global") == shipped
     assert checkpoint_folder("smollm2-135m-global") == shipped
     assert load_gates("smollm2-135m-global").config.variant == "global"
-    for missing in ("checkpoints/not-shipped", "elsewhere/smollm2-135m-global", "a/checkpoints/smollm2-135m-global"):
+    for missing in ("checkpoints/not-shipped", "elsewhere/smollm2-135m-global"):  # could be Hub repos
         with pytest.raises(HubError, match="neither a local folder nor reachable"):
+            checkpoint_folder(missing)
+    for missing in ("a/checkpoints/smollm2-135m-global", "./gates", "~/gates", "/no/such/gates"):
+        with pytest.raises(HubError, match="there is no such folder"):  # no Hub id: was the Hub's repo-id error
             checkpoint_folder(missing)
     (tmp_path / "smollm2-135m-global").mkdir()  # a folder of that name here wins, as any local path does
     assert checkpoint_folder("smollm2-135m-global") == Path("smollm2-135m-global")

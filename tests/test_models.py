@@ -74,9 +74,30 @@ def test_a_cache_built_by_a_non_zero_rank_is_whole(tmp_path, monkeypatch):
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_unknown_model_is_a_clear_error(tmp_path):
+def test_unknown_model_is_a_clear_error():
     with pytest.raises(models.ModelNotAvailableError, match="Embedded models: \\['smollm2-135m'\\]"):
-        load_model(str(tmp_path / "nowhere"))
+        load_model("no such model")  # no Hub id either: refused without a network round trip
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "/no/such/model", "~/no-such-model", "runs/a/no-such-model"])
+def test_a_path_that_does_not_exist_is_named_as_a_missing_folder(name, monkeypatch, tmp_path):
+    """Was the Hub's "Repo id must use alphanumeric chars..." for a path no Hub id can be (./x, /x, ~/x, a/b/c)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: pytest.fail("asked the Hub"))
+    with pytest.raises(models.ModelNotAvailableError, match="there is no such folder \\(looked for /"):
+        load_model(name)
+
+
+def test_a_model_folder_under_home_loads_by_tilde(tmp_path, monkeypatch):
+    from tiny_models import tiny_llama
+
+    from transformers import AutoTokenizer
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(models.embedded_model_dir()).save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, tok = load_model("~/m")
+    assert model.config.num_hidden_layers == tiny_llama().config.num_hidden_layers and tok("hi").input_ids
 
 
 def test_a_folder_that_is_no_model_is_a_clear_error(tmp_path):
