@@ -325,7 +325,10 @@ class RetentionChat:
         """
         base = unwrap(self.model)
         ids = turn["input_ids"]
-        past = self.cache.get_seq_length()
+        past, start, T = self.cache.get_seq_length(), self.ids.shape[1], ids.shape[1]
+        # the cache may lack the tokens before the turn that generate had not fed yet (the last reply's last token):
+        # they go first, as text
+        lead = start - past
         mm = turn.get("mm_token_type_ids")
         if mm is None:
             mm = (ids == base.config.image_token_id).int()
@@ -333,25 +336,27 @@ class RetentionChat:
             ids, image_grid_thw=turn["image_grid_thw"], attention_mask=torch.ones_like(ids), mm_token_type_ids=mm
         )
         prev = base.model.rope_deltas
-        offset = past + (int(prev.flatten()[0]) if prev is not None else 0)
-        pos3 = pos3 + offset
-        T = ids.shape[1]
-        text = torch.arange(past, past + T, device=ids.device)[None, None]
-        positions = torch.cat([text, pos3], dim=0)[..., : T - 1]
+        delta = int(prev.flatten()[0]) if prev is not None else 0  # M-RoPE position minus true index, for text
+        pos3 = pos3 + start + delta  # the turn's first token sits at true index `start`
+        fed = lead + T - 1  # all but the turn's last token, which generate() feeds
+        before = (torch.arange(past, start, device=ids.device) + delta).expand(3, 1, lead)
+        text = torch.arange(past, past + fed, device=ids.device)[None, None]
+        positions = torch.cat([text, torch.cat([before, pos3], dim=-1)[..., :fed]], dim=0)
+        mm = torch.cat([torch.zeros(1, lead, dtype=mm.dtype, device=mm.device), mm], dim=1)[:, :fed]
         with torch.no_grad():
             self.model(
-                input_ids=torch.cat([self.ids, ids], 1)[:, past : past + T - 1],
-                attention_mask=torch.ones(1, past + T - 1, dtype=torch.long, device=ids.device),
+                input_ids=torch.cat([self.ids, ids], 1)[:, past : past + fed],
+                attention_mask=torch.ones(1, past + fed, dtype=torch.long, device=ids.device),
                 pixel_values=turn["pixel_values"],
                 image_grid_thw=turn["image_grid_thw"],
-                mm_token_type_ids=mm[:, : T - 1],
+                mm_token_type_ids=mm,
                 position_ids=positions,
                 **cache_kwargs(self.cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
-        # generate() places the last token at text index past + T - 1 plus rope_deltas
-        base.model.rope_deltas = torch.tensor([[int(pos3[0, 0, -1]) - (past + T - 1)]], device=ids.device)
+        # generate() places the last token, at true index start + T - 1, at that index plus rope_deltas
+        base.model.rope_deltas = torch.tensor([[int(pos3[0, 0, -1]) - (start + T - 1)]], device=ids.device)
 
 
 # -- command line ----------------------------------------------------------------------------------

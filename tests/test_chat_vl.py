@@ -33,3 +33,38 @@ def test_a_vl_chat_keeps_its_ids_and_cache_in_step():
     turn), on the model's device (the same helper runs on a GPU in tests/test_gpu_kernels.py)."""
     out = vl_chat_on("cpu")
     assert out["cache_length"] == out["ids"].shape[1] - 1 and out["device"] == out["model_device"] == "cpu"
+
+
+@pytest.mark.parametrize("turns", ["image, text, image", "image, image"])
+def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(turns):
+    """Every turn fed incrementally (images with their M-RoPE positions continued from the cache) leaves the same keys
+    as one forward over the whole conversation with all its images. An image turn after the first one had its tokens'
+    positions one token off (the last reply's last token, fed with the turn, was not counted)."""
+    import warnings
+
+    import torch
+    from transformers import DynamicCache
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        chat = RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+    imgs = photos(2)
+    plan = {"image, text, image": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])],
+            "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])]}[turns]
+    for text, images in plan:
+        chat.send(text, images=images)
+    n = chat.cache.get_seq_length()
+    ids = chat.ids[:, :n]
+    pixels = proc.image_processor(images=imgs, return_tensors="pt")
+    chat.model.retention.detach()
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+              image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int(),
+              past_key_values=reference, use_cache=True)
+    for layer in range(model.config.text_config.num_hidden_layers):
+        want = reference.layers[layer].keys[0]  # (H, n, D)
+        got = chat.cache.store.gather_layer(layer).keys.reshape(want.shape[0], -1, want.shape[-1])[:, :n]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
