@@ -414,7 +414,7 @@ def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
                    f"methods: [full, {method}]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 2
-    assert f"gate checkpoint '{missing}' is neither a local folder nor reachable" in capsys.readouterr().err
+    assert f"gate checkpoint '{missing}': there is no such folder" in capsys.readouterr().err
 
 
 def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
