@@ -45,6 +45,8 @@ def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(t
     import torch
     from transformers import DynamicCache
 
+    from retention.compat import cache_kwargs
+
     proc = tiny_qwen3_vl_processor()
     model = tiny_qwen3_vl_for(proc)
     with warnings.catch_warnings():
@@ -63,8 +65,49 @@ def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(t
     with torch.no_grad():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
               image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int(),
-              past_key_values=reference, use_cache=True)
+              **cache_kwargs(reference), use_cache=True)
     for layer in range(model.config.text_config.num_hidden_layers):
         want = reference.layers[layer].keys[0]  # (H, n, D)
         got = chat.cache.store.gather_layer(layer).keys.reshape(want.shape[0], -1, want.shape[-1])[:, :n]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_under_a_budget_every_kept_entry_sits_at_its_true_position():
+    """Five turns (three photos) under a budget small enough to evict during image turns: each kept entry of layer 0
+    (whose keys depend on the token and its position only) equals the key one forward over the whole conversation
+    computes at the position the cache recorded for it."""
+    import warnings
+
+    import torch
+    from transformers import DynamicCache
+
+    from retention.compat import cache_kwargs
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        chat = RetentionChat(model, proc, budget_tokens=16, max_new_tokens=6, min_new_tokens=6, chunk_size=8)
+    imgs = photos(3)
+    for text, images in [("What is this?", [imgs[0]]), ("Say more about its colours.", None),
+                         ("And this one?", [imgs[1]]), ("Both?", [imgs[2]]), ("ok", None)]:
+        chat.send(text, images=images)
+    assert chat.cache.evictions >= 3
+    n = chat.cache.get_seq_length()
+    ids = chat.ids[:, :n]
+    pixels = proc.image_processor(images=imgs, return_tensors="pt")
+    chat.model.retention.detach()
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+              image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int(),
+              **cache_kwargs(reference), use_cache=True)
+    want = reference.layers[0].keys[0]  # (H, n, D)
+    view = chat.cache.store.gather_layer(0)
+    kept = 0
+    for h in range(want.shape[0]):
+        valid = view.valid[0, h]
+        pos = view.pos[0, h][valid]
+        kept += len(pos)
+        torch.testing.assert_close(view.keys[0, h][valid], want[h, pos], atol=1e-4, rtol=1e-4)
+    assert 0 < kept < n * want.shape[0]  # some entries were evicted, some kept
