@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .attach import attach_gates, check_gates_match, text_config_of, unwrap
+from .attach import _model_stem, attach_gates, check_gates_match, text_config_of, unwrap
 from .compat import cache_kwargs
 from .gates import RetentionGates
 from .models import is_multimodal
@@ -36,6 +36,64 @@ class ChatInputError(ValueError):
 
 class ChatSetupError(ValueError):
     """Model, gates and options do not fit together; the message names the fix."""
+
+
+# what RetentionChat.save writes (a JSON object); resume reads this version only
+TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION = "retention-chat", 1
+
+
+def read_transcript(path: str | Path) -> dict[str, Any]:
+    """A conversation :meth:`RetentionChat.save` wrote, checked as a file (``retention chat --resume`` reads it before
+    the model loads); :class:`ChatInputError` naming the problem otherwise. The model checks come in ``resume``."""
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ChatInputError(f"no saved conversation at {path}: give the file that save() (/save) wrote") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChatInputError(f"{path} is not a saved conversation (not JSON: {e})") from None
+    if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
+        raise ChatInputError(f"{path} is not a saved conversation: save() (/save in retention chat) writes one")
+    if data.get("version") != TRANSCRIPT_VERSION:
+        raise ChatInputError(f"{path} is a version {data.get('version')} transcript; this retention reads version "
+                             f"{TRANSCRIPT_VERSION}")
+    missing = [k for k in ("model", "vocab", "messages", "ids", "reply_ended", "image_turns") if k not in data]
+    if missing:
+        raise ChatInputError(f"{path} lacks {', '.join(missing)}: it is not a whole saved conversation")
+    ids = data["ids"]
+    if not ids:
+        raise ChatInputError(f"{path} holds an empty conversation: nothing to resume")
+    if not all(isinstance(i, int) and 0 <= i < data["vocab"] for i in ids):
+        raise ChatInputError(f"{path} holds token ids outside its vocabulary of {data['vocab']:,}: the file is damaged")
+    return data
+
+
+def _png_base64(image: Any, index: int, start: int) -> str:
+    """An image sent with a turn (a PIL image or a file path) as base64 PNG: the transcript keeps its pixels."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    if isinstance(image, (str, Path)):
+        image = Image.open(image)
+    if not isinstance(image, Image.Image):
+        raise ChatInputError(f"image {index} of the turn at token {start} is a {type(image).__name__}: save() stores PIL "
+                             "images and image files; send images as either to save the conversation")
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _png_image(data: str) -> Any:
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
 
 
 def _load_gates(gates: RetentionGates | str | Path | None, model: nn.Module) -> RetentionGates | None:
@@ -148,12 +206,103 @@ class RetentionChat:
         self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)
         self._last_reply_ended = False
         self._warned_positions = False
+        self._image_turns: list[dict[str, Any]] = []  # {"start", "length", "images"} of each turn with images
         if self.multimodal:
             unwrap(self.model).model.rope_deltas = None
 
     def memory(self) -> dict[str, Any]:
         """The cache's memory report (see :meth:`RetentionCache.memory_report`)."""
         return self.cache.memory_report()
+
+    # -- saving and resuming -----------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation to ``path`` (JSON, atomically: an interrupted save leaves the earlier file whole):
+        its messages, every token id, and the images of each turn that had some (as PNG), so that :meth:`resume`
+        can rebuild it later, in another process, under any budget or policy. Returns the path."""
+        import json
+
+        from .io import atomic_write_bytes
+
+        data = {
+            "format": TRANSCRIPT_FORMAT,
+            "version": TRANSCRIPT_VERSION,
+            "model": getattr(text_config_of(self.model), "_name_or_path", "") or "",
+            "vocab": len(self.tokenizer),
+            "messages": self.messages,
+            "ids": self.ids[0].tolist(),
+            "reply_ended": self._last_reply_ended,
+            "image_turns": [{**t, "images": [_png_base64(im, i, t["start"]) for i, im in enumerate(t["images"])]}
+                            for t in self._image_turns],
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(data, ensure_ascii=False).encode())
+        return path
+
+    def resume(self, path: str | Path) -> None:
+        """Replace the conversation with the one :meth:`save` wrote to ``path`` and go on from it.
+
+        Its tokens are fed through this chat's cache in chunks of ``chunk_size`` (turns with images as they were
+        fed live), so the budget and policy are this chat's own: a conversation saved without a budget can go on
+        under one. The file is checked before anything changes: a transcript of another tokenizer, or one with
+        images for a text-only model, is a :class:`ChatInputError` and the current conversation stays."""
+        data = self._read_transcript(Path(path))
+        ids = torch.tensor([data["ids"]], dtype=torch.long, device=self.device)
+        turns = [{**t, "images": [_png_image(s) for s in t["images"]]} for t in data["image_turns"]]
+        self.reset()
+        self._warn_past_positions(ids.shape[1])
+        for t in turns:
+            start, length = t["start"], t["length"]
+            self._feed(ids, max(start - 1, 0))  # as live: the last reply's last token goes with the turn
+            self.ids = ids[:, :start]
+            vision = self.processor.image_processor(images=t["images"], return_tensors="pt")
+            turn = {"input_ids": ids[:, start : start + length],
+                    **{k: v.to(self.device) for k, v in vision.items() if k in ("pixel_values", "image_grid_thw")}}
+            self._prefill_multimodal(turn)
+        self._feed(ids, ids.shape[1] - 1)  # the last token is fed with the next turn, as after send()
+        self.ids = ids
+        self.messages = data["messages"]
+        self._image_turns = turns
+        self._last_reply_ended = bool(data["reply_ended"])
+
+    def _read_transcript(self, path: Path) -> dict[str, Any]:
+        data = read_transcript(path)
+        this = getattr(text_config_of(self.model), "_name_or_path", "") or ""
+        if data["vocab"] != len(self.tokenizer):
+            raise ChatInputError(
+                f"{path} was saved with {data['model'] or 'another model'} ({data['vocab']:,} tokens in its vocabulary); "
+                f"this chat runs {this or 'a model'} with {len(self.tokenizer):,}: its token ids mean other text here; "
+                "resume it with the model it was saved with"
+            )
+        if data["image_turns"] and not self.multimodal:
+            raise ChatInputError(f"{path} holds images but {type(unwrap(self.model)).__name__} is a text-only model: "
+                                 "resume it with the vision-language model it was saved with")
+        if _model_stem(data["model"]) != _model_stem(this):
+            warnings.warn(f"{path} was saved with {data['model'] or 'another model'}; going on with {this or 'this model'} "
+                          "(same vocabulary size)", stacklevel=3)
+        return data
+
+    def _feed(self, ids: torch.Tensor, upto: int) -> None:
+        """Feed ``ids[:, cache length : upto]`` through the model into the cache, in chunks (text tokens only)."""
+        base = unwrap(self.model)
+        with torch.no_grad():
+            while (past := self.cache.get_seq_length()) < upto:
+                n = min(self.chunk_size, upto - past)
+                extra: dict[str, Any] = {}
+                if self.multimodal:  # M-RoPE: text positions continue the images' (rope_deltas), on all three axes
+                    prev = base.model.rope_deltas
+                    delta = int(prev.flatten()[0]) if prev is not None else 0
+                    text = torch.arange(past, past + n, device=ids.device)[None, None]
+                    extra["position_ids"] = torch.cat([text, (text + delta).expand(3, 1, n)], dim=0)
+                    base.model.rope_deltas = torch.tensor([[delta]], device=ids.device)
+                self.model(
+                    input_ids=ids[:, past : past + n],
+                    attention_mask=torch.ones(1, past + n, dtype=torch.long, device=ids.device),
+                    **cache_kwargs(self.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **extra,
+                )
 
     # -- one turn ----------------------------------------------------------------------------------
     def send(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> str:
@@ -228,12 +377,12 @@ class RetentionChat:
             stop.set()
             thread.join()
             if "out" in result:
-                self._commit(full, result["out"], turn["message"], kwargs)
+                self._commit(full, result["out"], turn, kwargs)
             raise
         thread.join()
         if "error" in result:
             raise result["error"]
-        self._commit(full, result["out"], turn["message"], kwargs)
+        self._commit(full, result["out"], turn, kwargs)
 
     def _warn_past_positions(self, tokens: int) -> None:
         """Warn once per conversation when it may run past the model's positions: the cache stays within its
@@ -248,8 +397,12 @@ class RetentionChat:
             stacklevel=3,
         )
 
-    def _commit(self, full: torch.Tensor, out: torch.Tensor, message: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    def _commit(self, full: torch.Tensor, out: torch.Tensor, turn: dict[str, Any], kwargs: dict[str, Any]) -> None:
         """Record a finished (or stopped) turn: ``out`` is the prompt ``full`` plus the reply generated."""
+        message = turn["message"]
+        if "pixel_values" in turn:  # what save() needs to feed the turn's images again
+            length = int(turn["input_ids"].shape[1])
+            self._image_turns.append({"start": full.shape[1] - length, "length": length, "images": turn["images"]})
         reply_ids = out[0, full.shape[1] :]
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) | {kwargs.get("eos_token_id")} - {None}
@@ -288,7 +441,8 @@ class RetentionChat:
             enc = self.tokenizer(delta, add_special_tokens=False, return_tensors="pt")
         # a turn longer than the budget is fine: it is prefilled in chunks and competes for the budget like every
         # earlier entry (a pasted document, then questions about it, is what the cache is for)
-        return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message}
+        return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message,
+                "images": images}
 
     def _after_reply(self, message: dict[str, Any], text: str) -> str:
         """What follows the last reply when ``message`` is added, for templates that render a reply differently once
@@ -360,8 +514,9 @@ class RetentionChat:
 
 
 # -- command line ----------------------------------------------------------------------------------
-CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /memory, /reset, "
-                 "/help, /quit; begin a message with // to send one that starts with /; Ctrl-C stops a reply")
+CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /save FILE writes the "
+                 "conversation (retention chat --resume FILE goes on with it), /memory, /reset, /help, /quit; begin a "
+                 "message with // to send one that starts with /; Ctrl-C stops a reply")
 
 
 def _memory_line(report: dict[str, Any]) -> str:
@@ -394,6 +549,15 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
                 print("[conversation and cache cleared]")
             elif command == "/memory":
                 print(_memory_line(chat.memory()))
+            elif command == "/save" and not arg.strip():
+                print("error: /save needs a file: /save chat.json", file=sys.stderr)
+            elif command == "/save":
+                try:
+                    saved = chat.save(arg.strip())
+                    print(f"[saved {sum(m['role'] == 'user' for m in chat.messages)} turn(s), {chat.ids.shape[1]:,} tokens "
+                          f"to {saved}]")
+                except (ChatInputError, OSError) as e:
+                    print(f"error: cannot save: {e}", file=sys.stderr)
             elif command == "/help":
                 print(CHAT_COMMANDS)
             elif command == "/image" and not chat.multimodal:  # say so now, not after the next message is typed
@@ -453,6 +617,12 @@ def _chat_command(args: argparse.Namespace) -> int:
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
     gates = check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
+    if args.resume:  # and a file that is no saved conversation
+        try:
+            read_transcript(args.resume)
+        except ChatInputError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
         chat = RetentionChat(
@@ -463,6 +633,14 @@ def _chat_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"retention chat: {CHAT_COMMANDS}")
+    if args.resume:
+        try:
+            chat.resume(args.resume)
+        except ChatInputError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"[resumed {sum(m['role'] == 'user' for m in chat.messages)} turn(s), {chat.ids.shape[1]:,} tokens from "
+              f"{args.resume}] {_memory_line(chat.memory())}")
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
@@ -506,5 +684,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--resume", default=None, metavar="FILE", help="go on with a conversation saved by /save (under this "
+                   "command's budget and policy)")
     add_placement_args(p)
     p.set_defaults(func=_chat_command)

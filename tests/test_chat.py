@@ -421,3 +421,87 @@ def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
         if name == "global_gates":  # the default sink is 4, as in GlobalGatesPolicy
             assert used["policy"].sink == sink
         smollm2[0].retention.detach()
+
+
+def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
+    """save() then resume() in a new chat: the same ids, the same cache (keys of every layer), and the next reply equals
+    the one the original chat gives; resumed under a budget, the cache keeps to it."""
+    model, tok = smollm2
+    live = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, system="You are brief.")
+    for turn in ("My name is Ada and I live in Paris.", "Name one river in France."):
+        live.send(turn)
+    path = live.save(tmp_path / "talk" / "chat.json")
+    again = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, chunk_size=16)
+    again.send("Something else first.")  # resume replaces what the chat held
+    again.resume(path)
+    assert torch.equal(again.ids, live.ids) and again.messages == live.messages
+    assert again.cache.get_seq_length() == live.cache.get_seq_length() == live.ids.shape[1] - 1
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys, live.cache.store.gather_layer(layer).keys,
+                                   atol=1e-4, rtol=1e-4)
+    assert again.send("Where do I live?") == live.send("Where do I live?")
+
+    bounded = RetentionChat(model, tok, budget_tokens=16, max_new_tokens=10, chunk_size=16)
+    bounded.resume(path)
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert bounded.cache.evictions > 0 and bounded.memory()["kept_entries"] <= 16 * streams + bounded.cache.slack
+    assert isinstance(bounded.send("Where do I live?"), str)
+
+
+def test_a_transcript_that_cannot_be_resumed_is_refused_and_the_chat_stays(smollm2, tmp_path):
+    import json
+
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=4)
+    chat.send("Hello.")
+    good = json.loads(chat.save(tmp_path / "good.json").read_text())
+    before = chat.ids.clone()
+    cases = {
+        "missing.json": (None, "no saved conversation at"),
+        "junk.json": ("not json", r"is not a saved conversation \(not JSON"),
+        "other.json": ({"format": "something"}, "is not a saved conversation"),
+        "future.json": ({**good, "version": 99}, "version 99 transcript"),
+        "partial.json": ({k: v for k, v in good.items() if k != "ids"}, "lacks ids"),
+        "vocab.json": ({**good, "vocab": 1000, "ids": [1, 2]}, "its token ids mean other text here"),
+        "damaged.json": ({**good, "ids": [len(tok) + 5]}, "outside its vocabulary"),
+        "images.json": ({**good, "image_turns": [{"start": 0, "length": 2, "images": []}]}, "is a text-only model"),
+    }
+    for name, (content, words) in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(ChatInputError, match=words):
+            chat.resume(tmp_path / name)
+        assert torch.equal(chat.ids, before)  # refused before anything changed
+    with pytest.warns(UserWarning, match="was saved with someone/other-model"):
+        (tmp_path / "renamed.json").write_text(json.dumps({**good, "model": "someone/other-model"}))
+        chat.resume(tmp_path / "renamed.json")
+    assert torch.equal(chat.ids, before)
+
+
+def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkeypatch):
+    """/save in the chat loop, then `retention chat --resume FILE`; a file that is no transcript fails before the
+    model loads."""
+    import retention.models
+    from retention.chat import chat_loop
+    from retention.cli import main
+
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
+    chat_loop(chat, ["My name is Ada.", "/save", f"/save {tmp_path / 'c.json'}", f"/save {tmp_path}"])
+    out, err = capsys.readouterr()
+    assert f"[saved 1 turn(s), {chat.ids.shape[1]} tokens to {tmp_path / 'c.json'}]" in out
+    assert "/save needs a file" in err and "cannot save" in err
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "x.json").write_text("{}")
+    assert main(["chat", "--resume", str(tmp_path / "x.json")]) == 2
+    assert "is not a saved conversation" in capsys.readouterr().err
+    import retention.chat as chat_module
+
+    resumed = {}
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(chat_module, "chat_loop", lambda c, lines: resumed.update(ids=c.ids.clone()))
+    assert main(["chat", "--resume", str(tmp_path / "c.json"), "--budget", "64"]) == 0
+    assert torch.equal(resumed["ids"], chat.ids)
+    assert f"[resumed 1 turn(s), {chat.ids.shape[1]} tokens from {tmp_path / 'c.json'}]" in capsys.readouterr().out
+    model.retention.detach()

@@ -111,3 +111,31 @@ def test_under_a_budget_every_kept_entry_sits_at_its_true_position():
         kept += len(pos)
         torch.testing.assert_close(view.keys[0, h][valid], want[h, pos], atol=1e-4, rtol=1e-4)
     assert 0 < kept < n * want.shape[0]  # some entries were evicted, some kept
+
+
+def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path):
+    """The transcript keeps each image turn's pixels: resumed in a new chat, the cache holds the same keys (images at
+    their M-RoPE positions) and the next reply is the original chat's; saving the resumed chat keeps the images."""
+    import json
+    import warnings
+
+    import torch
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        live = RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+        again = RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4, chunk_size=8)
+    imgs = photos(2)
+    for text, images in (("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])):
+        live.send(text, images=images)
+    path = live.save(tmp_path / "chat.json")
+    again.resume(path)
+    assert torch.equal(again.ids, live.ids)
+    for layer in range(model.config.text_config.num_hidden_layers):
+        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys, live.cache.store.gather_layer(layer).keys,
+                                   atol=1e-4, rtol=1e-4)
+    assert again.send("Which one is brighter?") == live.send("Which one is brighter?")
+    saved = json.loads(again.save(tmp_path / "again.json").read_text())
+    assert [t["images"] for t in saved["image_turns"]] == [t["images"] for t in json.loads(path.read_text())["image_turns"]]
