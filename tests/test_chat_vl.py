@@ -35,11 +35,9 @@ def test_a_vl_chat_keeps_its_ids_and_cache_in_step():
     assert out["cache_length"] == out["ids"].shape[1] - 1 and out["device"] == out["model_device"] == "cpu"
 
 
-@pytest.mark.parametrize("turns", ["image, text, image", "image, image"])
-def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(turns):
-    """Every turn fed incrementally (images with their M-RoPE positions continued from the cache) leaves the same keys
-    as one forward over the whole conversation with all its images. An image turn after the first one had its tokens'
-    positions one token off (the last reply's last token, fed with the turn, was not counted)."""
+def _chat_and_reference(plan: list, **chat_kwargs):
+    """Run ``plan`` (text, images) through a RetentionChat on a tiny Qwen3-VL; return the chat, the number of cached
+    tokens ``n`` and the DynamicCache of one forward over the conversation's first ``n`` ids with all its images."""
     import warnings
 
     import torch
@@ -51,22 +49,33 @@ def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(t
     model = tiny_qwen3_vl_for(proc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
-        chat = RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
-    imgs = photos(2)
-    plan = {"image, text, image": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])],
-            "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])]}[turns]
+        chat = RetentionChat(model, proc, **chat_kwargs)
     for text, images in plan:
         chat.send(text, images=images)
     n = chat.cache.get_seq_length()
     ids = chat.ids[:, :n]
-    pixels = proc.image_processor(images=imgs, return_tensors="pt")
+    pixels = proc.image_processor(images=[im for _, images in plan for im in images or []], return_tensors="pt")
     chat.model.retention.detach()
     reference = DynamicCache()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
               image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int(),
               **cache_kwargs(reference), use_cache=True)
-    for layer in range(model.config.text_config.num_hidden_layers):
+    return chat, n, reference
+
+
+@pytest.mark.parametrize("turns", ["image, text, image", "image, image"])
+def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(turns):
+    """Every turn fed incrementally (images with their M-RoPE positions continued from the cache) leaves the same keys
+    as one forward over the whole conversation with all its images. An image turn after the first one had its tokens'
+    positions one token off (the last reply's last token, fed with the turn, was not counted)."""
+    import torch
+
+    imgs = photos(2)
+    plan = {"image, text, image": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])],
+            "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])]}[turns]
+    chat, n, reference = _chat_and_reference(plan, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+    for layer in range(len(reference.layers)):
         want = reference.layers[layer].keys[0]  # (H, n, D)
         got = chat.cache.store.gather_layer(layer).keys.reshape(want.shape[0], -1, want.shape[-1])[:, :n]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -76,32 +85,13 @@ def test_under_a_budget_every_kept_entry_sits_at_its_true_position():
     """Five turns (three photos) under a budget small enough to evict during image turns: each kept entry of layer 0
     (whose keys depend on the token and its position only) equals the key one forward over the whole conversation
     computes at the position the cache recorded for it."""
-    import warnings
-
     import torch
-    from transformers import DynamicCache
 
-    from retention.compat import cache_kwargs
-
-    proc = tiny_qwen3_vl_processor()
-    model = tiny_qwen3_vl_for(proc)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
-        chat = RetentionChat(model, proc, budget_tokens=16, max_new_tokens=6, min_new_tokens=6, chunk_size=8)
     imgs = photos(3)
-    for text, images in [("What is this?", [imgs[0]]), ("Say more about its colours.", None),
-                         ("And this one?", [imgs[1]]), ("Both?", [imgs[2]]), ("ok", None)]:
-        chat.send(text, images=images)
+    plan = [("What is this?", [imgs[0]]), ("Say more about its colours.", None), ("And this one?", [imgs[1]]),
+            ("Both?", [imgs[2]]), ("ok", None)]
+    chat, n, reference = _chat_and_reference(plan, budget_tokens=16, max_new_tokens=6, min_new_tokens=6, chunk_size=8)
     assert chat.cache.evictions >= 3
-    n = chat.cache.get_seq_length()
-    ids = chat.ids[:, :n]
-    pixels = proc.image_processor(images=imgs, return_tensors="pt")
-    chat.model.retention.detach()
-    reference = DynamicCache()
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
-              image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).int(),
-              **cache_kwargs(reference), use_cache=True)
     want = reference.layers[0].keys[0]  # (H, n, D)
     view = chat.cache.store.gather_layer(0)
     kept = 0
@@ -111,7 +101,6 @@ def test_under_a_budget_every_kept_entry_sits_at_its_true_position():
         kept += len(pos)
         torch.testing.assert_close(view.keys[0, h][valid], want[h, pos], atol=1e-4, rtol=1e-4)
     assert 0 < kept < n * want.shape[0]  # some entries were evicted, some kept
-
 
 def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path):
     """The transcript keeps each image turn's pixels: resumed in a new chat, the cache holds the same keys (images at
