@@ -223,6 +223,8 @@ class RetentionChat:
 
         from .io import atomic_write_bytes
 
+        if not self.ids.shape[1]:
+            raise ChatInputError("nothing to save yet: the conversation is empty")
         data = {
             "format": TRANSCRIPT_FORMAT,
             "version": TRANSCRIPT_VERSION,

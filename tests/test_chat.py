@@ -487,9 +487,11 @@ def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkey
 
     model, tok = smollm2
     chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
-    chat_loop(chat, ["My name is Ada.", "/save", f"/save {tmp_path / 'c.json'}", f"/save {tmp_path}"])
+    chat_loop(chat, [f"/save {tmp_path / 'empty.json'}", "My name is Ada.", "/save", f"/save {tmp_path / 'c.json'}",
+                     f"/save {tmp_path}"])
     out, err = capsys.readouterr()
     assert f"[saved 1 turn(s), {chat.ids.shape[1]} tokens to {tmp_path / 'c.json'}]" in out
+    assert "nothing to save yet" in err and not (tmp_path / "empty.json").exists()
     assert "/save needs a file" in err and "cannot save" in err
 
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
