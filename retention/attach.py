@@ -447,7 +447,7 @@ def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
 
 
-def _model_stem(name: str | None) -> str:
+def model_stem(name: str | None) -> str:
     """A model's name without its owner or folder (``HuggingFaceTB/SmolLM2-135M-Instruct`` and a local
     ``/models/SmolLM2-135M-Instruct`` are the same model), lower case; ``""`` when unknown."""
     return str(name or "").rstrip("/").rsplit("/", 1)[-1].lower()
@@ -466,7 +466,7 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
             f"({config.base_model or 'unknown base'})"
         )
     model_name = getattr(cfg, "_name_or_path", "") or getattr(getattr(unwrap(model), "config", None), "_name_or_path", "")
-    trained_for, this = _model_stem(config.base_model), _model_stem(model_name)
+    trained_for, this = model_stem(config.base_model), model_stem(model_name)
     if trained_for and this and trained_for != this:
         import warnings
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .attach import _model_stem, attach_gates, check_gates_match, text_config_of, unwrap
+from .attach import attach_gates, check_gates_match, model_stem, text_config_of, unwrap
 from .compat import cache_kwargs
 from .gates import RetentionGates
 from .models import is_multimodal
@@ -62,11 +62,15 @@ def read_transcript(path: str | Path) -> dict[str, Any]:
     missing = [k for k in ("model", "vocab", "messages", "ids", "reply_ended", "image_turns") if k not in data]
     if missing:
         raise ChatInputError(f"{path} lacks {', '.join(missing)}: it is not a whole saved conversation")
-    ids = data["ids"]
-    if not ids:
+    ids, vocab = data["ids"], data["vocab"]
+    if not isinstance(ids, list) or not ids:
         raise ChatInputError(f"{path} holds an empty conversation: nothing to resume")
-    if not all(isinstance(i, int) and 0 <= i < data["vocab"] for i in ids):
-        raise ChatInputError(f"{path} holds token ids outside its vocabulary of {data['vocab']:,}: the file is damaged")
+    if not isinstance(vocab, int) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        raise ChatInputError(f"{path} holds token ids outside its vocabulary ({vocab}): the file is damaged")
+    for t in data["image_turns"]:
+        if not (isinstance(t, dict) and isinstance(t.get("start"), int) and isinstance(t.get("length"), int)
+                and 0 <= t["start"] < t["start"] + t["length"] <= len(ids) and isinstance(t.get("images"), list)):
+            raise ChatInputError(f"{path} holds an image turn that does not fit its token ids: the file is damaged")
     return data
 
 
@@ -279,7 +283,7 @@ class RetentionChat:
         if data["image_turns"] and not self.multimodal:
             raise ChatInputError(f"{path} holds images but {type(unwrap(self.model)).__name__} is a text-only model: "
                                  "resume it with the vision-language model it was saved with")
-        if _model_stem(data["model"]) != _model_stem(this):
+        if model_stem(data["model"]) != model_stem(this):
             warnings.warn(f"{path} was saved with {data['model'] or 'another model'}; going on with {this or 'this model'} "
                           "(same vocabulary size)", stacklevel=3)
         return data

@@ -465,6 +465,7 @@ def test_a_transcript_that_cannot_be_resumed_is_refused_and_the_chat_stays(smoll
         "vocab.json": ({**good, "vocab": 1000, "ids": [1, 2]}, "its token ids mean other text here"),
         "damaged.json": ({**good, "ids": [len(tok) + 5]}, "outside its vocabulary"),
         "images.json": ({**good, "image_turns": [{"start": 0, "length": 2, "images": []}]}, "is a text-only model"),
+        "turns.json": ({**good, "image_turns": [{"start": 0, "length": 10**6, "images": []}]}, "does not fit its token"),
     }
     for name, (content, words) in cases.items():
         if content is not None:
