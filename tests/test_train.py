@@ -541,3 +541,23 @@ def test_rows_longer_than_the_models_positions_are_refused_before_it_loads(tiny_
                                          f"\\(max_position_embeddings\\): use --set data.seq_len={limit} or less"):
         train(load_config(cfg_file, over + [f"data.seq_len={limit + 1}"]))
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    import train.loop as loop
+    from train.data import DataError
+
+    def missing(self, repo_id, **kwargs):
+        e = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+        Exception.__init__(e, "404")
+        raise e
+
+    monkeypatch.setattr(HfApi, "dataset_info", missing)
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr("retention.models.load_config", lambda *a, **k: pytest.fail("read the model's config first"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(DataError, match="'someone/no-such-set': the Hub has no such dataset"):
+        train(load_config(cfg_file, over + ["data.sources.0.path=someone/no-such-set"]))

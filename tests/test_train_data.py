@@ -255,3 +255,41 @@ def test_training_rows_without_distilled_positions_are_dropped_unless_kept(token
     untargeted = [r for r in kept if not any(r.loss_mask)]
     assert untargeted, "the data should hold rows inside long user turns for this test to mean anything"
     assert dropped == [r for r in kept if any(r.loss_mask)] and held_again == held
+
+
+def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_loads(monkeypatch):
+    """One metadata request per Hub source: a typo or a gated set is said before the model loads (it used to surface
+    after it). An unreachable Hub or offline mode passes: the datasets cache may still serve the set."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from train.data import DataError, check_hub_source
+
+    def answer(error):
+        def dataset_info(self, repo_id, **kwargs):
+            asked.append(repo_id)
+            if error is not None:
+                raise error
+        return dataset_info
+
+    def hub_error(cls):  # the Hub's errors want a response object; the message is what matters here
+        e = cls.__new__(cls)
+        Exception.__init__(e, "from the Hub")
+        return e
+
+    asked = []
+    source = SourceConfig(kind="chat", path="someone/no-such-set")
+    for error, words in ((hub_error(RepositoryNotFoundError), "the Hub has no such dataset, or it is private"),
+                         (hub_error(GatedRepoError), "is a gated Hub dataset: accept its terms")):
+        monkeypatch.setattr(HfApi, "dataset_info", answer(error))
+        with pytest.raises(DataError, match=re.escape(words)):
+            check_hub_source(source)
+    for error in (None, ConnectionError("unreachable")):  # found, or no answer about the set: go on
+        monkeypatch.setattr(HfApi, "dataset_info", answer(error))
+        check_hub_source(source)
+    assert asked == ["someone/no-such-set"] * 4
+    for local in (SourceConfig(kind="text", path="sotu"), SourceConfig(kind="synthetic", path="niah_single")):
+        check_hub_source(local)  # builtin and generated sources are not on the Hub
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    check_hub_source(source)
+    assert len(asked) == 4

@@ -183,6 +183,30 @@ def check_local_source(source: SourceConfig) -> None:
                         f"folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
 
 
+def check_hub_source(source: SourceConfig) -> None:
+    """Ask the Hub whether a Hub source exists and can be read (one metadata request), before the model loads:
+    DataError for a dataset the Hub says is missing, private or gated. An unreachable Hub or offline mode passes, since
+    the local datasets cache may serve it; the load itself then says what failed."""
+    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA or Path(source.path).expanduser().exists():
+        return
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    try:
+        HfApi().dataset_info(source.path, timeout=10)
+    except GatedRepoError:
+        raise DataError(f"data source {source.path!r} is a gated Hub dataset: accept its terms on its Hub page and log in "
+                        "(huggingface-cli login, or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"data source {source.path!r}: the Hub has no such dataset, or it is private (log in with "
+                        f"HF_TOKEN); give a Hub dataset id (owner/name), a local file or folder, or a builtin corpus "
+                        f"{sorted(BUILTIN_CORPORA)}") from None
+    except Exception:  # unreachable, rate-limited...: not an answer about the dataset
+        return
+
+
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
     import datasets
 

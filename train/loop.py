@@ -31,7 +31,7 @@ from retention.losses import beta_stats, capacity_loss, distillation_kl
 from retention.models import cache_dir, load_model
 
 from .config import Config
-from .data import PackedStream, build_data, build_multimodal, check_local_source, collate_any
+from .data import PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any
 from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
 
@@ -467,8 +467,9 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         check_gate_folder_target(cfg.export_dir())
     except FileExistsError as e:
         raise SystemExit(f"export.dir: {e} (--set export.dir=DIR)") from None
-    for source in cfg.data.sources:  # an unreadable local file fails now, not after the model loads
+    for source in cfg.data.sources:  # an unreadable local file or a missing Hub dataset fails now, not after the model loads
         check_local_source(source)
+        check_hub_source(source)
     src = cfg.gates.init_from
     # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
     if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
