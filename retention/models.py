@@ -247,11 +247,11 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
         config, rest = AutoConfig.from_pretrained(path, revision=revision, return_unused_kwargs=True, **kwargs)
         rest.update(hub_kwargs(kwargs))  # the config read them; the weights are fetched the same way
     except (OSError, ValueError) as e:  # ValueError: a model_type this transformers does not know
-        local = "" if Path(path).exists() else f" (nor is there a local folder {Path(path).resolve()})"
+        local = "" if Path(path).exists() else f" (no folder {Path(path).resolve()} here either)"
         raise ModelNotAvailableError(
-            f"cannot load model {name_or_path!r}{local}: {e}\n"
+            f"cannot load model {name_or_path!r}: {e}\n"
             f"Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise give a Hub id (needs network or the HF cache) "
-            "or a local folder with config.json"
+            f"or a local folder with config.json{local}"
         ) from None
     if check_support:
         check_supported(config)  # from the config: an unsupported model's weights may be gigabytes
