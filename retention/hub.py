@@ -186,7 +186,15 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    path = Path(path)
+    path = Path(path).expanduser()
+    if not path.exists():
+        from .models import shipped_checkpoint
+
+        shipped = shipped_checkpoint(path)  # "smollm2-135m-global": the package's copy, as load_gates finds it
+        if shipped is None:
+            raise HubError(f"{path}: there is no such folder (looked for {path.resolve()}); give the folder a training "
+                           "run exported (train.py --export, or its export.dir)")
+        path = shipped
     missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
     if missing:
         raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")

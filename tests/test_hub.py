@@ -271,3 +271,20 @@ def test_push_without_a_token_or_with_a_bad_repo_id_sends_nothing(checkpoint, fa
 def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(HubError, match="missing \\['gates.safetensors'"):
         push_to_hub(tmp_path, "me/gates")
+
+
+def test_push_names_a_missing_folder_and_finds_the_shipped_checkpoint_by_name(fake_hub, monkeypatch, tmp_path):
+    """`retention push smollm2-135m-global REPO` said the folder was "not a gate checkpoint: missing [...]" from any
+    folder but the checkout's checkpoints/: the shipped name now finds the package's copy, as load_gates does, and a
+    path that does not exist is named as such."""
+    from retention.models import shipped_gates
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HubError, match="no-such-gates: there is no such folder"):
+        push_to_hub("no-such-gates", "me/gates")
+    hub = fake_hub()
+    push_to_hub("smollm2-135m-global", "me/gates")
+    sent = hub.committed_files()
+    shipped = shipped_gates("smollm2-135m")
+    assert sent["gates.safetensors"] == (shipped / "gates.safetensors").read_bytes()
+    assert {"README.md", "config.json"} <= set(sent)
