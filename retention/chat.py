@@ -641,7 +641,12 @@ def _chat_command(args: argparse.Namespace) -> int:
     print(f"retention chat: {CHAT_COMMANDS}")
     if args.resume:
         try:
-            chat.resume(args.resume)
+            with warnings.catch_warnings(record=True) as caught:  # shown as lines, as in the chat loop
+                warnings.simplefilter("always")
+                try:
+                    chat.resume(args.resume)
+                finally:
+                    _show_warnings(caught)
         except ChatInputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

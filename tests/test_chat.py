@@ -507,4 +507,11 @@ def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkey
     assert main(["chat", "--resume", str(tmp_path / "c.json"), "--budget", "64"]) == 0
     assert torch.equal(resumed["ids"], chat.ids)
     assert f"[resumed 1 turn(s), {chat.ids.shape[1]} tokens from {tmp_path / 'c.json'}]" in capsys.readouterr().out
+    import json
+
+    saved = json.loads((tmp_path / "c.json").read_text())
+    (tmp_path / "renamed.json").write_text(json.dumps({**saved, "model": "someone/other-model"}))
+    assert main(["chat", "--resume", str(tmp_path / "renamed.json")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "was saved with someone/other-model" in err and "UserWarning" not in err
     model.retention.detach()
