@@ -10,7 +10,7 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 ``--repeats R`` runs every setting R times in interleaved rounds (machine noise then hits all settings
-alike) and prints the median of the rounds with their range. An untimed warm-up round (``--warmup``, one by default)
+alike) and prints the median of the rounds with their range. An untimed warm-up round (``--warmup``, one by default on a GPU)
 runs every setting first: per-shape setup that a long-running process pays once would otherwise be charged
 to whichever setting meets a shape first (on an H100, PyTorch's cuDNN attention builds a new plan for each
 key length, about 2 ms per layer and step, so the first DynamicCache setting to decode lengths 4097, 4098, ...
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     p.add_argument("--repeats", type=positive_int, default=1, help="interleaved rounds over every setting (noisy machines)")
-    p.add_argument("--warmup", type=non_negative_int, default=1,
-                   help="untimed rounds over every setting first (per-shape setup: cuDNN plans, Triton autotuning)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="untimed rounds over every setting first (per-shape setup: cuDNN plans, Triton autotuning); "
+                   "default 1 on a GPU, 0 on the CPU")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help=f"also profile {PROFILE_STEPS} decode steps of every setting and write the top ops to FILE")
     args = p.parse_args(argv)
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if problem := device_problem(args.device):
         p.error(f"--device {problem}")
+    if args.warmup is None:  # the CPU has no per-shape plans to build: a warm-up round would only double the run
+        args.warmup = 1 if args.device.startswith("cuda") else 0
 
     from retention import attach_gates, load_model
     from retention.hub import load_gates

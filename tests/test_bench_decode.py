@@ -40,8 +40,7 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
 
     import retention
 
-    model = tiny_llama()
-    monkeypatch.setattr(retention, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: (tiny_llama(), None))  # a fresh model per run
     monkeypatch.setattr(bench_decode, "real_text_ids", lambda tok, n: list(range(n)))
     clock = itertools.count(1)  # each call's "ms/token" is its call number: rounds are told apart
     calls = []
@@ -51,6 +50,10 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
         return float(next(clock)), {"kv_bytes": 2**20}, None, None
 
     monkeypatch.setattr(bench_decode, "run_one", fake_run)
+    assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--device", "cpu"]) == 0
+    assert len(calls) == 5 * 2 and "warm-up" not in capsys.readouterr().out  # the CPU's default: no warm-up round
+    calls.clear()
+    clock = itertools.count(1)
     assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--warmup", "1", "--device", "cpu"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]  # below the header
     assert len(calls) == 5 * 3  # 5 settings x (1 warm-up + 2 timed rounds)
