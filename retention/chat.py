@@ -288,6 +288,11 @@ class RetentionChat:
                           "(same vocabulary size)", stacklevel=3)
         return data
 
+    def _rope_delta(self) -> int:
+        """A multimodal model's M-RoPE position minus true index for text tokens after the images so far (0 before)."""
+        prev = unwrap(self.model).model.rope_deltas
+        return int(prev.flatten()[0]) if prev is not None else 0
+
     def _feed(self, ids: torch.Tensor, upto: int) -> None:
         """Feed ``ids[:, cache length : upto]`` through the model into the cache, in chunks (text tokens only)."""
         base = unwrap(self.model)
@@ -296,8 +301,7 @@ class RetentionChat:
                 n = min(self.chunk_size, upto - past)
                 extra: dict[str, Any] = {}
                 if self.multimodal:  # M-RoPE: text positions continue the images' (rope_deltas), on all three axes
-                    prev = base.model.rope_deltas
-                    delta = int(prev.flatten()[0]) if prev is not None else 0
+                    delta = self._rope_delta()
                     text = torch.arange(past, past + n, device=ids.device)[None, None]
                     extra["position_ids"] = torch.cat([text, (text + delta).expand(3, 1, n)], dim=0)
                     base.model.rope_deltas = torch.tensor([[delta]], device=ids.device)
@@ -495,8 +499,7 @@ class RetentionChat:
         pos3, _ = base.model.get_rope_index(
             ids, image_grid_thw=turn["image_grid_thw"], attention_mask=torch.ones_like(ids), mm_token_type_ids=mm
         )
-        prev = base.model.rope_deltas
-        delta = int(prev.flatten()[0]) if prev is not None else 0  # M-RoPE position minus true index, for text
+        delta = self._rope_delta()
         pos3 = pos3 + start + delta  # the turn's first token sits at true index `start`
         fed = lead + T - 1  # all but the turn's last token, which generate() feeds
         before = (torch.arange(past, start, device=ids.device) + delta).expand(3, 1, lead)
@@ -530,6 +533,10 @@ def _memory_line(report: dict[str, Any]) -> str:
             f"{report['kept_entries']:,} entries kept; {report['tokens_seen']} tokens seen]")
 
 
+def _extent(chat: RetentionChat) -> str:
+    return f"{sum(m['role'] == 'user' for m in chat.messages)} turn(s), {chat.ids.shape[1]:,} tokens"
+
+
 def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
     for w in caught:
         print(f"\nwarning: {w.message}", file=sys.stderr)
@@ -560,8 +567,7 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
             elif command == "/save":
                 try:
                     saved = chat.save(arg.strip())
-                    print(f"[saved {sum(m['role'] == 'user' for m in chat.messages)} turn(s), {chat.ids.shape[1]:,} tokens "
-                          f"to {saved}]")
+                    print(f"[saved {_extent(chat)} to {saved}]")
                 except (ChatInputError, OSError) as e:
                     print(f"error: cannot save: {e}", file=sys.stderr)
             elif command == "/help":
@@ -650,8 +656,7 @@ def _chat_command(args: argparse.Namespace) -> int:
         except ChatInputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"[resumed {sum(m['role'] == 'user' for m in chat.messages)} turn(s), {chat.ids.shape[1]:,} tokens from "
-              f"{args.resume}] {_memory_line(chat.memory())}")
+        print(f"[resumed {_extent(chat)} from {args.resume}] {_memory_line(chat.memory())}")
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)

@@ -117,21 +117,31 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     return path
 
 
+def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
+    """The folder ``path_or_repo_id`` names on this machine: itself when it exists (``~`` expanded), else a shipped
+    checkpoint of that name (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any
+    folder); ``None`` when neither exists."""
+    p = Path(path_or_repo_id).expanduser()
+    if p.exists():
+        return p
+    from .models import shipped_checkpoint
+
+    return shipped_checkpoint(p)
+
+
 def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else a shipped checkpoint of that
     name (:func:`retention.models.shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded
     once, then read from the local Hub cache). HubError naming the fix otherwise."""
-    p = Path(path_or_repo_id).expanduser()
-    if p.exists():
-        return p
-    from .models import looks_like_a_path, shipped_checkpoint
+    local = local_checkpoint(path_or_repo_id)
+    if local is not None:
+        return local
+    from .models import looks_like_a_path
 
-    shipped = shipped_checkpoint(p)  # "smollm2-135m-global": the installed package's copy, from any folder
-    if shipped is not None:
-        return shipped
     if looks_like_a_path(str(path_or_repo_id)):  # no Hub id has this form: say what is missing
         raise HubError(
-            f"gate checkpoint {str(path_or_repo_id)!r}: there is no such folder (looked for {p.resolve()}); give "
+            f"gate checkpoint {str(path_or_repo_id)!r}: there is no such folder (looked for "
+            f"{Path(path_or_repo_id).expanduser().resolve()}); give "
             "the folder a training run exported (gates.safetensors, config.json), a shipped checkpoint's name "
             "(smollm2-135m-global) or a Hub repo id (owner/name)"
         )
@@ -186,15 +196,12 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    path = Path(path).expanduser()
-    if not path.exists():
-        from .models import shipped_checkpoint
-
-        shipped = shipped_checkpoint(path)  # "smollm2-135m-global": the package's copy, as load_gates finds it
-        if shipped is None:
-            raise HubError(f"{path}: there is no such folder (looked for {path.resolve()}); give the folder a training "
-                           "run exported (train.py --export, or its export.dir)")
-        path = shipped
+    local = local_checkpoint(path)  # "smollm2-135m-global": the package's copy, as load_gates finds it
+    if local is None:
+        path = Path(path).expanduser()
+        raise HubError(f"{path}: there is no such folder (looked for {path.resolve()}); give the folder a training "
+                       "run exported (train.py --export, or its export.dir)")
+    path = local
     missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
     if missing:
         raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")
