@@ -110,9 +110,6 @@ def validate(cfg: EvalConfig) -> EvalConfig:
                            "task by its name alone, so one output holds one variant of it: sweep the other "
                            "into a second output")
         seen_tasks[name] = t
-        if name == "mmdu":
-            _fail("tasks", "mmdu is multimodal and the sweep feeds text: load it with eval.loaders.load_mmdu and run "
-                           "its dialogues through retention.chat.RetentionChat with a Qwen3-VL model")
         if name not in TASKS and name not in HUB_TASKS:
             _fail("tasks", f"unknown task {name!r}; {available}")
         if isinstance(t, dict) and set(t) - {"name", "params"}:
@@ -152,6 +149,14 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             parse_budget(b)
         except ValueError as e:
             _fail("budgets", str(e))
+    if any(s.name == "mmdu" for s in cfg.task_specs()):  # dialogues with images run through eval.multimodal
+        if cfg.protocol != "query_agnostic":
+            _fail("protocol", "mmdu's dialogues run query-agnostic only (the history is compressed before the question "
+                              "arrives); set protocol: query_agnostic or leave mmdu out")
+        fractions = [b for b in cfg.budgets or [] if parse_budget(b).kind == "fraction"]
+        if cfg.prefill == "streaming" and fractions:
+            _fail("budgets", f"{fractions}: mmdu under a streaming prefill evicts before a dialogue's length is known, "
+                             "so its budgets must be {tokens: N} or {entries: N}; or use prefill: one_shot")
     return cfg
 
 

@@ -152,7 +152,8 @@ def load_longbench_v2(split: str = "train", data_files: Any = None, limit: int |
 
 
 # --- MMDU ------------------------------------------------------------------------------------------
-def _mmdu_records(data_files: Any) -> list[dict]:
+def _mmdu_records(data_files: Any) -> tuple[list[dict], str]:
+    """The benchmark's records and the file they were read from."""
     if data_files is None:
         try:
             from huggingface_hub import hf_hub_download
@@ -166,23 +167,28 @@ def _mmdu_records(data_files: Any) -> list[dict]:
     except json.JSONDecodeError:  # JSON lines
         data = [json.loads(line) for line in text.splitlines() if line.strip()]
     if isinstance(data, dict):  # {id: record} (the benchmark file), or one record (JSON lines of one row)
-        return [data] if "conversations" in data else list(data.values())
-    return list(data)
+        return ([data] if "conversations" in data else list(data.values())), str(data_files)
+    return list(data), str(data_files)
 
 
-def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "last") -> list[Item]:
+def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "last",
+              image_root: str | Path | None = None, max_new_tokens: int = 512) -> list[Item]:
     """MMDU dialogues: one item per dialogue (``turns="last"``: the last question, earlier turns with
     their reference answers as history) or per question (``turns="all"``).
 
     Image markers become ``<image k>`` text in ``messages`` and the paths go to ``meta["images"]``, in
-    order (run them through a Qwen3-VL processor for the multimodal protocol). The default metric is
-    ROUGE-L against the reference answer; MMDU's judged score plugs in with
+    order, relative to ``image_root`` (default: the data file's folder) as ``meta["image_root"]``; a sweep runs them
+    through :mod:`eval.multimodal` with a vision-language model (``tasks: [mmdu]``). The default metric is
+    ROUGE-L against the reference answer, after a reply of at most ``max_new_tokens`` tokens (MMDU's answers are
+    long; a sweep's own ``max_new_tokens`` does not cut them); MMDU's judged score plugs in with
     :func:`eval.metrics.register_metric` (see :func:`mmdu_judge`).
     """
     if turns not in ("last", "all"):
         raise ValueError(f"turns must be 'last' or 'all', got {turns!r}")
     items = []
-    for rec in _mmdu_records(data_files)[:limit]:
+    records, source = _mmdu_records(data_files)
+    root = str(Path(image_root).expanduser() if image_root is not None else Path(source).parent)
+    for rec in records[:limit]:
         images = list(rec.get("image") or rec.get("images") or [])
         k = 0
         msgs = []
@@ -196,8 +202,8 @@ def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "la
         asks = [j for j, m in enumerate(msgs) if m["role"] == "user" and j + 1 < len(msgs)]
         for j in (asks[-1:] if turns == "last" else asks):
             items.append(Item("mmdu", f"mmdu-{rec.get('id', len(items))}-{j // 2}", "", msgs[j]["content"],
-                              [msgs[j + 1]["content"]], messages=msgs[:j], metric="rouge_l", max_new_tokens=512,
-                              meta={"images": images}))
+                              [msgs[j + 1]["content"]], messages=msgs[:j], metric="rouge_l", max_new_tokens=max_new_tokens,
+                              meta={"images": images, "image_root": root}))
     return items
 
 
@@ -225,10 +231,11 @@ def mmdu_judge(complete: Callable[[str], str]) -> Callable[[str, list[str]], flo
 # --- the Hub sets as sweep tasks -------------------------------------------------------------------
 # ``tasks: [{name: longbench, params: {subset: hotpotqa}}]`` in an eval config: ``items`` is the number of
 # records taken (of each RULER task), and each entry of ``lengths`` is RULER's context-length config, or for LongBench the most
-# context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU is multimodal and the
-# sweep feeds text: run it through ``load_mmdu`` and RetentionChat.
+# context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU's dialogues are multimodal and
+# run whole through :mod:`eval.multimodal` (a vision-language model; ``lengths`` do not cut them: their rows carry the
+# first length).
 HUB_TASKS: dict[str, Callable[..., list[Item]]] = {
-    "ruler": load_ruler, "longbench": load_longbench, "longbench_v2": load_longbench_v2,
+    "ruler": load_ruler, "longbench": load_longbench, "longbench_v2": load_longbench_v2, "mmdu": load_mmdu,
 }
 
 
@@ -245,6 +252,9 @@ def check_hub_task(name: str, params: dict[str, Any]) -> None:
     except TypeError as e:
         accepted = sorted(set(inspect.signature(loader).parameters) - taken)
         raise ValueError(f"{name}: {e}; its params are {accepted}") from None
+    if name == "mmdu" and params.get("turns", "last") not in ("last", "all"):
+        raise ValueError(f"mmdu: turns must be 'last' (the last question of each dialogue) or 'all' (every question), "
+                         f"got {params['turns']!r}")
     if name == "longbench" and params.get("subset", "hotpotqa") not in LONGBENCH:
         raise ValueError(f"longbench: unknown subset {params['subset']!r}; English subsets: {sorted(LONGBENCH)}")
 
@@ -271,7 +281,7 @@ def hub_task_items(name: str, tokenizer, length: int, n: int, **params: Any) -> 
                 items.append(it)
         return items
     items = HUB_TASKS[name](limit=n, **params)
-    if tokenizer is None:
+    if tokenizer is None or name == "mmdu":  # dialogues with images run whole (eval.multimodal)
         return items
     # the id names the length: an item cut to two lengths is two items (a shared prefill must tell them apart)
     return [replace(it, id=f"{it.id}@{length}", context=truncate_middle(tokenizer, it.context, length)) for it in items]

@@ -24,7 +24,7 @@ def tiny_tokenizer():
 
 
 def load_eval_model(spec: str, dtype: str | None = None, device: str | None = None, seed: int = 0) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a model spec, in eval mode."""
+    """``(model, tokenizer)`` for a model spec, in eval mode; ``(model, processor)`` for a vision-language model."""
     if spec in TINY_MODELS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,6 +38,8 @@ def load_eval_model(spec: str, dtype: str | None = None, device: str | None = No
             model.to(device)
         return model, tok
     from retention import load_model
+    from retention.models import is_multimodal
 
     model, proc = load_model(spec, dtype=dtype, device=device)
-    return model, getattr(proc, "tokenizer", proc)  # a VL processor's text tokenizer
+    # a vision-language model keeps its processor (images of multimodal items); text models give their tokenizer
+    return model, proc if is_multimodal(model.config) else getattr(proc, "tokenizer", proc)

@@ -37,6 +37,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[Group, dict[str, Any]]:
             "kv_bytes": mean("kv_bytes"),
             "kv_fraction": statistics.mean(r["kv_bytes"] / r["full_cache_bytes"] if r["full_cache_bytes"] else 1.0
                                            for r in ok) if ok else float("nan"),
+            # multimodal items (eval.multimodal): the share of the kept entries that are image tokens
+            "image_share": statistics.mean(r["kept_image_entries"] / r["kept_entries"] if r["kept_entries"] else 0.0
+                                           for r in ok) if ok and all("kept_image_entries" in r for r in ok) else None,
             "metric": rs[0].get("metric", "recall"),
             "n": len(ok),
             "errors": len(rs) - len(ok),
@@ -54,18 +57,20 @@ def _order(s: dict[Group, dict]) -> list[Group]:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One row per (task, length, method, budget); score is the task's metric in %, KL in nats."""
     s = summarise(rows)
-    lines = ["| task | length | method | budget | score | KL | KV kept (entries) | KV MiB | of full | n |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    images = any(v["image_share"] is not None for v in s.values())  # a column only where some rows show images
+    lines = ["| task | length | method | budget | score | KL | KV kept (entries) | " + ("image share | " if images else "")
+             + "KV MiB | of full | n |", "|---|---|---|---|---|---|---|" + ("---|" if images else "") + "---|---|---|"]
     for g in _order(s):
         task, length, method, budget = g
         v = s[g]
         kl = "" if v["kl"] is None else f"{v['kl']:.3g}"
         n = f"{v['n']}" + (f" ({v['errors']} failed)" if v["errors"] else "")
+        share = "" if not images else ("| " if v["image_share"] is None or not v["n"] else f"{v['image_share']:.0%} | ")
         if v["n"]:
             lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | {v['score']:.1f} | {kl} | "
-                         f"{v['kept_entries']:,.0f} | {v['kv_bytes'] / 2**20:.2f} | {v['kv_fraction']:.0%} | {n} |")
+                         f"{v['kept_entries']:,.0f} | {share}{v['kv_bytes'] / 2**20:.2f} | {v['kv_fraction']:.0%} | {n} |")
         else:
-            lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | - | | | | | {n} |")
+            lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | - | | | {share}| | {n} |")
     return "\n".join(lines)
 
 

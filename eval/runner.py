@@ -16,9 +16,13 @@ from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
+from retention.attach import unwrap
+from retention.models import is_multimodal
+
 from .config import EvalConfig
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import PolicyCache
+from .multimodal import check_images, is_multimodal_item, run_chat_item_budgets
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import generate
 
@@ -94,8 +98,9 @@ def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
 def item_sha(item) -> str:
     """A short hash of what an item shows the model and scores against: task params, haystack source or a
     changed generator make other items under the same id."""
+    shown = [item.meta["images"]] if item.meta.get("images") else []  # a dialogue's image files
     text = json.dumps([item.context, item.question, item.answers, item.messages, item.continuation,
-                       item.answer_prefix, item.metric, item.max_new_tokens], sort_keys=True, default=str)
+                       item.answer_prefix, item.metric, item.max_new_tokens, *shown], sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -142,9 +147,11 @@ def _items(cfg: EvalConfig, spec, tokenizer, length: int) -> list:
 
 
 def _sweep_items(cfg: EvalConfig, tokenizer) -> list[tuple[str, int, Any]]:
-    """``(task, length, item)`` of the whole sweep, in order; a Hub set's rows name its subset as their task."""
+    """``(task, length, item)`` of the whole sweep, in order; a Hub set's rows name its subset as their task. MMDU's
+    dialogues run whole, once, under the first length."""
     return [(item.task if spec.name in HUB_TASKS else spec.name, length, item)
-            for spec in cfg.task_specs() for length in cfg.lengths for item in _items(cfg, spec, tokenizer, length)]
+            for spec in cfg.task_specs() for length in (cfg.lengths[:1] if spec.name == "mmdu" else cfg.lengths)
+            for item in _items(cfg, spec, tokenizer, length)]
 
 
 def _jobs(cfg: EvalConfig, items: list[tuple[str, int, Any]], done: set) -> Iterator[tuple]:
@@ -204,15 +211,20 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads
         if spec.name in HUB_TASKS:
             for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:
-                hub_task_items(spec.name, None, length, cfg.items, **spec.params)
+                check_images(hub_task_items(spec.name, None, length, cfg.items, **spec.params))
     if model_and_tokenizer is None:
         from .models import load_eval_model
 
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
-    model, tok = prepare_model(cfg, *model_and_tokenizer)
+    model, processor = prepare_model(cfg, *model_and_tokenizer)
+    tok = getattr(processor, "tokenizer", processor)  # a vision-language model's processor holds its tokenizer
     gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
     settings = sweep_settings(cfg)
     items = _sweep_items(cfg, tok)
+    if any(is_multimodal_item(item) for _, _, item in items) and not is_multimodal(unwrap(model).config):
+        raise ValueError(f"{cfg.model} is a text-only model, but {sorted({t for t, _, i in items if is_multimodal_item(i)})} "
+                         "show images: give a vision-language model (model: Qwen/Qwen3-VL-4B-Instruct) or leave "
+                         "those tasks out")
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
     done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas)}
     jobs = list(_jobs(cfg, items, done))
@@ -222,6 +234,11 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         shared: tuple[str, SharedPrefill] | None = None  # the current item's context, prefilled once
         for item, method, budgets, rows in jobs:
             bar.set_postfix(task=item.task, method=method.label, refresh=False)
+            if is_multimodal_item(item):
+                results_ = run_chat_item_budgets(model, processor, item, method, budgets, prefill_mode=cfg.prefill,
+                                                 chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens)
+                _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids)
+                continue
             share = None
             if shareable(method, cfg.prefill):
                 if shared is None or shared[0] != item.id:
@@ -238,12 +255,17 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
             results_ = run_item_budgets(model, tok, item, method, budgets, protocol=cfg.protocol,
                                         prefill_mode=cfg.prefill, chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens,
                                         reference=ref, shared=share)
-            for row, res in zip(rows, results_):
-                res = {**row, "policy": method.name, "metric": item.metric, **settings, "seed": cfg.seed,
-                       "split": cfg.split, "item_sha": shas[(row["task"], row["length"], row["item"])],
-                       **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}), **res}
-                fh.write(json.dumps(res) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-                bar.update(1)
+            _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids)
     return results
+
+
+def _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids) -> None:
+    """Append one (item, method)'s rows, each flushed to disk as it is written (a resumed sweep keeps them)."""
+    for row, res in zip(rows, results_):
+        res = {**row, "policy": method.name, "metric": item.metric, **settings, "seed": cfg.seed,
+               "split": cfg.split, "item_sha": shas[(row["task"], row["length"], row["item"])],
+               **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}), **res}
+        fh.write(json.dumps(res) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+        bar.update(1)

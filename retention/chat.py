@@ -315,6 +315,36 @@ class RetentionChat:
                 )
 
     # -- one turn ----------------------------------------------------------------------------------
+    def add_turn(self, text: str, reply: str, images: Sequence[Any] | None = None) -> None:
+        """Add a user turn (with images for vision-language models) and a reply given, not generated: a known
+        history (a benchmark's earlier turns, another chat's log) fed through this chat's cache as if the model
+        had said ``reply`` and then stopped. Its tokens compete for the budget like any others."""
+        images = list(images or [])
+        turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
+        full = torch.cat([self.ids, turn["input_ids"]], dim=1)
+        said = self.tokenizer(reply, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
+        stop = torch.tensor([self._stop_after(turn["message"], reply)], dtype=torch.long, device=self.device)
+        out = torch.cat([full, said, stop.view(1, -1)], dim=1)
+        self._warn_past_positions(out.shape[1])
+        if "pixel_values" in turn:
+            self._prefill_multimodal(turn)
+        self._feed(out, out.shape[1] - 1)  # the stop token goes with the next turn, as after send()
+        self._commit(full, out, turn, {})
+        self._last_reply_ended = bool(stop.numel())  # the tokenizer's eos may close turns where generate's names none
+
+    def _stop_after(self, message: dict[str, Any], reply: str) -> list[int]:
+        """The stop token a generated ``reply`` would have ended on: the model's eos id that the template writes right
+        after the reply (``<|im_end|>``, ``<|eot_id|>``); none when the template closes a reply otherwise, and the next
+        turn then feeds that closer as text."""
+        rendered = self._render(self.messages + [message, {"role": "assistant", "content": reply}], generation_prompt=False)
+        shown = reply.strip()
+        closer = rendered[rendered.rfind(shown) + len(shown):] if shown else ""
+        eos = self.model.generation_config.eos_token_id
+        for e in [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]:
+            if e is not None and closer.startswith(self.tokenizer.decode([e], skip_special_tokens=False)):
+                return [int(e)]
+        return []
+
     def send(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> str:
         """Add a user turn (with images for vision-language models), generate and return the reply."""
         return "".join(self.stream(text, images, **generation_kwargs))

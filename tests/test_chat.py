@@ -515,3 +515,48 @@ def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert "warning: " in err and "was saved with someone/other-model" in err and "UserWarning" not in err
     model.retention.detach()
+
+
+def test_a_given_history_is_fed_as_the_template_renders_it(smollm2):
+    """add_turn() feeds a user turn and a reply given, not generated: the chat's ids are the template's rendering of the
+    conversation, its cache holds what one forward over them computes, and the next reply is the one plain generate
+    gives over the whole conversation in one prompt. Under a budget the given turns are evicted like any others."""
+    from transformers import DynamicCache
+
+    from retention.compat import cache_kwargs
+
+    model, tok = smollm2
+    history = [("My name is Ada and I live in Paris.", "Nice to meet you, Ada."),
+               ("Name one river in France.", "The Seine flows through Paris.")]
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, system="You are brief.", chunk_size=16)
+    for text, reply in history:
+        chat.add_turn(text, reply)
+    messages = [{"role": "system", "content": "You are brief."}]
+    for text, reply in history:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+    assert chat.messages == messages
+    question = messages + [{"role": "user", "content": "Where do I live?"}]
+    want = tok.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    n = chat.ids.shape[1]
+    assert chat.cache.get_seq_length() == n - 1
+    assert torch.equal(chat.ids[0], want["input_ids"][0, :n])  # the rendering's prefix, closing stop token included
+    reference = DynamicCache()
+    with torch.no_grad(), chat.attachment.use_mode("teacher"):
+        model(input_ids=chat.ids[:, : n - 1], **cache_kwargs(reference), use_cache=True)
+    for layer in range(model.config.num_hidden_layers):
+        got = chat.cache.store.gather_layer(layer).keys[0]  # (H, slots, D)
+        torch.testing.assert_close(got[:, : n - 1], reference.layers[layer].keys[0], atol=1e-4, rtol=1e-4)
+    reply = chat.send("Where do I live?")
+    chat.model.retention.detach()
+    with torch.no_grad():
+        out = model.generate(**want, max_new_tokens=10, do_sample=False)
+    assert reply == tok.decode(out[0, want["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    bounded = RetentionChat(model, tok, budget_tokens=8, max_new_tokens=4, chunk_size=8)
+    for text, reply in history * 3:
+        bounded.add_turn(text, reply)
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert bounded.cache.evictions > 0 and bounded.memory()["kept_entries"] <= 8 * streams + bounded.cache.slack
+    with pytest.raises(ChatInputError, match="text-only"):
+        bounded.add_turn("Look.", "I see.", images=["x.png"])
+    assert len(bounded.messages) == 12  # the refused turn changed nothing

@@ -36,8 +36,9 @@ def test_a_vl_chat_keeps_its_ids_and_cache_in_step():
 
 
 def _chat_and_reference(plan: list, **chat_kwargs):
-    """Run ``plan`` (text, images) through a RetentionChat on a tiny Qwen3-VL; return the chat, the number of cached
-    tokens ``n`` and the DynamicCache of one forward over the conversation's first ``n`` ids with all its images."""
+    """Run ``plan`` (text, images, and a reply to add with add_turn() rather than generate) through a RetentionChat on
+    a tiny Qwen3-VL; return the chat, the number of cached tokens ``n`` and the DynamicCache of one forward over the
+    conversation's first ``n`` ids with all its images."""
     import warnings
 
     import torch
@@ -50,11 +51,14 @@ def _chat_and_reference(plan: list, **chat_kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
         chat = RetentionChat(model, proc, **chat_kwargs)
-    for text, images in plan:
-        chat.send(text, images=images)
+    for text, images, *given in plan:
+        if given:
+            chat.add_turn(text, given[0], images=images)
+        else:
+            chat.send(text, images=images)
     n = chat.cache.get_seq_length()
     ids = chat.ids[:, :n]
-    pixels = proc.image_processor(images=[im for _, images in plan for im in images or []], return_tensors="pt")
+    pixels = proc.image_processor(images=[im for _, images, *_ in plan for im in images or []], return_tensors="pt")
     chat.model.retention.detach()
     reference = DynamicCache()
     with torch.no_grad():
@@ -64,7 +68,7 @@ def _chat_and_reference(plan: list, **chat_kwargs):
     return chat, n, reference
 
 
-@pytest.mark.parametrize("turns", ["image, text, image", "image, image"])
+@pytest.mark.parametrize("turns", ["image, text, image", "image, image", "given image, given text, image"])
 def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(turns):
     """Every turn fed incrementally (images with their M-RoPE positions continued from the cache) leaves the same keys
     as one forward over the whole conversation with all its images. An image turn after the first one had its tokens'
@@ -73,7 +77,9 @@ def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(t
 
     imgs = photos(2)
     plan = {"image, text, image": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])],
-            "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])]}[turns]
+            "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])],
+            "given image, given text, image": [("What is this?", [imgs[0]], "A photo."), ("Say more.", None, "It is red."),
+                                               ("And this one?", [imgs[1]])]}[turns]
     chat, n, reference = _chat_and_reference(plan, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
     for layer in range(len(reference.layers)):
         want = reference.layers[layer].keys[0]  # (H, n, D)

@@ -125,6 +125,7 @@ def test_hub_loaders_on_local_files(tmp_path, monkeypatch):
         {"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "hello"},
         {"from": "human", "value": "what was it?"}, {"from": "gpt", "value": "a cat"}]}]))
     assert mm[0].messages[1]["role"] == "assistant" and mm[0].answers == ["a cat"] and mm[0].meta["images"] == ["x.jpg"]
+    assert mm[0].meta["image_root"] == str(tmp_path)  # relative image paths: the data file's folder
     _offline(monkeypatch, tmp_path)
     with pytest.raises(DatasetUnavailableError, match="ruler"):
         load_ruler(length="nope")
@@ -206,8 +207,8 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
     ("{name: longbench, params: {subset: nosuch}}", "unknown subset 'nosuch'"),
     ("{name: ruler, params: {limit: 3}}", "come from the sweep's items / lengths"),
     ("{name: longbench_v2, params: {difficulty: hard, colour: red}}", "colour"),
-    ("mmdu", "mmdu is multimodal and the sweep feeds text"),
-    ("ruller", "from the Hub: ['longbench', 'longbench_v2', 'ruler']"),
+    ("{name: mmdu, params: {turns: every}}", "turns"),
+    ("ruller", "from the Hub: ['longbench', 'longbench_v2', 'mmdu', 'ruler']"),
 ])
 def test_hub_task_config_errors(tmp_path, task, message):
     from eval.config import EvalConfigError, load_eval_config

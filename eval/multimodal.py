@@ -1,0 +1,148 @@
+"""The protocol for dialogue items with images (MMDU): each item runs through :class:`retention.chat.RetentionChat`.
+
+A vision-language item's images belong to its turns, so the text protocol (:mod:`eval.protocol`: token ids in one
+prefill) cannot feed it. Here the history's turns go through a chat with :meth:`RetentionChat.add_turn` (each turn's
+images first, then its text, at M-RoPE positions continued from the cache; the references' replies as the assistant's),
+the cache is compressed to the budget (query-agnostic: the question has not arrived), and the question is sent.
+Text and image entries compete for one budget; each row records how many of the kept entries are image tokens.
+
+* ``one_shot``: the history is fed with nothing evicted, then each budget compresses its own copy of that cache
+  (one prefill for all budgets, as the text protocol does).
+* ``streaming``: each budget feeds the history on its own, evicting whenever the cache passes budget + slack. The
+  budget must be known before the history's length is: ``{tokens: N}`` or ``{entries: N}``, not a fraction.
+
+Items: :class:`~eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as :func:`eval.loaders.load_mmdu`
+writes them) and ``meta["images"]``, the image files in marker order.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .budgets import Budget
+from .methods import FullCache, Method, kv_streams
+from .metrics import score_reply
+from .protocol import snapshot_cache
+from .tasks.base import Item
+
+_MARKER = re.compile(r"<image (\d+)>")
+
+
+def is_multimodal_item(item: Item) -> bool:
+    return bool(item.meta.get("images"))
+
+
+def image_files(item: Item) -> list[Path]:
+    """The item's image files, relative paths resolved against ``meta["image_root"]`` (the data file's folder)."""
+    root = Path(item.meta.get("image_root") or ".")
+    return [p if (p := Path(s).expanduser()).is_absolute() else root / p for s in item.meta["images"]]
+
+
+def check_images(items: list[Item]) -> None:
+    """FileNotFoundError naming the first missing image and where it was looked for (before any model loads)."""
+    for item in items:
+        if not is_multimodal_item(item):
+            continue
+        for path in image_files(item):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{item.id}: image {path} not found; the item's image paths are relative to "
+                    f"{item.meta.get('image_root') or 'the working folder'}: unpack the set's images there, or pass "
+                    "params: {image_root: FOLDER} with the folder that holds them")
+
+
+def dialogue_turns(item: Item) -> tuple[list[tuple[str, str, list[int]]], list[int]]:
+    """``([(user text, reply, image numbers)], question's image numbers)``: each user turn's ``<image k>`` markers
+    name the images it shows (1-based, in ``meta["images"]``); the markers stay in the text as the images' names."""
+    msgs = [m for m in item.messages or [] if m["role"] != "system"]
+    if any(m["role"] != r for m, r in zip(msgs, ["user", "assistant"] * len(msgs))) or len(msgs) % 2:
+        raise ValueError(f"{item.id}: the history must alternate user and assistant turns, ending with a reply")
+    n = len(item.meta["images"])
+    shown = lambda text: [k for k in map(int, _MARKER.findall(text)) if 1 <= k <= n]  # noqa: E731
+    turns = [(u["content"], a["content"], shown(u["content"])) for u, a in zip(msgs[::2], msgs[1::2])]
+    return turns, shown(item.question)
+
+
+def _system(item: Item) -> str | None:
+    first = (item.messages or [{}])[0]
+    return first.get("content") if first.get("role") == "system" else None
+
+
+def kept_image_entries(cache, ids: torch.Tensor, image_token_id: int) -> int:
+    """How many entries the cache keeps of image tokens (``ids``: the conversation, ``(1, T)``)."""
+    is_image = ids[0] == image_token_id
+    kept = 0
+    for layer in range(cache.store.num_layers):
+        view = cache.store.gather_layer(layer)
+        pos = view.pos[view.valid]
+        kept += int(is_image[pos.clamp(max=len(is_image) - 1)].sum())
+    return kept
+
+
+@torch.no_grad()
+def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets: list[Budget | None], *,
+                          prefill_mode: str = "one_shot", chunk: int = 512,
+                          max_new_tokens: int = 32) -> list[dict[str, Any]]:
+    """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
+    :func:`eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's) and
+    ``kept_image_entries``."""
+    from PIL import Image
+
+    from retention.chat import RetentionChat
+    from retention.attach import unwrap
+
+    turns, asked = dialogue_turns(item)
+    pictures = [Image.open(p).convert("RGB") for p in image_files(item)]
+    L, H, _ = kv_streams(model)
+    base = unwrap(model)
+    image_token = base.config.image_token_id
+    streaming = prefill_mode == "streaming"
+
+    def chat(entries: int | None) -> RetentionChat:
+        gates = "untrained" if getattr(base, "retention", None) is None else None  # full: any gates, none scoring
+        policy = None if isinstance(method, FullCache) else method.policy(streaming)
+        c = RetentionChat(model, processor, gates, policy=policy, chunk_size=chunk, max_new_tokens=max_new_tokens,
+                          system=_system(item))
+        c.cache.set_budget(entries)
+        for text, reply, shown in turns:
+            c.add_turn(text, reply, images=[pictures[k - 1] for k in shown])
+        return c
+
+    with method.active(model):
+        method.prepare(model, item)
+        prefilled = None if streaming else chat(None)
+        delta = None if prefilled is None else base.model.rope_deltas
+        rows = []
+        for budget in budgets:
+            if streaming and budget is not None and budget.kind == "fraction":
+                raise ValueError(f"{item.id}: a streaming prefill evicts before the history's length is known; give "
+                                 "the budget as {tokens: N} or {entries: N}, or use prefill: one_shot")
+            if prefilled is None:
+                c = chat(budget.entries(0, L * H) if budget is not None and method.uses_budget else None)
+            else:
+                c = copy.copy(prefilled)  # shares the model; the conversation's state is copied below
+                c.cache = snapshot_cache(prefilled.cache, model)
+                c.messages, c._image_turns = list(prefilled.messages), list(prefilled._image_turns)
+                base.model.rope_deltas = delta
+            context = c.ids.shape[1]
+            entries = budget.entries(context, L * H) if budget is not None and method.uses_budget else None
+            row: dict[str, Any] = {"context_tokens": context, "budget_entries": entries}
+            try:
+                c.cache.set_budget(entries)
+                method.compress(c.cache)
+            except ValueError as e:  # a budget below what the cache's options require: recorded, not fatal
+                if type(e).__name__ != "CacheBudgetError":
+                    raise
+                rows.append({**row, "score": None, "error": str(e)})
+                continue
+            row.update(method.memory(c.cache, model), image_tokens=int((c.ids[0] == image_token).sum()),
+                       kept_image_entries=kept_image_entries(c.cache, c.ids, image_token))
+            reply = c.send(item.question, images=[pictures[k - 1] for k in asked],
+                           max_new_tokens=item.max_new_tokens or max_new_tokens)
+            rows.append({**row, "score": score_reply(item.metric, reply, item.answers), "reply": reply})
+        return rows

@@ -1,0 +1,181 @@
+"""The sweep on multimodal dialogues (MMDU's format) with a tiny random Qwen3-VL and photos that ship in packages:
+the full cache answers as one prompt over the whole dialogue does, budgets keep to their size with text and image
+entries counted, and bad input fails before the model loads."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from eval.config import EvalConfigError, load_eval_config
+from eval.loaders import load_mmdu
+from eval.methods import make_method
+from eval.multimodal import kept_image_entries, run_chat_item_budgets
+from eval.budgets import parse_budget
+from eval.runner import read_results, run_sweep
+from tiny_vl import photo_paths, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+
+
+def _benchmark(tmp_path, dialogues: int = 2):
+    """An MMDU-format file (``{id: record}``, ``<ImageHere>`` markers, image paths relative to its folder) of
+    three-turn dialogues over two photos: the first turn shows one, the second the other (the second photo a shipped
+    one's mirror image when only one ships here)."""
+    from PIL import Image, ImageOps
+
+    shipped = photo_paths()
+    first = Image.open(shipped[0]).convert("RGB")
+    second = Image.open(shipped[1]).convert("RGB") if len(shipped) > 1 else ImageOps.mirror(first)
+    paths = [tmp_path / "first.png", tmp_path / "second.png"]
+    for im, p in zip((first, second), paths):
+        im.save(p)
+    records = {}
+    for d in range(dialogues):
+        records[str(d)] = {"id": d, "image": [p.name for p in paths], "conversations": [
+            {"from": "user", "value": f"<ImageHere>Describe this photo, please ({d})."},
+            {"from": "assistant", "value": "It shows a person in a uniform."},
+            {"from": "user", "value": "<ImageHere>And this one?"},
+            {"from": "assistant", "value": "A different scene, with more colour."},
+            {"from": "user", "value": "Which of the two photos came first?"},
+            {"from": "assistant", "value": "The photo of the person in a uniform."},
+        ]}
+    path = tmp_path / "benchmark.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vl():
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc).eval()
+    from retention import attach_gates
+
+    attach_gates(model, None, mode="score")  # untrained gates: the plumbing is what is tested
+    return model, proc
+
+
+def test_the_full_cache_answers_as_one_prompt_over_the_whole_dialogue(vl, tmp_path):
+    """Turns fed one by one (each turn's photo, its text, the reference reply), then the question: the reply equals
+    plain generate over the whole dialogue rendered by the processor in one prompt with both photos."""
+    from PIL import Image
+
+    model, proc = vl
+    item = load_mmdu(_benchmark(tmp_path), limit=1, max_new_tokens=6)[0]  # MMDU's own: 512
+    rows = run_chat_item_budgets(model, proc, item, make_method({"name": "full"}), [None], max_new_tokens=6)
+    pictures = [Image.open(tmp_path / p).convert("RGB") for p in item.meta["images"]]
+    messages = []
+    for k, m in enumerate(item.messages):
+        if m["role"] == "user":
+            shown = [{"type": "image"}] if k in (0, 2) else []
+            messages.append({"role": "user", "content": shown + [{"type": "text", "text": m["content"]}]})
+        else:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": m["content"]}]})
+    messages.append({"role": "user", "content": [{"type": "text", "text": item.question}]})
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    x = proc(text=[text], images=pictures, return_tensors="pt")
+    with torch.no_grad(), model.retention.use_mode("teacher"):
+        out = model.generate(**x, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = proc.tokenizer.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+    (row,) = rows
+    assert row["reply"] == want
+    L, H = model.config.text_config.num_hidden_layers, model.config.text_config.num_key_value_heads
+    ends = (x["input_ids"][0] == proc.tokenizer.convert_tokens_to_ids("<|im_end|>")).nonzero().flatten()
+    context = int(ends[3]) + 1  # the history: four turns, through the last reply's stop token
+    assert row["context_tokens"] == context
+    images = int((x["input_ids"][0, :context] == model.config.image_token_id).sum())
+    assert row["image_tokens"] == images > 0
+    assert row["kept_image_entries"] == images * L * H  # nothing evicted: every image entry kept
+    assert row["kept_entries"] == (context - 1) * L * H  # the context's last token goes with the question
+
+
+def test_budgets_keep_to_their_size_and_count_the_image_entries_they_keep(vl, tmp_path):
+    """Each budget compresses its own copy of one prefill: the same rows as separate runs, kept entries within the
+    budget, and the image entries kept are those a count over every kept entry's token finds."""
+    model, proc = vl
+    item = load_mmdu(_benchmark(tmp_path), limit=1, max_new_tokens=4)[0]
+    method = make_method({"name": "global_gates"})
+    streams = model.config.text_config.num_hidden_layers * model.config.text_config.num_key_value_heads
+    budgets = [parse_budget(0.25), parse_budget(0.5)]
+    together = run_chat_item_budgets(model, proc, item, method, budgets, max_new_tokens=4)
+    alone = [None, run_chat_item_budgets(model, proc, item, method, budgets[1:], max_new_tokens=4)[0]]
+    assert together[1] == alone[1]  # the second budget's copy of the prefill: as if it had run alone
+    for a in together:
+        assert 0 < a["kept_entries"] <= a["budget_entries"]
+        assert 0 <= a["kept_image_entries"] <= min(a["image_tokens"] * streams, a["kept_entries"])
+    assert together[0]["kept_entries"] < together[1]["kept_entries"]
+
+    streamed = run_chat_item_budgets(model, proc, item, method, [parse_budget({"tokens": 8})], prefill_mode="streaming",
+                                     chunk=8, max_new_tokens=4)[0]
+    assert streamed["kept_entries"] <= streamed["budget_entries"] == 8 * streams
+
+    class Cache:  # the counter against brute force over a fake store of two layers
+        class store:
+            num_layers = 2
+
+            @staticmethod
+            def gather_layer(layer):
+                from types import SimpleNamespace
+
+                pos = torch.tensor([[[0, 1, 2, 3], [4, 5, 0, 0]]]) + layer
+                return SimpleNamespace(pos=pos, valid=torch.tensor([[[1, 1, 1, 0], [1, 1, 0, 0]]], dtype=torch.bool))
+
+    ids = torch.tensor([[7, 9, 9, 7, 9, 7, 7]])
+    want = sum(int(ids[0, p] == 9) for layer in range(2) for p, v in zip(
+        Cache.store.gather_layer(layer).pos.flatten().tolist(), Cache.store.gather_layer(layer).valid.flatten().tolist()) if v)
+    assert kept_image_entries(Cache, ids, 9) == want == 5
+
+
+def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
+    model, proc = vl
+    data = _benchmark(tmp_path)
+    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-qwen3-vl",
+                           tasks=[{"name": "mmdu", "params": {"data_files": str(data), "max_new_tokens": 4}}], lengths=[1024, 2048], items=2,
+                           methods=[{"name": "full"}, {"name": "global_gates"}, {"name": "streamingllm"}],
+                           budgets=[0.25], max_new_tokens=4)
+    path = run_sweep(cfg, (model, proc), progress=False)
+    rows = read_results(path)
+    assert len(rows) == 2 * 3  # two dialogues, run once (the first length), three methods
+    assert {r["length"] for r in rows} == {1024} and {r["task"] for r in rows} == {"mmdu"}
+    full = {r["item"]: r for r in rows if r["method"] == "full"}
+    for r in rows:
+        assert r["metric"] == "rouge_l" and 0 <= r["score"] <= 100 and r["image_tokens"] == full[r["item"]]["image_tokens"]
+        if r["method"] != "full":
+            assert r["kept_entries"] <= r["budget_entries"] and r["kept_image_entries"] < full[r["item"]]["kept_image_entries"]
+    assert run_sweep(cfg, (model, proc), progress=False) == path and len(read_results(path)) == len(rows)
+    from eval.report import markdown_table
+
+    table = markdown_table(rows).splitlines()
+    assert "| image share |" in table[0]
+    share = {line.split(" | ")[2]: line.split(" | ")[7] for line in table[2:]}  # method -> image share
+    want = sum(r["kept_image_entries"] / r["kept_entries"] for r in full.values()) / len(full)
+    assert share["full"] == f"{want:.0%}" and "| image share |" not in markdown_table(
+        [{k: v for k, v in r.items() if k != "kept_image_entries"} for r in rows]).splitlines()[0]
+
+
+def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monkeypatch):
+    import eval.models
+
+    data = _benchmark(tmp_path)
+    (tmp_path / "second.png").unlink()
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"),
+                           tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
+    with pytest.raises(FileNotFoundError, match="image .*second.png not found.*image_root"):
+        run_sweep(cfg, progress=False)
+    with pytest.raises(EvalConfigError, match="streaming prefill.*tokens: N"):
+        load_eval_config("tiny.yaml", tasks=["mmdu"], prefill="streaming", budgets=[0.1])
+    with pytest.raises(EvalConfigError, match="query-agnostic only"):
+        load_eval_config("tiny.yaml", tasks=["mmdu"], protocol="query_aware")
+
+
+def test_a_text_only_model_is_refused_before_any_item_runs(tmp_path):
+    from eval.models import load_eval_model
+
+    data = _benchmark(tmp_path)
+    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"),
+                           tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="text-only model.*mmdu.*vision-language"):
+            run_sweep(cfg, load_eval_model("tiny-llama-random"), progress=False)
+    assert read_results(tmp_path / "sweep" / "results.jsonl") == []
