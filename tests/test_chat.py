@@ -560,3 +560,23 @@ def test_a_given_history_is_fed_as_the_template_renders_it(smollm2):
     with pytest.raises(ChatInputError, match="text-only"):
         bounded.add_turn("Look.", "I see.", images=["x.png"])
     assert len(bounded.messages) == 12  # the refused turn changed nothing
+
+
+def test_given_turns_under_a_template_that_rerenders_the_last_reply(smollm2):
+    """add_turn() with a Qwen3-like template: each given reply is fed once and closed once (its stop token, then the
+    next turn), as send() feeds a generated one, and the chat goes on."""
+    import copy
+
+    model, tok = smollm2
+    tok = copy.deepcopy(tok)
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
+    chat.add_turn("My name is Ada.", "Hello Ada.")
+    chat.add_turn("I live in Paris.", "Paris is lovely.")
+    assert isinstance(chat.send("Where do I live?"), str)
+    text = tok.decode(chat.ids[0], skip_special_tokens=False)
+    for said in ("My name is Ada.", "Hello Ada.", "I live in Paris.", "Paris is lovely.", "Where do I live?"):
+        assert text.count(said) == 1
+    assert "Hello Ada.<|im_end|>\n<|im_start|>user\nI live in Paris." in text
+    assert "Paris is lovely.<|im_end|>\n<|im_start|>user\nWhere do I live?" in text
+    assert "<|im_end|><|im_end|>" not in text and chat.cache.get_seq_length() == chat.ids.shape[1] - 1
