@@ -44,13 +44,16 @@ def image_files(item: Item) -> list[Path]:
 
 
 def check_images(items: list[Item]) -> None:
-    """FileNotFoundError naming the first missing image and where it was looked for (before any model loads)."""
+    """:class:`~eval.loaders.DatasetUnavailableError` naming the first missing image and where it was looked for
+    (before any model loads)."""
+    from .loaders import DatasetUnavailableError
+
     for item in items:
         if not is_multimodal_item(item):
             continue
         for path in image_files(item):
             if not path.is_file():
-                raise FileNotFoundError(
+                raise DatasetUnavailableError(
                     f"{item.id}: image {path} not found; the item's image paths are relative to "
                     f"{item.meta.get('image_root') or 'the working folder'}: unpack the set's images there, or pass "
                     "params: {image_root: FOLDER} with the folder that holds them")

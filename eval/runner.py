@@ -212,6 +212,7 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         if spec.name in HUB_TASKS:
             for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:
                 check_images(hub_task_items(spec.name, None, length, cfg.items, **spec.params))
+    _check_shows_images(cfg, None if model_and_tokenizer is None else unwrap(model_and_tokenizer[0]).config)
     if model_and_tokenizer is None:
         from .models import load_eval_model
 
@@ -221,10 +222,6 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
     settings = sweep_settings(cfg)
     items = _sweep_items(cfg, tok)
-    if any(is_multimodal_item(item) for _, _, item in items) and not is_multimodal(unwrap(model).config):
-        raise ValueError(f"{cfg.model} is a text-only model, but {sorted({t for t, _, i in items if is_multimodal_item(i)})} "
-                         "show images: give a vision-language model (model: Qwen/Qwen3-VL-4B-Instruct) or leave "
-                         "those tasks out")
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
     done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas)}
     jobs = list(_jobs(cfg, items, done))
@@ -257,6 +254,25 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
                                         reference=ref, shared=share)
             _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids)
     return results
+
+
+def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
+    """EvalConfigError when the config's image tasks (mmdu) meet a text-only model: read from the model's config
+    (``config``, or the one :func:`retention.models.load_config` reads without the weights), before the model loads."""
+    shown = sorted({s.name for s in cfg.task_specs() if s.name == "mmdu"})
+    if not shown:
+        return
+    if config is None:
+        from retention.models import load_config
+
+        from .models import TINY_MODELS
+
+        config = None if cfg.model in TINY_MODELS else load_config(cfg.model, check_support=False)[0]
+    if config is None or not is_multimodal(config):
+        from .config import EvalConfigError
+
+        raise EvalConfigError(f"{cfg.model} is a text-only model, but {shown} show images: give a vision-language "
+                              "model (model: Qwen/Qwen3-VL-4B-Instruct) or leave those tasks out")
 
 
 def _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids) -> None:

@@ -169,11 +169,13 @@ def user_errors() -> tuple[type[Exception], ...]:
 
     errors = (CacheBudgetError, ChatInputError, ChatSetupError, FolderBusyError, GateCheckpointError, HubError,
               ModelNotAvailableError, UnsupportedModelError)
-    try:  # `retention eval` over a Hub set that cannot be read here (the eval package may be absent)
+    try:  # `retention eval`: a Hub set (or its images) that cannot be read here, a config its model cannot run (the
+        # eval package may be absent)
+        from eval.config import EvalConfigError
         from eval.loaders import DatasetUnavailableError
     except ImportError:
         return errors
-    return (*errors, DatasetUnavailableError)
+    return (*errors, DatasetUnavailableError, EvalConfigError)
 
 
 def check_gates_source(gates: str | None) -> RetentionGates | None:

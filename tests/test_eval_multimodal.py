@@ -160,7 +160,9 @@ def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monke
     monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"),
                            tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
-    with pytest.raises(FileNotFoundError, match="image .*second.png not found.*image_root"):
+    from eval.loaders import DatasetUnavailableError
+
+    with pytest.raises(DatasetUnavailableError, match="image .*second.png not found.*image_root"):
         run_sweep(cfg, progress=False)
     with pytest.raises(EvalConfigError, match="streaming prefill.*tokens: N"):
         load_eval_config("tiny.yaml", tasks=["mmdu"], prefill="streaming", budgets=[0.1])
@@ -168,14 +170,19 @@ def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monke
         load_eval_config("tiny.yaml", tasks=["mmdu"], protocol="query_aware")
 
 
-def test_a_text_only_model_is_refused_before_any_item_runs(tmp_path):
+@pytest.mark.parametrize("model", ["tiny-llama-random", "smollm2-135m", "given"])
+def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, model):
+    """Read from the model's config (the embedded model's, a tiny one's name, or the model given), not its weights."""
+    import eval.models
     from eval.models import load_eval_model
 
     data = _benchmark(tmp_path)
-    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"),
+    given = load_eval_model("tiny-llama-random") if model == "given" else None
+    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-llama-random" if given else model,
                            tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match="text-only model.*mmdu.*vision-language"):
-            run_sweep(cfg, load_eval_model("tiny-llama-random"), progress=False)
+        with pytest.raises(EvalConfigError, match="text-only model.*mmdu.*vision-language"):
+            run_sweep(cfg, given, progress=False)
     assert read_results(tmp_path / "sweep" / "results.jsonl") == []
