@@ -13,6 +13,7 @@ from retention.models import MODEL_DTYPES, device_problem
 from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
 from .methods import Method, available_methods, make_method
+from .multimodal import IMAGE_TASKS
 from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task
 from .tasks import TASKS
@@ -149,14 +150,16 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             parse_budget(b)
         except ValueError as e:
             _fail("budgets", str(e))
-    if any(s.name == "mmdu" for s in cfg.task_specs()):  # dialogues with images run through eval.multimodal
+    shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
+    if shown:  # dialogues with images run through eval.multimodal
         if cfg.protocol != "query_agnostic":
-            _fail("protocol", "mmdu's dialogues run query-agnostic only (the history is compressed before the question "
-                              "arrives); set protocol: query_agnostic or leave mmdu out")
+            _fail("protocol", f"{shown}: dialogues with images run query-agnostic only (the history is compressed "
+                              "before the question arrives); set protocol: query_agnostic or leave them out")
         fractions = [b for b in cfg.budgets or [] if parse_budget(b).kind == "fraction"]
         if cfg.prefill == "streaming" and fractions:
-            _fail("budgets", f"{fractions}: mmdu under a streaming prefill evicts before a dialogue's length is known, "
-                             "so its budgets must be {tokens: N} or {entries: N}; or use prefill: one_shot")
+            _fail("budgets", f"{fractions}: {shown} under a streaming prefill evict before a dialogue's length (with its "
+                             "images) is known, so their budgets must be {tokens: N} or {entries: N}; or use prefill: "
+                             "one_shot")
     return cfg
 
 

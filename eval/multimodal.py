@@ -31,6 +31,7 @@ from .protocol import snapshot_cache
 from .tasks.base import Item
 
 _MARKER = re.compile(r"<image (\d+)>")
+IMAGE_TASKS = ("mmdu", "image_memory")  # tasks whose items show images: a vision-language model runs them here
 
 
 def is_multimodal_item(item: Item) -> bool:

@@ -22,7 +22,7 @@ from retention.models import is_multimodal
 from .config import EvalConfig
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import PolicyCache
-from .multimodal import check_images, is_multimodal_item, run_chat_item_budgets
+from .multimodal import IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import generate
 
@@ -257,9 +257,9 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
 
 
 def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
-    """EvalConfigError when the config's image tasks (mmdu) meet a text-only model: read from the model's config
+    """EvalConfigError when the config's image tasks (:data:`eval.multimodal.IMAGE_TASKS`) meet a text-only model: read from the model's config
     (``config``, or the one :func:`retention.models.load_config` reads without the weights), before the model loads."""
-    shown = sorted({s.name for s in cfg.task_specs() if s.name == "mmdu"})
+    shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
     if not shown:
         return
     if config is None:

@@ -170,8 +170,9 @@ def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monke
         load_eval_config("tiny.yaml", tasks=["mmdu"], protocol="query_aware")
 
 
-@pytest.mark.parametrize("model", ["tiny-llama-random", "smollm2-135m", "given"])
-def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, model):
+@pytest.mark.parametrize("model, task", [("tiny-llama-random", "mmdu"), ("smollm2-135m", "mmdu"), ("given", "mmdu"),
+                                         ("smollm2-135m", "image_memory")])
+def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, model, task):
     """Read from the model's config (the embedded model's, a tiny one's name, or the model given), not its weights."""
     import eval.models
     from eval.models import load_eval_model
@@ -180,9 +181,53 @@ def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, mod
     given = load_eval_model("tiny-llama-random") if model == "given" else None
     monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-llama-random" if given else model,
-                           tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
+                           tasks=[{"name": "mmdu", "params": {"data_files": str(data)}} if task == "mmdu" else task],
+                           methods=[{"name": "full"}])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(EvalConfigError, match="text-only model.*mmdu.*vision-language"):
+        with pytest.raises(EvalConfigError, match=f"text-only model.*{task}.*vision-language"):
             run_sweep(cfg, given, progress=False)
     assert read_results(tmp_path / "sweep" / "results.jsonl") == []
+
+
+def test_image_memory_items_are_reproducible_and_their_photos_differ(tmp_path, monkeypatch):
+    """Generated from the seed: the same items (and photo files, by name and bytes) in a fresh cache folder; each photo
+    of an item carries another number, the answer is one of them, and the text before the question fits ``length``."""
+    from eval.models import tiny_tokenizer
+    from eval.tasks import generate
+    from eval.tasks.base import count_tokens, render_chat
+
+    tok = tiny_tokenizer()
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "a"))
+    items = generate("image_memory", tok, 400, 3, seed=1, images=3, size=224)
+    folder = tmp_path / "a" / "eval-images"
+    first = {p.name: p.read_bytes() for p in folder.iterdir()}
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "b"))
+    again = generate("image_memory", tok, 400, 3, seed=1, images=3, size=224)
+    assert again == [type(it)(**{**it.__dict__, "meta": {**it.meta, "image_root": str(tmp_path / "b" / "eval-images")}})
+                     for it in items]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b" / "eval-images").iterdir()} == first
+    for it in items:
+        assert len(set(it.meta["images"])) == 3 and [m["content"].startswith(f"<image {k}>") for k, m in
+                                                      zip((1, 2, 3), it.messages[0:6:2])] == [True] * 3
+        assert it.answers[0].isdigit() and len(it.answers[0]) == 4
+        assert count_tokens(tok, render_chat(tok, it.messages)) <= 400
+    assert len({it.answers[0] for it in items}) == 3  # items differ
+    train = generate("image_memory", tok, 400, 1, seed=1, split="train", images=3, size=224)[0]
+    assert train.messages[6:] != items[0].messages[6:]  # the training split talks about other passages
+    with pytest.raises(ValueError, match="images must be 1 to 8"):
+        generate("image_memory", tok, 400, 1, images=0)
+
+
+def test_image_memory_runs_through_the_sweep(vl, tmp_path, monkeypatch):
+    model, proc = vl
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-qwen3-vl",
+                           tasks=[{"name": "image_memory", "params": {"images": 2, "size": 112}}], lengths=[256],
+                           items=1, methods=[{"name": "full"}, {"name": "global_gates"}], budgets=[0.3])
+    rows = {r["method"]: r for r in read_results(run_sweep(cfg, (model, proc), progress=False))}
+    full, gated = rows["full"], rows["global_gates"]
+    streams = model.config.text_config.num_hidden_layers * model.config.text_config.num_key_value_heads
+    assert full["image_tokens"] > 0 and full["kept_image_entries"] == full["image_tokens"] * streams
+    assert gated["kept_entries"] <= gated["budget_entries"] and full["metric"] == "recall"
+    assert 0 < full["image_tokens"] < full["context_tokens"]

@@ -36,6 +36,8 @@ def test_items_are_answerable_and_hit_the_length(task, length, tok):
         if task == "fidelity":
             assert len(it.meta["context_ids"]) == length and len(it.meta["continuation_ids"]) == 32
             assert it.continuation and not it.answers
+        elif task == "image_memory":  # the answer is written on a photo only: the text must not give it away
+            assert it.answers and not any(a in text for a in it.answers) and len(it.meta["images"]) == 2
         else:
             assert it.answers and all(a.lower() in text.lower() for a in it.answers), (task, it.answers)
             assert it.question

@@ -9,6 +9,7 @@ context, or the conversation so far), in tokens of ``tokenizer``.
 from .base import Item
 from .dialogue import dialogue_memory
 from .fidelity import fidelity
+from .image_memory import image_memory
 from .niah import multi_key_needle, multi_query_needle, multi_value_needle, single_needle
 from .qa import document_qa
 from .variable_tracking import variable_tracking
@@ -25,6 +26,7 @@ TASKS = {
     "document_qa": document_qa,
     "dialogue_memory": dialogue_memory,
     "fidelity": fidelity,
+    "image_memory": image_memory,  # vision-language models: photos early in a dialogue (eval.multimodal runs it)
 }
 
 

@@ -5,6 +5,7 @@ documentation) and asks about them; the assistant answers by quoting the passage
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from ..haystack import passage
 from .base import Item, count_tokens, item_id, render_chat, rng_for
@@ -47,35 +48,42 @@ def dialogue_memory(tokenizer, length: int, n: int, seed: int = 0, split: str = 
              + " I am reading some old texts and would like to discuss them with you."},
             {"role": "assistant", "content": "Nice to meet you! I am happy to discuss them. Please share a passage."},
         ]
-        def fits(msgs: list[dict[str, str]]) -> bool:
-            return count_tokens(tokenizer, render_chat(tokenizer, msgs)) <= length
-
-        def exchange(sents: list[str], ask: str, reply: str) -> list[dict[str, str]]:
-            quote = sents[min(len(sents) - 1, hash_index)]
-            return [{"role": "user", "content": " ".join(sents) + "\n\n" + ask},
-                    {"role": "assistant", "content": reply.format(s=quote)}]
-
-        turns: list[dict[str, str]] = []
-        while True:  # whole exchanges while they fit, then a last one cut to fit
-            sents = passage(rng, rng.randint(3, 8), split, source)
-            ask, reply, hash_index = rng.choice(ASKS), rng.choice(REPLIES), rng.randrange(3)
-            if fits(opening + turns + exchange(sents, ask, reply)):
-                turns += exchange(sents, ask, reply)
-                continue
-            for k in range(len(sents) - 1, 0, -1):
-                if fits(opening + turns + exchange(sents[:k], ask, reply)):
-                    turns += exchange(sents[:k], ask, reply)
-                    break
-            else:  # not even one sentence fits: the longest prefix of its words that does (short contexts)
-                words = sents[0].split()
-                for k in range(len(words) - 1, 3, -1):
-                    if fits(opening + turns + exchange([" ".join(words[:k])], ask, reply)):
-                        turns += exchange([" ".join(words[:k])], ask, reply)
-                        break
-            break
+        turns = talk_about_passages(tokenizer, rng, opening, length, split, source)
         lo = len(turns) // 2
         _, question, answer = stated[rng.randrange(facts)]
         items.append(Item("dialogue_memory", item_id("dialogue_memory", split, length, seed, i), "",
                           question + " Answer in a few words.", [answer], messages=opening + turns[: 2 * lo],
                           meta={"facts": [s for s, _, _ in stated]}))
     return items
+
+
+def talk_about_passages(tokenizer, rng: random.Random, opening: list[dict[str, Any]], length: int, split: str,
+                        source: str) -> list[dict[str, str]]:
+    """Turns after ``opening`` in which the user shares passages of real text and the assistant quotes them: whole
+    exchanges while the rendered conversation fits ``length`` tokens, then a last one cut to fit."""
+    def fits(msgs: list[dict[str, Any]]) -> bool:
+        return count_tokens(tokenizer, render_chat(tokenizer, msgs)) <= length
+
+    def exchange(sents: list[str], ask: str, reply: str) -> list[dict[str, str]]:
+        quote = sents[min(len(sents) - 1, hash_index)]
+        return [{"role": "user", "content": " ".join(sents) + "\n\n" + ask},
+                {"role": "assistant", "content": reply.format(s=quote)}]
+
+    turns: list[dict[str, str]] = []
+    while True:  # whole exchanges while they fit, then a last one cut to fit
+        sents = passage(rng, rng.randint(3, 8), split, source)
+        ask, reply, hash_index = rng.choice(ASKS), rng.choice(REPLIES), rng.randrange(3)
+        if fits(opening + turns + exchange(sents, ask, reply)):
+            turns += exchange(sents, ask, reply)
+            continue
+        for k in range(len(sents) - 1, 0, -1):
+            if fits(opening + turns + exchange(sents[:k], ask, reply)):
+                turns += exchange(sents[:k], ask, reply)
+                break
+        else:  # not even one sentence fits: the longest prefix of its words that does (short contexts)
+            words = sents[0].split()
+            for k in range(len(words) - 1, 3, -1):
+                if fits(opening + turns + exchange([" ".join(words[:k])], ask, reply)):
+                    turns += exchange([" ".join(words[:k])], ask, reply)
+                    break
+        return turns
