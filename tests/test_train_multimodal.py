@@ -133,3 +133,41 @@ def test_llava_and_mmdu_layout_becomes_messages():
 
     with pytest.raises(DataError, match="more <image> markers than images"):
         to_messages({"image": [], "conversations": [{"from": "human", "value": "<image>"}]})
+
+
+def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
+    """A synthetic image_memory source (training haystacks, its own seed) becomes multimodal conversations: each
+    opening turn's photo in the row's vision inputs, the text around them, and the answer (the number on a photo)
+    among the distilled positions; a text run, or the eviction objective, refuses the task before any model loads."""
+    import pytest
+
+    from train.config import ConfigError, DataConfig, SourceConfig
+    from train.data import build_multimodal
+
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    proc = tiny_qwen3_vl_processor()
+    source = SourceConfig(kind="synthetic", path="image_memory", max_docs=3, params={"images": 2, "size": 112})
+    train_rows, held = build_multimodal(DataConfig(sources=[source], seq_len=512, eval_fraction=0.0), proc)
+    assert len(train_rows) >= 1 and len(held) == 0
+    rows = [train_rows[i] for i in range(len(train_rows))]
+    docs = sum(len(r["cu_seqlens"]) - 1 for r in rows)
+    assert docs == 3 and all(int(r["input_ids"].shape[1]) <= 512 for r in rows)
+    images = sum(int(r["image_grid_thw"].shape[0]) for r in rows)
+    assert images == 2 * 3  # two photos in each of the three conversations
+    tokens = sum(int((r["input_ids"] == proc.image_token_id).sum()) for r in rows)
+    assert tokens == sum(int(r["image_grid_thw"].prod(-1).sum()) // 4 for r in rows) > 0
+    predicted = " ".join(proc.tokenizer.decode(r["input_ids"][0, 1:][r["loss_mask"][0, :-1]]) for r in rows)
+    from eval.tasks import generate
+
+    answers = [it.answers[0] for it in generate("image_memory", proc.tokenizer, 512 - 128 - 2 * 16, 3, seed=1000,
+                                                 split="train", images=2, size=112)]
+    assert all(a in predicted for a in answers)  # the answers are distilled
+
+    base = (f"model: {{name: tiny-qwen3-vl}}\nbudget: {{tokens_per_head: 8}}\ntrain: {{output_dir: {tmp_path / 'run'}}}\n"
+            "data:\n  seq_len: 512\n  sources:\n    - {kind: synthetic, path: image_memory, max_docs: 2}\n")
+    for extra, words in (("    - {kind: text, path: sotu}\n", "beside kind: multimodal sources only"),
+                         ("loss: {objective: evict}\n", "loss.objective: distill")):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(base + extra if extra.startswith("    ") else base + extra)
+        with pytest.raises(ConfigError, match=words):
+            load_config(cfg)

@@ -362,6 +362,21 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         if src.kind == "multimodal" and src.weight != 1:
             raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to text, chat and "
                               "synthetic sources (packed rows); multimodal conversations all weigh 1, so remove it")
+    from eval.multimodal import IMAGE_TASKS
+
+    imaged = [i for i, s in enumerate(cfg.data.sources) if s.kind == "synthetic" and s.path in IMAGE_TASKS]
+    if imaged:  # image tasks train as multimodal conversations: beside multimodal sources only, distilled
+        i = imaged[0]
+        others = [s.kind for s in cfg.data.sources if s.kind not in ("multimodal", "synthetic")
+                  or (s.kind == "synthetic" and s.path not in IMAGE_TASKS)]
+        if cfg.data.sources[i].weight != 1:
+            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: {cfg.data.sources[i].path} "
+                              "trains as multimodal conversations, which all weigh 1; remove it")
+        if others or cfg.loss.objective == "evict":
+            raise ConfigError(f"data.sources.{i}.path = {cfg.data.sources[i].path!r}{_where(f'data.sources.{i}', lines, source)}: "
+                              "its photos make it a multimodal conversation, which trains with loss.objective: distill "
+                              f"beside kind: multimodal sources only (this config has {others or 'objective evict'}); "
+                              "train it in a vision-language run of its own")
     if cfg.loss.objective == "evict":
         fr = cfg.loss.evict_fractions
         if not fr or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fr):

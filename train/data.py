@@ -687,6 +687,55 @@ def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     return out
 
 
+def shows_images(source: SourceConfig) -> bool:
+    """Whether a source's conversations hold images: ``multimodal`` records, or a synthetic image task
+    (``image_memory``), which train as multimodal conversations."""
+    from eval.multimodal import IMAGE_TASKS
+
+    return source.kind == "multimodal" or (source.kind == "synthetic" and source.path in IMAGE_TASKS)
+
+
+def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> list[list[dict[str, Any]]]:
+    """A synthetic image task's items (training haystacks, the source's seed) as multimodal conversations: each turn's
+    photos then its text, the answer as the last reply. The text fills ``source.length`` tokens (default: the row less
+    128 tokens and the photos' own tokens)."""
+    from eval.multimodal import dialogue_turns, image_files
+    from eval.tasks import generate
+
+    params = dict(source.params or {})
+    length = source.length
+    if length is None:
+        import inspect
+
+        from eval.tasks import TASKS
+
+        defaults = {k: p.default for k, p in inspect.signature(TASKS[source.path]).parameters.items()}
+        size, count = params.get("size", defaults["size"]), params.get("images", defaults["images"])
+        per_image = processor.image_processor.get_number_of_image_patches(size, size, {}) // getattr(
+            processor.image_processor, "merge_size", 2) ** 2
+        length = seq_len - 128 - count * per_image
+        if length < 64:
+            raise DataError(f"synthetic {source.path}: {count} photos of {size} pixels take {count * per_image} of the "
+                            f"{seq_len} tokens of a row; raise data.seq_len or lower params.images / params.size")
+    conversations = []
+    for item in generate(source.path, processor.tokenizer, length, source.max_docs, seed=source.seed, split="train",
+                         **params):
+        files = image_files(item)
+        turns, asked = dialogue_turns(item)
+
+        def user(text: str, shown: list[int]) -> dict[str, Any]:
+            return {"role": "user", "content": [{"type": "image", "image": str(files[k - 1])} for k in shown]
+                    + [{"type": "text", "text": text}]}
+
+        messages = []
+        for text, reply, shown in turns:
+            messages += [user(text, shown), {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
+        answer = (item.answer_prefix + " " + ", ".join(item.answers)).strip()
+        conversations.append(messages + [user(item.question, asked),
+                                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}])
+    return conversations
+
+
 def build_multimodal(cfg: DataConfig, processor, cache: Path | None = None) -> tuple[EncodedConversations, EncodedConversations]:
     """Multimodal conversations packed into rows of at most ``seq_len`` tokens (whole conversations; each
     row's length is its own), shuffled with the seed, the last ``eval_fraction`` of rows held out.
@@ -695,8 +744,11 @@ def build_multimodal(cfg: DataConfig, processor, cache: Path | None = None) -> t
         raise DataError("multimodal sources need a vision-language model with a processor (e.g. Qwen3-VL)")
     records = []
     for source in cfg.sources:
-        if source.kind != "multimodal":
+        if not shows_images(source):
             raise DataError("a config mixes multimodal and text/chat sources; use one kind per run")
+        if source.kind == "synthetic":  # image_memory: its photos sit where the generator wrote them (absolute paths)
+            records += [(m, None) for m in image_task_conversations(source, processor, cfg.seq_len)]
+            continue
         local = Path(source.path)
         root = Path(source.image_root) if source.image_root else local.parent if local.is_file() else local if local.is_dir() else None
         records += [(to_messages(record), root) for record in iter_source(source)]

@@ -31,7 +31,8 @@ from retention.losses import beta_stats, capacity_loss, distillation_kl
 from retention.models import cache_dir, load_model
 
 from .config import Config
-from .data import PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any
+from .data import (PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any,
+                   shows_images)
 from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
 
@@ -552,7 +553,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         train_rows, eval_rows = load_examples(cfg.data, tokenizer, cache=cache_dir() / "data")
         stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
     else:
-        if any(s.kind == "multimodal" for s in cfg.data.sources):
+        if any(shows_images(s) for s in cfg.data.sources):
             train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
         else:
             train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
