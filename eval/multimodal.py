@@ -88,51 +88,97 @@ def kept_image_entries(cache, ids: torch.Tensor, image_token_id: int) -> int:
     return kept
 
 
+class History:
+    """A dialogue's history fed once through a chat (nothing evicted) that budgets, and methods that can share it
+    (:func:`shares_history`), start from: ``chat`` (its cache holds the history), the model's M-RoPE delta after it,
+    and the item's pictures."""
+
+    def __init__(self, model, processor, item: Item, policy: Any, chunk: int, max_new_tokens: int,
+                 entries: int | None = None, pictures: list[Any] | None = None) -> None:
+        from PIL import Image
+
+        from retention.attach import unwrap
+        from retention.chat import RetentionChat
+
+        base = unwrap(model)
+        self.pictures = pictures if pictures is not None else [Image.open(p).convert("RGB") for p in image_files(item)]
+        gates = "untrained" if getattr(base, "retention", None) is None else None  # full: any gates, none scoring
+        self.chat = RetentionChat(model, processor, gates, policy=policy, chunk_size=chunk,
+                                  max_new_tokens=max_new_tokens, system=_system(item))
+        self.chat.cache.set_budget(entries)
+        turns, _ = dialogue_turns(item)
+        for text, reply, shown in turns:
+            self.chat.add_turn(text, reply, images=[self.pictures[k - 1] for k in shown])
+        self.rope_delta = base.model.rope_deltas
+
+    def fork(self, cache: Any) -> Any:
+        """A chat that goes on from the history with ``cache`` (a copy of the history's, the method's policy): the
+        history chat itself stays as it was for the next budget or method."""
+        from retention.attach import unwrap
+
+        c = copy.copy(self.chat)  # shares the model; the conversation's state is copied below
+        c.cache = cache
+        c.messages, c._image_turns = list(self.chat.messages), list(self.chat._image_turns)
+        unwrap(c.model).model.rope_deltas = self.rope_delta
+        c.attachment.set_mode("score")  # as a new chat sets it: its cache needs the gates' scores, attention is ungated
+        return c
+
+
+def shares_history(method: Method, prefill_mode: str) -> bool:
+    """Whether ``method`` can start from a :class:`History` another method fed: one-shot, scored by the sweep's gates
+    (none of its own), and a policy that reads no queries (those observe each chunk as it is fed)."""
+    from .methods import PolicyCache
+
+    if prefill_mode != "one_shot":
+        return False
+    return isinstance(method, FullCache) or (isinstance(method, PolicyCache) and method.gates is None
+                                             and not method.policy(False).needs_queries)
+
+
+def shared_history(model, processor, item: Item, chunk: int) -> History:
+    """The history that every method :func:`shares_history` starts from (score mode: gates scoring, nothing gated)."""
+    with model.retention.use_mode("score"):
+        return History(model, processor, item, None, chunk, 32)
+
+
 @torch.no_grad()
 def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets: list[Budget | None], *,
-                          prefill_mode: str = "one_shot", chunk: int = 512,
-                          max_new_tokens: int = 32) -> list[dict[str, Any]]:
+                          prefill_mode: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32,
+                          history: History | None = None) -> list[dict[str, Any]]:
     """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
     :func:`eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's) and
-    ``kept_image_entries``."""
-    from PIL import Image
-
-    from retention.chat import RetentionChat
+    ``kept_image_entries``. ``history``: the item's history fed once for every method that
+    :func:`shares_history` (from :func:`shared_history`)."""
     from retention.attach import unwrap
+    from retention.cache import RetentionCache
 
-    turns, asked = dialogue_turns(item)
-    pictures = [Image.open(p).convert("RGB") for p in image_files(item)]
+    _, asked = dialogue_turns(item)
     L, H, _ = kv_streams(model)
-    base = unwrap(model)
-    image_token = base.config.image_token_id
+    image_token = unwrap(model).config.image_token_id
     streaming = prefill_mode == "streaming"
-
-    def chat(entries: int | None) -> RetentionChat:
-        gates = "untrained" if getattr(base, "retention", None) is None else None  # full: any gates, none scoring
-        policy = None if isinstance(method, FullCache) else method.policy(streaming)
-        c = RetentionChat(model, processor, gates, policy=policy, chunk_size=chunk, max_new_tokens=max_new_tokens,
-                          system=_system(item))
-        c.cache.set_budget(entries)
-        for text, reply, shown in turns:
-            c.add_turn(text, reply, images=[pictures[k - 1] for k in shown])
-        return c
+    policy = None if isinstance(method, FullCache) else method.policy(streaming)
+    if history is not None and not shares_history(method, prefill_mode):
+        raise ValueError(f"method {method.label} cannot start from a shared history (see eval.multimodal.shares_history)")
+    new_tokens = item.max_new_tokens or max_new_tokens
 
     with method.active(model):
         method.prepare(model, item)
-        prefilled = None if streaming else chat(None)
-        delta = None if prefilled is None else base.model.rope_deltas
+        own = None if streaming or history is not None else History(model, processor, item, policy, chunk, new_tokens)
         rows = []
         for budget in budgets:
             if streaming and budget is not None and budget.kind == "fraction":
                 raise ValueError(f"{item.id}: a streaming prefill evicts before the history's length is known; give "
                                  "the budget as {tokens: N} or {entries: N}, or use prefill: one_shot")
-            if prefilled is None:
-                c = chat(budget.entries(0, L * H) if budget is not None and method.uses_budget else None)
-            else:
-                c = copy.copy(prefilled)  # shares the model; the conversation's state is copied below
-                c.cache = snapshot_cache(prefilled.cache, model)
-                c.messages, c._image_turns = list(prefilled.messages), list(prefilled._image_turns)
-                base.model.rope_deltas = delta
+            if streaming:  # evicting as it is fed, under this budget
+                fed = History(model, processor, item, policy, chunk, new_tokens,
+                              budget.entries(0, L * H) if budget is not None and method.uses_budget else None)
+                c, pictures = fed.chat, fed.pictures
+            elif own is not None:
+                c, pictures = own.fork(snapshot_cache(own.chat.cache, model)), own.pictures
+            else:  # the shared history, scored by this method's policy
+                cache = RetentionCache(model, None, policy)
+                cache.copy_from(history.chat.cache)
+                c, pictures = history.fork(cache), history.pictures
             context = c.ids.shape[1]
             entries = budget.entries(context, L * H) if budget is not None and method.uses_budget else None
             row: dict[str, Any] = {"context_tokens": context, "budget_entries": entries}
@@ -146,7 +192,6 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
                 continue
             row.update(method.memory(c.cache, model), image_tokens=int((c.ids[0] == image_token).sum()),
                        kept_image_entries=kept_image_entries(c.cache, c.ids, image_token))
-            reply = c.send(item.question, images=[pictures[k - 1] for k in asked],
-                           max_new_tokens=item.max_new_tokens or max_new_tokens)
+            reply = c.send(item.question, images=[pictures[k - 1] for k in asked], max_new_tokens=new_tokens)
             rows.append({**row, "score": score_reply(item.metric, reply, item.answers), "reply": reply})
         return rows

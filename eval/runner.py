@@ -22,7 +22,8 @@ from retention.models import is_multimodal
 from .config import EvalConfig
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import PolicyCache
-from .multimodal import IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets
+from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
+                         shares_history)
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import generate
 
@@ -229,11 +230,18 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
                                         disable=not progress) as bar:
         shared: tuple[str, SharedPrefill] | None = None  # the current item's context, prefilled once
+        shared_chat: tuple[str, Any] | None = None  # the current dialogue-with-images' history, fed once
         for item, method, budgets, rows in jobs:
             bar.set_postfix(task=item.task, method=method.label, refresh=False)
             if is_multimodal_item(item):
+                history = None
+                if shares_history(method, cfg.prefill):
+                    if shared_chat is None or shared_chat[0] != item.id:
+                        shared_chat = None  # free the previous item's first
+                        shared_chat = (item.id, shared_history(model, processor, item, cfg.chunk))
+                    history = shared_chat[1]
                 results_ = run_chat_item_budgets(model, processor, item, method, budgets, prefill_mode=cfg.prefill,
-                                                 chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens)
+                                                 chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens, history=history)
                 _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids)
                 continue
             share = None

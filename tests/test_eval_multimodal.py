@@ -130,11 +130,11 @@ def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
     data = _benchmark(tmp_path)
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-qwen3-vl",
                            tasks=[{"name": "mmdu", "params": {"data_files": str(data), "max_new_tokens": 4}}], lengths=[1024, 2048], items=2,
-                           methods=[{"name": "full"}, {"name": "global_gates"}, {"name": "streamingllm"}],
-                           budgets=[0.25], max_new_tokens=4)
+                           methods=[{"name": "full"}, {"name": "global_gates"}, {"name": "streamingllm"},
+                                    {"name": "snapkv"}], budgets=[0.25], max_new_tokens=4)
     path = run_sweep(cfg, (model, proc), progress=False)
     rows = read_results(path)
-    assert len(rows) == 2 * 3  # two dialogues, run once (the first length), three methods
+    assert len(rows) == 2 * 4  # two dialogues, run once (the first length), four methods
     assert {r["length"] for r in rows} == {1024} and {r["task"] for r in rows} == {"mmdu"}
     full = {r["item"]: r for r in rows if r["method"] == "full"}
     for r in rows:
@@ -231,3 +231,26 @@ def test_image_memory_runs_through_the_sweep(vl, tmp_path, monkeypatch):
     assert full["image_tokens"] > 0 and full["kept_image_entries"] == full["image_tokens"] * streams
     assert gated["kept_entries"] <= gated["budget_entries"] and full["metric"] == "recall"
     assert 0 < full["image_tokens"] < full["context_tokens"]
+
+
+def test_methods_that_share_one_fed_history_score_as_if_each_fed_its_own(vl, tmp_path):
+    """The sweep feeds a dialogue's history once for the full cache and every policy that reads no queries: each
+    then scores as it does from a history of its own (same kept entries, image entries and reply). A policy that reads
+    the queries as they are fed (SnapKV) feeds its own."""
+    from eval.multimodal import shared_history, shares_history
+
+    model, proc = vl
+    item = load_mmdu(_benchmark(tmp_path), limit=1, max_new_tokens=4)[0]
+    history = shared_history(model, proc, item, chunk=512)
+    budgets = [parse_budget(0.2), parse_budget(0.5)]
+    for spec in ({"name": "full"}, {"name": "global_gates"}, {"name": "streamingllm"}):
+        method = make_method(spec)
+        assert shares_history(method, "one_shot") and not shares_history(method, "streaming")
+        uses = budgets if method.uses_budget else [None]
+        shared = run_chat_item_budgets(model, proc, item, method, uses, history=history)
+        own = run_chat_item_budgets(model, proc, item, method, uses)
+        assert shared == own, spec["name"]
+    snapkv = make_method({"name": "snapkv"})
+    assert not shares_history(snapkv, "one_shot")
+    with pytest.raises(ValueError, match="cannot start from a shared history"):
+        run_chat_item_budgets(model, proc, item, snapkv, budgets, history=history)
