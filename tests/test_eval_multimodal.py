@@ -2,7 +2,6 @@
 the full cache answers as one prompt over the whole dialogue does, budgets keep to their size with text and image
 entries counted, and bad input fails before the model loads."""
 
-import json
 import warnings
 
 import pytest
@@ -14,34 +13,7 @@ from eval.methods import make_method
 from eval.multimodal import kept_image_entries, run_chat_item_budgets
 from eval.budgets import parse_budget
 from eval.runner import read_results, run_sweep
-from tiny_vl import photo_paths, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
-
-
-def _benchmark(tmp_path, dialogues: int = 2):
-    """An MMDU-format file (``{id: record}``, ``<ImageHere>`` markers, image paths relative to its folder) of
-    three-turn dialogues over two photos: the first turn shows one, the second the other (the second photo a shipped
-    one's mirror image when only one ships here)."""
-    from PIL import Image, ImageOps
-
-    shipped = photo_paths()
-    first = Image.open(shipped[0]).convert("RGB")
-    second = Image.open(shipped[1]).convert("RGB") if len(shipped) > 1 else ImageOps.mirror(first)
-    paths = [tmp_path / "first.png", tmp_path / "second.png"]
-    for im, p in zip((first, second), paths):
-        im.save(p)
-    records = {}
-    for d in range(dialogues):
-        records[str(d)] = {"id": d, "image": [p.name for p in paths], "conversations": [
-            {"from": "user", "value": f"<ImageHere>Describe this photo, please ({d})."},
-            {"from": "assistant", "value": "It shows a person in a uniform."},
-            {"from": "user", "value": "<ImageHere>And this one?"},
-            {"from": "assistant", "value": "A different scene, with more colour."},
-            {"from": "user", "value": "Which of the two photos came first?"},
-            {"from": "assistant", "value": "The photo of the person in a uniform."},
-        ]}
-    path = tmp_path / "benchmark.json"
-    path.write_text(json.dumps(records))
-    return path
+from tiny_vl import mmdu_benchmark as _benchmark, tiny_qwen3_vl_for, tiny_qwen3_vl_processor, vl_dialogue_rows_on
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +226,12 @@ def test_methods_that_share_one_fed_history_score_as_if_each_fed_its_own(vl, tmp
     assert not shares_history(snapkv, "one_shot")
     with pytest.raises(ValueError, match="cannot start from a shared history"):
         run_chat_item_budgets(model, proc, item, snapkv, budgets, history=history)
+
+
+def test_the_dialogue_helper_the_gpu_test_shares(tmp_path):
+    """tests/test_gpu_kernels.py runs this helper on CUDA: the full cache keeps every entry of the dialogue's history,
+    the budgeted policy a quarter of them, with the same image tokens in the context."""
+    full, gated = vl_dialogue_rows_on("cpu", tmp_path)
+    assert full["device"] == gated["device"] == "cpu" and full["image_tokens"] == gated["image_tokens"] > 0
+    assert gated["kept_entries"] <= gated["budget_entries"] < full["kept_entries"]
+    assert isinstance(full["reply"], str) and isinstance(gated["reply"], str)

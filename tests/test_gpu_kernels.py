@@ -173,6 +173,16 @@ def test_retention_chat_on_the_gpu():
     assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
 
 
+def test_a_vl_dialogue_item_on_the_gpu(tmp_path):
+    """The sweep's multimodal protocol (a shared history, add_turn with photos, compress, send) on a CUDA model; the
+    CPU twin is in test_eval_multimodal.py."""
+    from tiny_vl import vl_dialogue_rows_on
+
+    full, gated = vl_dialogue_rows_on("cuda", tmp_path, tokenizer_dir=GPU_MODEL)
+    assert full["device"] == gated["device"] == "cuda" and full["image_tokens"] == gated["image_tokens"] > 0
+    assert gated["kept_entries"] <= gated["budget_entries"] < full["kept_entries"]
+
+
 def test_a_vl_chat_on_the_gpu():
     """The multimodal turn (pixel values, M-RoPE positions) on a CUDA model; the CPU twin is in test_chat_vl.py."""
     from tiny_vl import vl_chat_on

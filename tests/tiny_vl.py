@@ -87,3 +87,53 @@ def vl_chat_on(device: str, tokenizer_dir: str | Path | None = None) -> dict:
         chat.send(text, images=images)
     return {"ids": chat.ids, "cache_length": chat.cache.get_seq_length(), "device": chat.ids.device.type,
             "model_device": next(model.parameters()).device.type}
+
+
+def mmdu_benchmark(tmp_path: Path, dialogues: int = 2) -> Path:
+    """An MMDU-format file (``{id: record}``, ``<ImageHere>`` markers, image paths relative to its folder) of
+    three-turn dialogues over two photos: the first turn shows one, the second the other (the second photo a shipped
+    one's mirror image when only one ships here)."""
+    from PIL import Image, ImageOps
+
+    shipped = photo_paths()
+    first = Image.open(shipped[0]).convert("RGB")
+    second = Image.open(shipped[1]).convert("RGB") if len(shipped) > 1 else ImageOps.mirror(first)
+    paths = [tmp_path / "first.png", tmp_path / "second.png"]
+    for im, p in zip((first, second), paths):
+        im.save(p)
+    import json
+
+    records = {}
+    for d in range(dialogues):
+        records[str(d)] = {"id": d, "image": [p.name for p in paths], "conversations": [
+            {"from": "user", "value": f"<ImageHere>Describe this photo, please ({d})."},
+            {"from": "assistant", "value": "It shows a person in a uniform."},
+            {"from": "user", "value": "<ImageHere>And this one?"},
+            {"from": "assistant", "value": "A different scene, with more colour."},
+            {"from": "user", "value": "Which of the two photos came first?"},
+            {"from": "assistant", "value": "The photo of the person in a uniform."},
+        ]}
+    path = tmp_path / "benchmark.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def vl_dialogue_rows_on(device: str, folder: Path, tokenizer_dir: str | Path | None = None) -> list[dict]:
+    """One MMDU-format dialogue (two photos) scored by the sweep's multimodal protocol on ``device`` with a tiny
+    random Qwen3-VL: the full cache and the learned-gates policy at a 25% budget. Shared by the CPU tests and the
+    GPU one."""
+    from eval.budgets import parse_budget
+    from eval.loaders import load_mmdu
+    from eval.methods import make_method
+    from eval.multimodal import run_chat_item_budgets, shared_history
+    from retention import attach_gates
+
+    proc = tiny_qwen3_vl_processor(tokenizer_dir)
+    model = tiny_qwen3_vl_for(proc).to(device).eval()
+    attach_gates(model, None, mode="score")
+    item = load_mmdu(mmdu_benchmark(folder), limit=1, max_new_tokens=4)[0]
+    history = shared_history(model, proc, item, chunk=512)
+    rows = run_chat_item_budgets(model, proc, item, make_method({"name": "full"}), [None], history=history)
+    rows += run_chat_item_budgets(model, proc, item, make_method({"name": "global_gates"}), [parse_budget(0.25)],
+                                  history=history)
+    return [{**r, "device": next(model.parameters()).device.type} for r in rows]
