@@ -79,13 +79,9 @@ def _system(item: Item) -> str | None:
 
 def kept_image_entries(cache, ids: torch.Tensor, image_token_id: int) -> int:
     """How many entries the cache keeps of image tokens (``ids``: the conversation, ``(1, T)``)."""
-    is_image = ids[0] == image_token_id
-    kept = 0
-    for layer in range(cache.store.num_layers):
-        view = cache.store.gather_layer(layer)
-        pos = view.pos[view.valid]
-        kept += int(is_image[pos.clamp(max=len(is_image) - 1)].sum())
-    return kept
+    from retention.cache.hf import kept_where
+
+    return kept_where(cache, ids[0] == image_token_id)
 
 
 class History:

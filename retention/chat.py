@@ -215,8 +215,15 @@ class RetentionChat:
             unwrap(self.model).model.rope_deltas = None
 
     def memory(self) -> dict[str, Any]:
-        """The cache's memory report (see :meth:`RetentionCache.memory_report`)."""
-        return self.cache.memory_report()
+        """The cache's memory report (see :meth:`RetentionCache.memory_report`); a vision-language chat adds
+        ``image_tokens`` (seen so far) and ``kept_image_entries`` (entries of image tokens kept, all layers and heads)."""
+        report = self.cache.memory_report()
+        if self.multimodal and self.ids.shape[1]:
+            from .cache.hf import kept_where
+
+            image = self.ids[0] == unwrap(self.model).config.image_token_id
+            report.update(image_tokens=int(image.sum()), kept_image_entries=kept_where(self.cache, image))
+        return report
 
     # -- saving and resuming -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -559,8 +566,9 @@ CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-lang
 
 
 def _memory_line(report: dict[str, Any]) -> str:
+    images = f" ({report['kept_image_entries']:,} of images)" if report.get("kept_image_entries") is not None else ""
     return (f"[kv {report['kv_bytes'] / 2**20:.2f} MiB of {report['full_cache_bytes'] / 2**20:.2f} MiB full; "
-            f"{report['kept_entries']:,} entries kept; {report['tokens_seen']} tokens seen]")
+            f"{report['kept_entries']:,} entries kept{images}; {report['tokens_seen']} tokens seen]")
 
 
 def _extent(chat: RetentionChat) -> str:

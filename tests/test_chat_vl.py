@@ -134,3 +134,35 @@ def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path):
     assert again.send("Which one is brighter?") == live.send("Which one is brighter?")
     saved = json.loads(again.save(tmp_path / "again.json").read_text())
     assert [t["images"] for t in saved["image_turns"]] == [t["images"] for t in json.loads(path.read_text())["image_turns"]]
+
+
+def test_the_memory_report_counts_the_image_entries_kept():
+    """A vision-language chat's memory report says how many image entries it keeps: all of them without a budget,
+    fewer under one (images compete with text), as a count over every kept entry's token finds."""
+    import warnings
+
+    from retention.chat import _memory_line
+
+    imgs = photos(2)
+    plan = [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])]
+    for budget in (None, 16):
+        proc = tiny_qwen3_vl_processor()
+        model = tiny_qwen3_vl_for(proc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            chat = RetentionChat(model, proc, budget_tokens=budget, max_new_tokens=3, chunk_size=8)
+        for text, images in plan:
+            chat.send(text, images=images)
+        report = chat.memory()
+        image = chat.ids[0] == model.config.image_token_id
+        streams = 3 * 2
+        want = 0
+        for layer in range(3):
+            view = chat.cache.store.gather_layer(layer)
+            want += sum(int(image[p]) for p in view.pos[0][view.valid[0]].tolist())
+        assert report["image_tokens"] == int(image.sum()) > 0 and report["kept_image_entries"] == want
+        if budget is None:
+            assert want == report["image_tokens"] * streams
+        else:
+            assert 0 <= want < report["image_tokens"] * streams
+        assert "image entries:" in str(report) and "of images)" in _memory_line(report)

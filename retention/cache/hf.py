@@ -536,6 +536,19 @@ class RetentionCache(Cache):
         })
 
 
+def kept_where(cache: "RetentionCache", marked: torch.Tensor) -> int:
+    """How many entries ``cache`` keeps of the tokens ``marked`` (``(T,)`` bool over the sequence's token indices,
+    e.g. ``ids[0] == image_token_id``), over every layer and KV head of sequence 0."""
+    if cache.store is None:
+        return 0
+    kept = 0
+    for layer in range(cache.store.num_layers):
+        view = cache.store.gather_layer(layer)
+        pos = view.pos[:1][view.valid[:1]]
+        kept += int(marked[pos.clamp(max=len(marked) - 1)].sum())
+    return kept
+
+
 class MemoryReport(dict):
     """:meth:`RetentionCache.memory_report`: a plain dict of its numbers (``entries_per_head``: ``(batch, layers,
     kv_heads)`` entries kept; bytes in bytes) whose ``str`` is a summary a person can read."""
@@ -558,6 +571,10 @@ class MemoryReport(dict):
             heads = per_head.shape[2]
             lines.append(f"  per KV head: {int(flat[lo])} (layer {lo // heads}, head {lo % heads}) to {int(flat[hi])} "
                          f"(layer {hi // heads}, head {hi % heads}), mean {flat.float().mean():.1f}")
+        if "kept_image_entries" in self:  # a vision-language chat: how the budget splits between the modalities
+            share = self["kept_image_entries"] / self["kept_entries"] if self["kept_entries"] else 0.0
+            lines.append(f"  image entries: {self['kept_image_entries']:,} kept ({share:.1%} of the kept entries) of "
+                         f"{self['image_tokens']:,} image tokens seen")
         lines.append(f"  pages: {self['pages_in_use']:,} in use ({mib(self['page_bytes_in_use'])}, "
                      f"{self['page_slack_entries']:,} entries of slack), positions and scores "
                      f"{mib(self['metadata_bytes'])}, pool {mib(self['pool_capacity_bytes'])}")
