@@ -1,4 +1,4 @@
-"""The protocol for dialogue items with images (MMDU): each item runs through :class:`retention.chat.RetentionChat`.
+"""The protocol for dialogue items with images (MMDU, image_memory): each runs through :class:`retention.chat.RetentionChat`.
 
 A vision-language item's images belong to its turns, so the text protocol (:mod:`eval.protocol`: token ids in one
 prefill) cannot feed it. Here the history's turns go through a chat with :meth:`RetentionChat.add_turn` (each turn's
@@ -85,19 +85,19 @@ def kept_image_entries(cache, ids: torch.Tensor, image_token_id: int) -> int:
 
 
 class History:
-    """A dialogue's history fed once through a chat (nothing evicted) that budgets, and methods that can share it
-    (:func:`shares_history`), start from: ``chat`` (its cache holds the history), the model's M-RoPE delta after it,
-    and the item's pictures."""
+    """A dialogue's history fed through a chat under ``policy`` and a budget of ``entries`` (``None``: nothing evicted,
+    a one-shot history that budgets, and methods that can share it (:func:`shares_history`), start from): ``chat``
+    (its cache holds the history), the model's M-RoPE delta after it, and the item's pictures."""
 
     def __init__(self, model, processor, item: Item, policy: Any, chunk: int, max_new_tokens: int,
-                 entries: int | None = None, pictures: list[Any] | None = None) -> None:
+                 entries: int | None = None) -> None:
         from PIL import Image
 
         from retention.attach import unwrap
         from retention.chat import RetentionChat
 
         base = unwrap(model)
-        self.pictures = pictures if pictures is not None else [Image.open(p).convert("RGB") for p in image_files(item)]
+        self.pictures = [Image.open(p).convert("RGB") for p in image_files(item)]
         gates = "untrained" if getattr(base, "retention", None) is None else None  # full: any gates, none scoring
         self.chat = RetentionChat(model, processor, gates, policy=policy, chunk_size=chunk,
                                   max_new_tokens=max_new_tokens, system=_system(item))
