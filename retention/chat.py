@@ -343,9 +343,7 @@ class RetentionChat:
         """The stop token a generated ``reply`` would have ended on: the model's eos id that the template writes right
         after the reply (``<|im_end|>``, ``<|eot_id|>``); none when the template closes a reply otherwise, and the next
         turn then feeds that closer as text."""
-        rendered = self._render(self.messages + [message, {"role": "assistant", "content": reply}], generation_prompt=False)
-        shown = reply.strip()
-        closer = rendered[rendered.rfind(shown) + len(shown):] if shown else ""
+        closer = self._after_last_reply(self.messages + [message, {"role": "assistant", "content": reply}])
         eos = self.model.generation_config.eos_token_id
         for e in [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]:
             if e is not None and closer.startswith(self.tokenizer.decode([e], skip_special_tokens=False)):
@@ -479,7 +477,7 @@ class RetentionChat:
         else:
             history = self._render(self.messages, generation_prompt=False)
             if new_full.startswith(history):  # ChatML, Llama, Qwen3-VL: each turn renders after the last
-                delta = self._closer(history) + new_full[len(history) :]
+                delta = self._closer() + new_full[len(history) :]
             else:  # the template renders the last reply otherwise once a turn follows (Qwen3's think blocks)
                 delta = self._after_reply(message, text)
         if self.multimodal:
@@ -505,11 +503,17 @@ class RetentionChat:
             after = after[len(stop) :] if after.startswith(stop) else after
         return after
 
-    def _closer(self, history: str) -> str:
+    def _after_last_reply(self, messages: list[dict[str, Any]]) -> str:
+        """What the template writes after the content of the last message (a reply), an empty one included: found by
+        rendering a marker in its place."""
+        marker = "\ue000reply\ue000"  # a private-use character: in no reply and no template
+        text = self._render([*messages[:-1], {**messages[-1], "content": marker}], generation_prompt=False)
+        at = text.rfind(marker)
+        return text[at + len(marker):] if at >= 0 else ""
+
+    def _closer(self) -> str:
         """What the template puts after the last reply that the cache does not hold yet."""
-        reply = self.messages[-1]["content"].strip()
-        end = history.rfind(reply) + len(reply) if reply else len(history)
-        closer = history[end:]
+        closer = self._after_last_reply(self.messages)
         if self._last_reply_ended:  # the stop token was generated; generate feeds it with the next turn
             stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
             if closer.startswith(stop):

@@ -552,6 +552,14 @@ def test_a_given_history_is_fed_as_the_template_renders_it(smollm2):
         out = model.generate(**want, max_new_tokens=10, do_sample=False)
     assert reply == tok.decode(out[0, want["input_ids"].shape[1]:], skip_special_tokens=True)
 
+    empty = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=4)
+    empty.add_turn("Say nothing.", "")  # an empty reply is closed too: the next turn follows the template
+    empty.add_turn("Now say hi.", "Hi.")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""},
+                                        {"role": "user", "content": "Now say hi."}, {"role": "assistant", "content": "Hi."}],
+                                       return_tensors="pt", return_dict=True)["input_ids"][0]
+    assert torch.equal(empty.ids[0], rendered[: empty.ids.shape[1]]) and empty.ids.shape[1] >= len(rendered) - 1
+
     bounded = RetentionChat(model, tok, budget_tokens=8, max_new_tokens=4, chunk_size=8)
     for text, reply in history * 3:
         bounded.add_turn(text, reply)
