@@ -127,18 +127,20 @@ def text_after_reply(render: Callable[[list[dict[str, Any]]], str], messages: li
                      message: dict[str, Any], text: str) -> str | None:
     """What a chat template renders after the last reply of ``messages`` once ``message`` (its text ``text``) follows,
     generation prompt included: the reply's closer, the new turn and the prompt. ``render(messages)`` renders with
-    the generation prompt. ``None`` when the reply's text is not found before the new turn."""
+    the generation prompt. ``None`` when the template does not show the reply before the new turn.
+
+    Markers stand in for the new turn's text and for the reply (whose shown text may differ from the generated one: a
+    reasoning part left out; or be empty), so the closer is found wherever the template puts them."""
     marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
+    said = "\x1eretention-reply\x1e"  # stands in for the reply, to find where it ends
     content = marker if isinstance(message["content"], str) else [
         {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
-    rendered = render(messages + [{**message, "content": content}])
+    last = messages[-1]
+    history = [*messages[:-1], {**last, "content": said}] if isinstance(last["content"], str) else messages
+    rendered = render(history + [{**message, "content": content}])
     at = rendered.find(marker)
-    reply = messages[-1]["content"].strip() if isinstance(messages[-1]["content"], str) else ""
-    for shown in dict.fromkeys((reply, shown_reply(reply))):  # a reasoning part may be left out
-        start = rendered.rfind(shown, 0, at) if shown and at >= 0 else -1
-        if start >= 0:
-            return rendered[start + len(shown) :].replace(marker, text)
-    return None
+    start = rendered.rfind(said, 0, at) if at >= 0 else -1
+    return rendered[start + len(said) :].replace(marker, text) if start >= 0 else None
 
 
 class RetentionChat:

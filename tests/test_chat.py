@@ -588,3 +588,7 @@ def test_given_turns_under_a_template_that_rerenders_the_last_reply(smollm2):
     assert "Hello Ada.<|im_end|>\n<|im_start|>user\nI live in Paris." in text
     assert "Paris is lovely.<|im_end|>\n<|im_start|>user\nWhere do I live?" in text
     assert "<|im_end|><|im_end|>" not in text and chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+    chat.add_turn("Be silent now.", "")  # an empty reply: found by its place in the template, not by its text
+    assert isinstance(chat.send("Still there?"), str)
+    text = tok.decode(chat.ids[0], skip_special_tokens=False)
+    assert "Be silent now.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n<|im_start|>user\nStill there?" in text
