@@ -144,8 +144,8 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     from train.config import ConfigError, DataConfig, SourceConfig
     from train.data import build_multimodal
 
+    proc = tiny_qwen3_vl_processor()  # before the cache moves: its tokenizer is the embedded model's, cached
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
-    proc = tiny_qwen3_vl_processor()
     source = SourceConfig(kind="synthetic", path="image_memory", max_docs=3, params={"images": 2, "size": 112})
     train_rows, held = build_multimodal(DataConfig(sources=[source], seq_len=512, eval_fraction=0.0), proc)
     assert len(train_rows) >= 1 and len(held) == 0
@@ -162,6 +162,26 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     answers = [it.answers[0] for it in generate("image_memory", proc.tokenizer, 512 - 128 - 2 * 16, 3, seed=1000,
                                                  split="train", images=2, size=112)]
     assert all(a in predicted for a in answers)  # the answers are distilled
+
+    import train.loop as loop
+
+    built = {}
+    real_build = loop.build_multimodal
+
+    def spy(cfg, processor, cache=None):
+        built["rows"] = real_build(cfg, processor, cache=cache)
+        return built["rows"]
+
+    monkeypatch.setattr(loop, "build_multimodal", spy)  # the training loop takes the multimodal path for this source
+    (tmp_path / "im.yaml").write_text(f"""
+model: {{name: tiny-qwen3-vl}}
+gates: {{variant: global, gate_hidden: 8, bias_init: 3.0}}
+budget: {{tokens_per_head: 8}}
+data: {{seq_len: 512, eval_fraction: 0.3, sources: [{{kind: synthetic, path: image_memory, max_docs: 4, params: {{images: 2, size: 112}}}}]}}
+train: {{output_dir: {tmp_path / 'run'}, steps: 2, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, tracker: none}}
+""")
+    summary = train(load_config(tmp_path / "im.yaml"), model_and_processor=(tiny_qwen3_vl_for(proc), proc))
+    assert len(summary["history"]) == 2 and "pixel_values" in built["rows"][0][0]
 
     base = (f"model: {{name: tiny-qwen3-vl}}\nbudget: {{tokens_per_head: 8}}\ntrain: {{output_dir: {tmp_path / 'run'}}}\n"
             "data:\n  seq_len: 512\n  sources:\n    - {kind: synthetic, path: image_memory, max_docs: 2}\n")
