@@ -201,11 +201,17 @@ class RetentionGates(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "RetentionGates":
-        """Load gates written by :meth:`save_pretrained` (safetensors only)."""
+    def from_pretrained(cls, path: str | Path, revision: str | None = None) -> "RetentionGates":
+        """Load gates written by :meth:`save_pretrained` (safetensors only): a folder, else a shipped checkpoint's
+        name (``smollm2-135m-global``) or a Hub repo id (``owner/name``, at ``revision``), as
+        :func:`retention.hub.load_gates` finds them (which also checks them against a model)."""
         from safetensors.torch import load_file
 
-        path = Path(path)
+        if not Path(path).expanduser().is_dir():
+            from .hub import checkpoint_folder
+
+            path = checkpoint_folder(path, revision)  # HubError naming the fix when it is none of these
+        path = Path(path).expanduser()
         cfg_file, weights = path / "config.json", path / "gates.safetensors"
         for f in (cfg_file, weights):
             if not f.is_file():

@@ -104,6 +104,21 @@ def test_load_missing_files_names_them(tmp_path):
         RetentionGates.from_pretrained(tmp_path)
 
 
+def test_from_pretrained_finds_a_shipped_name_and_names_a_missing_folder(tmp_path, monkeypatch):
+    """Not only folders: a shipped checkpoint's name loads the package's copy (as load_gates does), and a path that
+    does not exist gets the error naming it, before any Hub call."""
+    from retention.hub import HubError, load_gates
+    from retention.models import shipped_checkpoint
+
+    if shipped_checkpoint("smollm2-135m-global") is None:
+        pytest.fail("the shipped gates are missing from checkpoints/")
+    named = RetentionGates.from_pretrained("smollm2-135m-global")
+    assert named.fingerprint() == load_gates("smollm2-135m-global").fingerprint()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HubError, match="there is no such folder"):
+        RetentionGates.from_pretrained("./nowhere")
+
+
 @pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
 def test_widened_gates_score_as_before_and_can_learn_with_the_new_units(variant):
     gates = make(variant, bias_init=0.5)
