@@ -258,6 +258,43 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
     return config, rest
 
 
+def load_processor(path: str, config: Any, revision: str | None = None, **kwargs: Any) -> Any:
+    """A vision-language model's processor. Its video part needs torchvision, which retention does not install (the
+    chat, the eval and the trainer feed images only): without torchvision the processor is built from its tokenizer
+    and image processor, with no video processor, and refuses videos."""
+    import transformers
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, revision=revision, **kwargs)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.utils import cached_file
+
+    base = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+
+    class ImagesOnly(base):  # the processor's own class, accepting no video processor
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = base.__name__
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, **kwargs)
+    template = tokenizer.chat_template  # unless the processor has one of its own, which AutoProcessor would read
+    for name in ("chat_template.json", "chat_template.jinja"):
+        found = cached_file(path, name, revision=revision, _raise_exceptions_for_missing_entries=False, **kwargs)
+        if found:
+            text = Path(found).read_text()
+            template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            break
+    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(path, revision=revision, **kwargs),
+                      tokenizer=tokenizer, video_processor=None, chat_template=template)
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -276,7 +313,7 @@ def load_model(
     With ``check_support`` (the default) an architecture the gates cannot drive is refused from its config,
     before the weights load (:func:`retention.attach.check_supported`).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if isinstance(dtype, str):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -286,12 +323,13 @@ def load_model(
     config, model_kwargs = load_config(name_or_path, revision=revision, check_support=check_support, **kwargs)
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
                   dtype=dtype or torch.float32, **model_kwargs)
+    # the processor first: seconds, where the weights may take minutes, and it fails for reasons of its own
     if is_multimodal(config):
+        processor = load_processor(path, config, revision=revision, **hub_kwargs(kwargs))
         model = AutoModelForImageTextToText.from_pretrained(path, **common)
-        processor = AutoProcessor.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **common)
         processor = AutoTokenizer.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
+        model = AutoModelForCausalLM.from_pretrained(path, **common)
     if name_or_path in EMBEDDED_MODELS:  # name the model by its Hub id, not the cache folder (gate checkpoints record it)
         model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id
     if device is not None:

@@ -176,3 +176,47 @@ def test_smollm2_answers_identically_with_gates_in_teacher_mode():
     assert torch.equal(got, want)
     assert torch.equal(student, want)
     assert "Paris" in tok.decode(want[0, n:])
+
+
+def _save_tiny_vl(folder):
+    """A saved tiny Qwen3-VL as a Hub repo holds it: weights, tokenizer, image processor, the processor's template."""
+    from tiny_vl import CHAT_TEMPLATE, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    model.save_pretrained(folder)
+    proc.tokenizer.save_pretrained(folder)
+    proc.image_processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return model
+
+
+def test_a_vision_language_model_loads_with_an_image_processor_without_torchvision(tmp_path, monkeypatch):
+    """Qwen3-VL's video processor needs torchvision, which retention does not install: load_model then builds the
+    processor from its tokenizer and image processor (images only), reading the processor's own chat template; a
+    turn with a photo encodes. Its processor is read before the weights, so a broken one costs no weight load."""
+    import importlib.util
+
+    from tiny_vl import photos
+
+    import transformers
+
+    saved = _save_tiny_vl(tmp_path / "vl")
+    if importlib.util.find_spec("torchvision") is not None:  # as on a machine without it (this one has it)
+        def no_torchvision(*a, **k):
+            raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it was not found")
+
+        monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", no_torchvision)
+    model, proc = load_model(str(tmp_path / "vl"))
+    assert type(proc).__name__ == "Qwen3VLProcessor" and proc.video_processor is None
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+                                    tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=photos(1), return_tensors="pt")
+    assert int((enc["input_ids"] == saved.config.image_token_id).sum()) == int(enc["image_grid_thw"].prod(-1).sum()) // 4
+    (tmp_path / "vl" / "preprocessor_config.json").write_text("{not json")
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained",
+                        lambda *a, **k: pytest.fail("read the weights before the processor"))
+    with pytest.raises(Exception) as e:
+        load_model(str(tmp_path / "vl"))
+    assert "read the weights" not in str(e.value)
+    assert model.config.image_token_id == saved.config.image_token_id
