@@ -265,8 +265,9 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
 
 
 def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
-    """EvalConfigError when the config's image tasks (:data:`eval.multimodal.IMAGE_TASKS`) meet a text-only model: read from the model's config
-    (``config``, or the one :func:`retention.models.load_config` reads without the weights), before the model loads."""
+    """EvalConfigError when the config's image tasks (:data:`eval.multimodal.IMAGE_TASKS`) meet a text-only model:
+    read from the model's config (``config``, or the one :func:`retention.models.load_config` reads without the
+    weights), before the model loads."""
     shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
     if not shown:
         return
