@@ -74,6 +74,54 @@ def read_transcript(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, list[str]]]]:
+    """A conversation log to go on from (``retention chat --history``): JSON, a list of ``{role, content}`` messages
+    (or ``{"messages": [...]}``, or ShareGPT's ``{"conversations": [{from, value}]}``), user and assistant turns in
+    turn, ending with a reply; a content may be a list of ``{"type": "text", "text"}`` and ``{"type": "image",
+    "image": PATH}`` parts (paths relative to the file's folder). Returns ``(system, [(text, reply, image paths)])``
+    for :meth:`RetentionChat.add_turn`; :class:`ChatInputError` naming the problem, before any model loads."""
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ChatInputError(f"no conversation log at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChatInputError(f"{path} is not JSON ({e}): give a list of {{role, content}} messages") from None
+    if isinstance(data, dict) and data.get("format") == TRANSCRIPT_FORMAT:
+        raise ChatInputError(f"{path} is a conversation /save wrote: go on with it by --resume {path}")
+    if isinstance(data, dict):
+        data = data.get("messages", data.get("conversations"))
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    if not isinstance(data, list) or not data or not all(isinstance(m, dict) for m in data):
+        raise ChatInputError(f"{path} holds no messages: give a list of {{role, content}} (or ShareGPT conversations)")
+    messages = []
+    for k, m in enumerate(data):
+        role, content = roles.get(m.get("role", m.get("from"))), m.get("content", m.get("value"))
+        if role is None or content is None:
+            raise ChatInputError(f"{path}, message {k}: give each message a role (user, assistant or system) and a "
+                                 f"content, got {sorted(m)}")
+        text, images = content, []
+        if isinstance(content, list):
+            text = " ".join(str(c.get("text", "")) for c in content if c.get("type") == "text")
+            for c in content:
+                if c.get("type") == "image":
+                    shown = Path(str(c.get("image") or c.get("path") or c.get("url") or "")).expanduser()
+                    shown = shown if shown.is_absolute() else path.parent / shown
+                    if not shown.is_file():
+                        raise ChatInputError(f"{path}, message {k}: image {shown} not found")
+                    images.append(str(shown))
+        messages.append((role, str(text), images))
+    system = messages.pop(0)[1] if messages[0][0] == "system" else None
+    if len(messages) % 2 or any(r != want for (r, _, _), want in zip(messages, ["user", "assistant"] * len(messages))):
+        raise ChatInputError(f"{path}: the turns must go user, assistant, user, assistant... and end with a reply (type "
+                             "the next message in the chat); got " + ", ".join(r for r, _, _ in messages))
+    if any(images for r, _, images in messages if r == "assistant"):
+        raise ChatInputError(f"{path}: images go in user turns only")
+    return system, [(u[1], a[1], u[2]) for u, a in zip(messages[::2], messages[1::2])]
+
+
 def _png_base64(image: Any, index: int, start: int) -> str:
     """An image sent with a turn (a PIL image or a file path) as base64 PNG: the transcript keeps its pixels."""
     import base64
@@ -673,17 +721,23 @@ def _chat_command(args: argparse.Namespace) -> int:
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
     gates = check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
-    if args.resume:  # and a file that is no saved conversation
-        try:
+    history = None
+    try:  # and a file that is no saved conversation, or no conversation log
+        if args.resume and args.history:
+            raise ChatInputError("--resume and --history both start the conversation: give one")
+        if args.resume:
             read_transcript(args.resume)
-        except ChatInputError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        if args.history:
+            history = read_history(args.history)
+    except ChatInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
         chat = RetentionChat(
             model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
-            max_new_tokens=args.max_new_tokens, system=args.system, policy=policy,
+            max_new_tokens=args.max_new_tokens, system=args.system if history is None else args.system or history[0],
+            policy=policy,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -701,6 +755,21 @@ def _chat_command(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"[resumed {_extent(chat)} from {args.resume}] {_memory_line(chat.memory())}")
+    if history is not None:
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    for text, reply, images in history[1]:
+                        chat.add_turn(text, reply, images=[Image.open(p).convert("RGB") for p in images])
+                finally:
+                    _show_warnings(caught)
+        except ChatInputError as e:  # images for a text-only model
+            print(f"error: {args.history}: {e}", file=sys.stderr)
+            return 2
+        print(f"[fed {_extent(chat)} from {args.history}] {_memory_line(chat.memory())}")
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
@@ -746,5 +815,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--resume", default=None, metavar="FILE", help="go on with a conversation saved by /save (under this "
                    "command's budget and policy)")
+    p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, content} "
+                   "messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
     add_placement_args(p)
     p.set_defaults(func=_chat_command)

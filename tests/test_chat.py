@@ -592,3 +592,51 @@ def test_given_turns_under_a_template_that_rerenders_the_last_reply(smollm2):
     assert isinstance(chat.send("Still there?"), str)
     text = tok.decode(chat.ids[0], skip_special_tokens=False)
     assert "Be silent now.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n<|im_start|>user\nStill there?" in text
+
+
+def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, capsys, monkeypatch):
+    """`retention chat --history FILE`: a JSON log (messages, or ShareGPT conversations) is fed with add_turn, its
+    system message becoming the chat's; the chat then holds what a chat fed turn by turn holds. Logs that cannot be
+    fed fail before the model loads, each with its problem named."""
+    import json
+
+    import retention.chat as chat_module
+    import retention.models
+    from retention.chat import read_history
+    from retention.cli import main
+
+    model, tok = smollm2
+    log = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "My name is Ada."},
+           {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+           {"role": "assistant", "content": "Hi again."}]
+    (tmp_path / "log.json").write_text(json.dumps(log))
+    sharegpt = {"conversations": [{"from": "human", "value": "My name is Ada."}, {"from": "gpt", "value": "Hello Ada."}]}
+    (tmp_path / "share.json").write_text(json.dumps(sharegpt))
+    assert read_history(tmp_path / "log.json") == ("You are brief.", [("My name is Ada.", "Hello Ada.", []),
+                                                                      ("Hi.", "Hi again.", [])])
+    assert read_history(tmp_path / "share.json") == (None, [("My name is Ada.", "Hello Ada.", [])])
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    bad = {"open.json": [{"role": "user", "content": "hi"}], "roles.json": [{"speaker": "x", "text": "hi"}],
+           "photo.json": [{"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]},
+                          {"role": "assistant", "content": "ok"}],
+           "saved.json": {"format": "retention-chat"}}
+    words = {"open.json": "end with a reply", "roles.json": "give each message a role", "photo.json": "nowhere.png not found",
+             "saved.json": "--resume"}
+    for name, data in bad.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        assert main(["chat", "--history", str(tmp_path / name)]) == 2
+        assert words[name] in capsys.readouterr().err
+    assert main(["chat", "--history", str(tmp_path / "log.json"), "--resume", str(tmp_path / "log.json")]) == 2
+    assert "give one" in capsys.readouterr().err
+
+    fed = {}
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(chat_module, "chat_loop", lambda c, lines: fed.update(ids=c.ids.clone(), system=c.system))
+    assert main(["chat", "--history", str(tmp_path / "log.json"), "--budget", "64"]) == 0
+    by_hand = RetentionChat(model, tok, budget_tokens=None, system="You are brief.")
+    by_hand.add_turn("My name is Ada.", "Hello Ada.")
+    by_hand.add_turn("Hi.", "Hi again.")
+    assert torch.equal(fed["ids"], by_hand.ids) and fed["system"] == "You are brief."
+    assert f"[fed 2 turn(s), {by_hand.ids.shape[1]} tokens from {tmp_path / 'log.json'}]" in capsys.readouterr().out
+    model.retention.detach()
