@@ -42,18 +42,25 @@ class ChatSetupError(ValueError):
 TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION = "retention-chat", 1
 
 
+def _read_json(path: Path, missing: str, not_json: str) -> Any:
+    """A JSON file's data; :class:`ChatInputError` with ``missing`` when there is no such file, ``not_json`` (the
+    parser's message in place of ``{error}``) when it does not parse."""
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ChatInputError(missing) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChatInputError(not_json.replace("{error}", str(e))) from None
+
+
 def read_transcript(path: str | Path) -> dict[str, Any]:
     """A conversation :meth:`RetentionChat.save` wrote, checked as a file (``retention chat --resume`` reads it before
     the model loads); :class:`ChatInputError` naming the problem otherwise. The model checks come in ``resume``."""
-    import json
-
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, IsADirectoryError):
-        raise ChatInputError(f"no saved conversation at {path}: give the file that save() (/save) wrote") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ChatInputError(f"{path} is not a saved conversation (not JSON: {e})") from None
+    data = _read_json(path, f"no saved conversation at {path}: give the file that save() (/save) wrote",
+                      f"{path} is not a saved conversation (not JSON: {{error}})")
     if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
         raise ChatInputError(f"{path} is not a saved conversation: save() (/save in retention chat) writes one")
     if data.get("version") != TRANSCRIPT_VERSION:
@@ -80,15 +87,9 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
     turn, ending with a reply; a content may be a list of ``{"type": "text", "text"}`` and ``{"type": "image",
     "image": PATH}`` parts (paths relative to the file's folder). Returns ``(system, [(text, reply, image paths)])``
     for :meth:`RetentionChat.add_turn`; :class:`ChatInputError` naming the problem, before any model loads."""
-    import json
-
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, IsADirectoryError):
-        raise ChatInputError(f"no conversation log at {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ChatInputError(f"{path} is not JSON ({e}): give a list of {{role, content}} messages") from None
+    data = _read_json(path, f"no conversation log at {path}",
+                      f"{path} is not JSON ({{error}}): give a list of {{role, content}} messages")
     if isinstance(data, dict) and data.get("format") == TRANSCRIPT_FORMAT:
         raise ChatInputError(f"{path} is a conversation /save wrote: go on with it by --resume {path}")
     if isinstance(data, dict):
