@@ -181,15 +181,21 @@ def text_after_reply(render: Callable[[list[dict[str, Any]]], str], messages: li
     Markers stand in for the new turn's text and for the reply (whose shown text may differ from the generated one: a
     reasoning part left out; or be empty), so the closer is found wherever the template puts them."""
     marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
-    said = "\x1eretention-reply\x1e"  # stands in for the reply, to find where it ends
     content = marker if isinstance(message["content"], str) else [
         {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
-    last = messages[-1]
-    history = [*messages[:-1], {**last, "content": said}] if isinstance(last["content"], str) else messages
-    rendered = render(history + [{**message, "content": content}])
+    rendered = render(_reply_as_marker(messages) + [{**message, "content": content}])
     at = rendered.find(marker)
-    start = rendered.rfind(said, 0, at) if at >= 0 else -1
-    return rendered[start + len(said) :].replace(marker, text) if start >= 0 else None
+    start = rendered.rfind(_REPLY, 0, at) if at >= 0 else -1
+    return rendered[start + len(_REPLY) :].replace(marker, text) if start >= 0 else None
+
+
+_REPLY = "\x1eretention-reply\x1e"  # stands in for the last reply, to find where the template ends it
+
+
+def _reply_as_marker(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the last one's text content replaced by :data:`_REPLY`."""
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": _REPLY}] if isinstance(last["content"], str) else messages
 
 
 class RetentionChat:
@@ -557,10 +563,9 @@ class RetentionChat:
     def _after_last_reply(self, messages: list[dict[str, Any]]) -> str:
         """What the template writes after the content of the last message (a reply), an empty one included: found by
         rendering a marker in its place."""
-        marker = "\ue000reply\ue000"  # a private-use character: in no reply and no template
-        text = self._render([*messages[:-1], {**messages[-1], "content": marker}], generation_prompt=False)
-        at = text.rfind(marker)
-        return text[at + len(marker):] if at >= 0 else ""
+        text = self._render(_reply_as_marker(messages), generation_prompt=False)
+        at = text.rfind(_REPLY)
+        return text[at + len(_REPLY):] if at >= 0 else ""
 
     def _closer(self) -> str:
         """What the template puts after the last reply that the cache does not hold yet."""
@@ -737,45 +742,46 @@ def _chat_command(args: argparse.Namespace) -> int:
     try:
         chat = RetentionChat(
             model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
-            max_new_tokens=args.max_new_tokens, system=args.system if history is None else args.system or history[0],
-            policy=policy,
+            max_new_tokens=args.max_new_tokens, system=args.system or (history[0] if history else None), policy=policy,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"retention chat: {CHAT_COMMANDS}")
-    if args.resume:
-        try:
-            with warnings.catch_warnings(record=True) as caught:  # shown as lines, as in the chat loop
-                warnings.simplefilter("always")
-                try:
-                    chat.resume(args.resume)
-                finally:
-                    _show_warnings(caught)
-        except ChatInputError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"[resumed {_extent(chat)} from {args.resume}] {_memory_line(chat.memory())}")
+    if args.resume and not _start_from(chat, lambda: chat.resume(args.resume), "resumed", args.resume, where=""):
+        return 2
     if history is not None:
         from PIL import Image
 
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    for text, reply, images in history[1]:
-                        chat.add_turn(text, reply, images=[Image.open(p).convert("RGB") for p in images])
-                finally:
-                    _show_warnings(caught)
-        except ChatInputError as e:  # images for a text-only model
-            print(f"error: {args.history}: {e}", file=sys.stderr)
+        def feed() -> None:
+            for text, reply, images in history[1]:
+                chat.add_turn(text, reply, images=[Image.open(p).convert("RGB") for p in images])
+
+        if not _start_from(chat, feed, "fed", args.history, where=f"{args.history}: "):  # images for a text-only model
             return 2
-        print(f"[fed {_extent(chat)} from {args.history}] {_memory_line(chat.memory())}")
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
         print()
     return 0
+
+
+def _start_from(chat: RetentionChat, start: Callable[[], None], verb: str, source: str, where: str) -> bool:
+    """Run ``start`` (a resume, or a log fed turn by turn) with its warnings printed as lines, as in the chat loop;
+    then say what was ``verb``-ed from ``source`` and the memory line. False after printing its error (``where``
+    first)."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                start()
+            finally:
+                _show_warnings(caught)
+    except ChatInputError as e:
+        print(f"error: {where}{e}", file=sys.stderr)
+        return False
+    print(f"[{verb} {_extent(chat)} from {source}] {_memory_line(chat.memory())}")
+    return True
 
 
 def _typed_lines() -> Iterator[str]:
