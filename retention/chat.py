@@ -192,6 +192,15 @@ def text_after_reply(render: Callable[[list[dict[str, Any]]], str], messages: li
 _REPLY = "\x1eretention-reply\x1e"  # stands in for the last reply, to find where the template ends it
 
 
+def _ids(value: Any) -> list[int]:
+    """Token ids given as transformers takes them (``eos_token_id``): one id, a list or a tensor of them, or None."""
+    if value is None:
+        return []
+    if torch.is_tensor(value):
+        return [int(v) for v in value.flatten().tolist()]
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
 def _reply_as_marker(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the last one's text content replaced by :data:`_REPLY`."""
     last = messages[-1]
@@ -401,10 +410,9 @@ class RetentionChat:
         after the reply (``<|im_end|>``, ``<|eot_id|>``); none when the template closes a reply otherwise, and the next
         turn then feeds that closer as text."""
         closer = self._after_last_reply(self.messages + [message, {"role": "assistant", "content": reply}])
-        eos = self.model.generation_config.eos_token_id
-        for e in [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]:
-            if e is not None and closer.startswith(self.tokenizer.decode([e], skip_special_tokens=False)):
-                return [int(e)]
+        for e in [*_ids(self.model.generation_config.eos_token_id), *_ids(self.tokenizer.eos_token_id)]:
+            if closer.startswith(self.tokenizer.decode([e], skip_special_tokens=False)):
+                return [e]
         return []
 
     def send(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> str:
@@ -506,8 +514,7 @@ class RetentionChat:
             length = int(turn["input_ids"].shape[1])
             self._image_turns.append({"start": full.shape[1] - length, "length": length, "images": turn["images"]})
         reply_ids = out[0, full.shape[1] :]
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {kwargs.get("eos_token_id")} - {None}
+        eos = {*_ids(self.model.generation_config.eos_token_id), *_ids(kwargs.get("eos_token_id"))}
         self._last_reply_ended = bool(len(reply_ids)) and int(reply_ids[-1]) in eos
         reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         self.ids = out

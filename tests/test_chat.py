@@ -640,3 +640,14 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
     assert torch.equal(fed["ids"], by_hand.ids) and fed["system"] == "You are brief."
     assert f"[fed 2 turn(s), {by_hand.ids.shape[1]} tokens from {tmp_path / 'log.json'}]" in capsys.readouterr().out
     model.retention.detach()
+
+
+def test_a_reply_stopped_by_a_list_of_eos_ids_is_recorded(smollm2):
+    """send(..., eos_token_id=[...]) as generate takes it: the turn is recorded (the list used to crash the commit, after
+    the reply had been generated), and a reply that ended on one of the ids counts as ended."""
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=24)
+    reply = chat.send("Say hello.", eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("!")])
+    assert chat.messages[-1] == {"role": "assistant", "content": reply} and chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+    assert chat._last_reply_ended == (int(chat.ids[0, -1]) in (tok.eos_token_id, tok.convert_tokens_to_ids("!")))
+    assert isinstance(chat.send("Again."), str)
