@@ -305,6 +305,17 @@ def held_out_count(n: int, fraction: float) -> int:
     return max(1, n_eval) if fraction > 0 and n > 1 else n_eval
 
 
+def synthetic_reply(item) -> str:
+    """The assistant's answer to a synthetic item's question: its answer prefix, then its answers."""
+    return (item.answer_prefix + " " + ", ".join(item.answers)).strip()
+
+
+def image_tokens(processor, height: int, width: int) -> int:
+    """Tokens an image of ``height`` x ``width`` pixels takes after the processor's resize and patch merging."""
+    ip = processor.image_processor
+    return ip.get_number_of_image_patches(height, width, {}) // getattr(ip, "merge_size", 2) ** 2
+
+
 def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> Iterator[list[dict[str, str]]]:
     """Retrieval / QA conversations from an eval task generator over the training haystacks.
 
@@ -315,7 +326,7 @@ def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> It
     from tqdm.auto import tqdm
 
     for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"synthetic {source.path}", unit="item", leave=False):
-        reply = (item.answer_prefix + " " + ", ".join(item.answers)).strip()
+        reply = synthetic_reply(item)
         if item.messages is not None:
             yield [*item.messages, {"role": "user", "content": item.question}, {"role": "assistant", "content": reply}]
         else:
@@ -604,8 +615,6 @@ def conversation_length(processor, messages: list[dict[str, Any]], root: Path | 
 
     text = processor.apply_chat_template(messages, tokenize=False)
     n = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-    ip = processor.image_processor
-    merge = getattr(ip, "merge_size", 2)
     for m in messages:
         for c in m["content"] if isinstance(m["content"], list) else []:
             if c.get("type") != "image":
@@ -621,7 +630,7 @@ def conversation_length(processor, messages: list[dict[str, Any]], root: Path | 
                 path = Path(ref["path"] if isinstance(ref, dict) else ref)
                 with Image.open(path if path.is_absolute() or root is None else root / path) as im:
                     w, h = im.size  # header only
-            n += ip.get_number_of_image_patches(h, w, {}) // merge**2 - 1  # one placeholder becomes the image's tokens
+            n += image_tokens(processor, h, w) - 1  # one placeholder becomes the image's tokens
     return n
 
 
@@ -699,27 +708,25 @@ def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> l
     """A synthetic image task's items (training haystacks, the source's seed) as multimodal conversations: each turn's
     photos then its text, the answer as the last reply. The text fills ``source.length`` tokens (default: the row less
     128 tokens and the photos' own tokens)."""
-    from eval.multimodal import dialogue_turns, image_files
-    from eval.tasks import generate
+    import dataclasses
 
-    params = dict(source.params or {})
-    length = source.length
-    if length is None:
+    from eval.multimodal import dialogue_turns, image_files
+
+    if source.length is None:  # the row less room for the question and answer, and the photos' own tokens
         import inspect
 
         from eval.tasks import TASKS
 
+        params = source.params or {}
         defaults = {k: p.default for k, p in inspect.signature(TASKS[source.path]).parameters.items()}
         size, count = params.get("size", defaults["size"]), params.get("images", defaults["images"])
-        per_image = processor.image_processor.get_number_of_image_patches(size, size, {}) // getattr(
-            processor.image_processor, "merge_size", 2) ** 2
-        length = seq_len - 128 - count * per_image
-        if length < 64:
-            raise DataError(f"synthetic {source.path}: {count} photos of {size} pixels take {count * per_image} of the "
+        photos = count * image_tokens(processor, size, size)
+        if seq_len - 128 - photos < 64:
+            raise DataError(f"synthetic {source.path}: {count} photos of {size} pixels take {photos} of the "
                             f"{seq_len} tokens of a row; raise data.seq_len or lower params.images / params.size")
+        source = dataclasses.replace(source, length=seq_len - 128 - photos)
     conversations = []
-    for item in generate(source.path, processor.tokenizer, length, source.max_docs, seed=source.seed, split="train",
-                         **params):
+    for item in synthetic_items(source, processor.tokenizer, seq_len):
         files = image_files(item)
         turns, asked = dialogue_turns(item)
 
@@ -730,9 +737,8 @@ def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> l
         messages = []
         for text, reply, shown in turns:
             messages += [user(text, shown), {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
-        answer = (item.answer_prefix + " " + ", ".join(item.answers)).strip()
         conversations.append(messages + [user(item.question, asked),
-                                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}])
+                                         {"role": "assistant", "content": [{"type": "text", "text": synthetic_reply(item)}]}])
     return conversations
 
 
