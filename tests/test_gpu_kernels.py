@@ -173,6 +173,32 @@ def test_retention_chat_on_the_gpu():
     assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
 
 
+def test_retention_chat_in_bfloat16_on_the_gpu():
+    """`retention chat`'s default on a GPU is bfloat16. The cache keeps bfloat16 entries, the first reply starts
+    with plain generate's first token (the same prefill; later tokens may part on bf16 rounding, since the paged
+    kernel and SDPA sum in different orders), and a budgeted conversation evicts within its bound."""
+    from retention import load_model
+    from retention.chat import RetentionChat
+
+    model, tok = load_model(GPU_MODEL or "smollm2-135m", device="cuda", dtype="bfloat16")
+    question = "What is the capital of France?"
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=4)
+    chat.send(question)
+    assert chat.cache.store.pool.keys.dtype == torch.bfloat16 and chat.ids.device.type == "cuda"
+    x = tok.apply_chat_template([{"role": "user", "content": question}],
+                                add_generation_prompt=True, return_tensors="pt", return_dict=True).to("cuda")
+    n = x["input_ids"].shape[1]
+    chat.model.retention.detach()
+    with torch.no_grad():
+        out = model.generate(**x, max_new_tokens=1, do_sample=False)
+    assert torch.equal(chat.ids[0, :n + 1], out[0, :n + 1])
+    chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
+    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
+        assert isinstance(chat.send(turn), str)
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
+
+
 def test_a_vl_dialogue_item_on_the_gpu(tmp_path):
     """The sweep's multimodal protocol (a shared history, add_turn with photos, compress, send) on a CUDA model; the
     CPU twin is in test_eval_multimodal.py."""
