@@ -738,10 +738,14 @@ def _chat_command(args: argparse.Namespace) -> int:
     try:  # and a file that is no saved conversation, or no conversation log
         if args.resume and args.history:
             raise ChatInputError("--resume and --history both start the conversation: give one")
-        if args.resume:
-            read_transcript(args.resume)
+        shown = None  # the file whose turns hold images: a text-only model cannot take them
+        if args.resume and read_transcript(args.resume)["image_turns"]:
+            shown = args.resume
         if args.history:
             history = read_history(args.history)
+            shown = args.history if any(images for _, _, images in history[1]) else None
+        if shown is not None:
+            _check_shows_images(args.model, shown)
     except ChatInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -771,6 +775,20 @@ def _chat_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
         print()
     return 0
+
+
+def _check_shows_images(model: str, path: str) -> None:
+    """:class:`ChatInputError` when ``path`` (a log or a transcript with images) meets a text-only ``model``, read
+    from the model's config before its weights load. A config that cannot be read is left to the model's load."""
+    from .models import ModelNotAvailableError, is_multimodal, load_config
+
+    try:
+        config = load_config(model, check_support=False)[0]
+    except ModelNotAvailableError:
+        return
+    if not is_multimodal(config):
+        raise ChatInputError(f"{path} holds images but {model} is a text-only model: give a vision-language model "
+                             "(--model Qwen/Qwen3-VL-4B-Instruct), or a conversation without images")
 
 
 def _start_from(chat: RetentionChat, start: Callable[[], None], verb: str, source: str, where: str) -> bool:

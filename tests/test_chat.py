@@ -600,6 +600,8 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
     fed fail before the model loads, each with its problem named."""
     import json
 
+    from PIL import Image
+
     import retention.chat as chat_module
     import retention.models
     from retention.chat import read_history
@@ -621,8 +623,11 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
            "photo.json": [{"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]},
                           {"role": "assistant", "content": "ok"}],
            "saved.json": {"format": "retention-chat"}}
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+    bad["shown.json"] = [{"role": "user", "content": [{"type": "image", "image": "photo.png"}, {"type": "text", "text": "What is this?"}]},
+                         {"role": "assistant", "content": "A square."}]  # a photo that exists, for a text-only model
     words = {"open.json": "end with a reply", "roles.json": "give each message a role", "photo.json": "nowhere.png not found",
-             "saved.json": "--resume"}
+             "saved.json": "--resume", "shown.json": "smollm2-135m is a text-only model"}
     for name, data in bad.items():
         (tmp_path / name).write_text(json.dumps(data))
         assert main(["chat", "--history", str(tmp_path / name)]) == 2

@@ -108,13 +108,17 @@ def test_under_a_budget_every_kept_entry_sits_at_its_true_position():
         torch.testing.assert_close(view.keys[0, h][valid], want[h, pos], atol=1e-4, rtol=1e-4)
     assert 0 < kept < n * want.shape[0]  # some entries were evicted, some kept
 
-def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path):
+def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path, monkeypatch, capsys):
     """The transcript keeps each image turn's pixels: resumed in a new chat, the cache holds the same keys (images at
-    their M-RoPE positions) and the next reply is the original chat's; saving the resumed chat keeps the images."""
+    their M-RoPE positions) and the next reply is the original chat's; saving the resumed chat keeps the images.
+    `retention chat --resume` refuses it for a text-only model before that model loads."""
     import json
     import warnings
 
     import torch
+
+    import retention.models
+    from retention.cli import main
 
     proc = tiny_qwen3_vl_processor()
     model = tiny_qwen3_vl_for(proc)
@@ -134,6 +138,9 @@ def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path):
     assert again.send("Which one is brighter?") == live.send("Which one is brighter?")
     saved = json.loads(again.save(tmp_path / "again.json").read_text())
     assert [t["images"] for t in saved["image_turns"]] == [t["images"] for t in json.loads(path.read_text())["image_turns"]]
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["chat", "--resume", str(path)]) == 2  # the embedded model by default: text only
+    assert "smollm2-135m is a text-only model" in capsys.readouterr().err
 
 
 def test_the_memory_report_counts_the_image_entries_kept():
