@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from retention.hub import load_gates
+from retention.hub import load_gates, local_checkpoint
+from retention.models import ModelNotAvailableError
 from retention.models import embedded_model_dir
 from tiny_models import tiny_llama
 from train.config import load_config
-from train.loop import train
+from train.loop import init_from_note, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -514,11 +515,19 @@ def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_
     assert summaries[1]["held_out_kl"] == summaries[1]["history"][-1]["eval_kl"]
 
 
-def test_a_missing_init_from_folder_is_refused_before_the_model_loads(tiny_setup, tmp_path):
+def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
+    """A missing folder is refused before the model loads; a shipped checkpoint's name is taken, and the card says
+    how it was trained."""
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     missing = tmp_path / "stage1" / "final"
     with pytest.raises(SystemExit, match="not a folder here: train the run that writes it first"):
         train(load_config(cfg_file, over + [f"gates.init_from={missing}", "model.name=/nonexistent/model"]))
+    # a shipped checkpoint's name is no missing folder: the run goes on to its next check (here, the missing model)
+    with pytest.raises(ModelNotAvailableError, match="/nonexistent/model"):
+        train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
+    cfg = load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global"])
+    shipped = json.loads((local_checkpoint("smollm2-135m-global") / "config.json").read_text())["training"]
+    assert init_from_note(cfg).startswith(f"smollm2-135m-global ({shipped['steps']} steps, ")  # the card says how
 
 
 def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):

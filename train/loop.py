@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 from retention.attach import RetentionAttachment, attach_gates, check_gates_match, text_config_of, unwrap
 from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig, check_gate_folder_target
-from retention.hub import export_gates, load_gates, push_to_hub
+from retention.hub import export_gates, load_gates, local_checkpoint, push_to_hub
 from retention.io import atomic_directory, exclusive_use, save_state
 from retention.losses import beta_stats, capacity_loss, distillation_kl
-from retention.models import cache_dir, load_model
+from retention.models import cache_dir, load_model, looks_like_a_path
 
 from .config import Config
 from .data import (PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any,
@@ -314,8 +314,9 @@ def init_from_note(cfg: Config) -> str | None:
     src = cfg.gates.init_from
     if not src:
         return None
-    meta = Path(src) / "config.json"
-    if not meta.is_file():
+    folder = local_checkpoint(src)  # a folder here or a shipped checkpoint's name
+    meta = None if folder is None else folder / "config.json"
+    if meta is None or not meta.is_file():
         return str(src)  # a Hub repo id: its own card says how it was trained
     parent = json.loads(meta.read_text()).get("training", {})
     said = [f"{parent['steps']} steps" if "steps" in parent else None,
@@ -472,8 +473,9 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         check_local_source(source)
         check_hub_source(source)
     src = cfg.gates.init_from
-    # a Hub id is "owner/name"; anything else that names no folder is a stage not yet run (say so before loading)
-    if src and not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
+    # a folder here, a shipped checkpoint's name, or a Hub id ("owner/name", never path-like); anything else is a
+    # stage not yet run (say so before loading)
+    if src and local_checkpoint(src) is None and (looks_like_a_path(src) or src.count("/") != 1):
         raise SystemExit(f"gates.init_from = {src!r} is not a folder here: train the run that writes it first "
                          f"(a stage-1 config's export.dir), or point init_from at a gate checkpoint folder or Hub repo")
     if model_and_processor is None:  # the model's config, not its weights: what cannot work fails before the load
