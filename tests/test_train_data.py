@@ -259,7 +259,9 @@ def test_training_rows_without_distilled_positions_are_dropped_unless_kept(token
 
 def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_loads(monkeypatch):
     """One metadata request per Hub source: a typo or a gated set is said before the model loads (it used to surface
-    after it). An unreachable Hub or offline mode passes: the datasets cache may still serve the set."""
+    after it), and so are a split the set lacks and a first record without the source's field. An unreachable Hub or
+    offline mode passes: the datasets cache may still serve the set."""
+    import datasets
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -277,6 +279,14 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
         Exception.__init__(e, "from the Hub")
         return e
 
+    def stream(rows):  # the set's first records, as load_dataset(streaming=True) gives them
+        def load_dataset(path, split, streaming):
+            assert streaming and (path, split) == ("someone/no-such-set", "train")
+            if isinstance(rows, Exception):
+                raise rows
+            return iter(rows)
+        return load_dataset
+
     asked = []
     source = SourceConfig(kind="chat", path="someone/no-such-set")
     for error, words in ((hub_error(RepositoryNotFoundError), "the Hub has no such dataset, or it is private"),
@@ -284,12 +294,25 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
         monkeypatch.setattr(HfApi, "dataset_info", answer(error))
         with pytest.raises(DataError, match=re.escape(words)):
             check_hub_source(source)
+    chat = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    monkeypatch.setattr(datasets, "load_dataset", stream(chat))
     for error in (None, ConnectionError("unreachable")):  # found, or no answer about the set: go on
         monkeypatch.setattr(HfApi, "dataset_info", answer(error))
         check_hub_source(source)
     assert asked == ["someone/no-such-set"] * 4
+    # found: its first record is read before the model loads, so a wrong split or field is said then too
+    monkeypatch.setattr(HfApi, "dataset_info", answer(None))
+    for rows, words in ((ValueError("Bad split: train. Available splits: ['test']"), "Bad split: train"),
+                        ([{"text": "hi"}], "a record has no 'messages' field (it has ['text'])")):
+        monkeypatch.setattr(datasets, "load_dataset", stream(rows))
+        with pytest.raises(DataError, match=re.escape(words)):
+            check_hub_source(source)
+    for rows in ([], ConnectionError("the stream broke off")):  # nothing read: the load says what failed
+        monkeypatch.setattr(datasets, "load_dataset", stream(rows))
+        check_hub_source(source)
+    asked.clear()
     for local in (SourceConfig(kind="text", path="sotu"), SourceConfig(kind="synthetic", path="niah_single")):
         check_hub_source(local)  # builtin and generated sources are not on the Hub
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     check_hub_source(source)
-    assert len(asked) == 4
+    assert asked == []

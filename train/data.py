@@ -184,9 +184,10 @@ def check_local_source(source: SourceConfig) -> None:
 
 
 def check_hub_source(source: SourceConfig) -> None:
-    """Ask the Hub whether a Hub source exists and can be read (one metadata request), before the model loads:
-    DataError for a dataset the Hub says is missing, private or gated. An unreachable Hub or offline mode passes, since
-    the local datasets cache may serve it; the load itself then says what failed."""
+    """Ask the Hub whether a Hub source exists and can be read (one metadata request), then read its first record
+    (streamed), before the model loads: DataError for a dataset the Hub says is missing, private or gated, a split it
+    does not have, or a record without the source's field. An unreachable Hub or offline mode passes, since the local
+    datasets cache may serve it; the load itself then says what failed."""
     if source.kind == "synthetic" or source.path in BUILTIN_CORPORA or Path(source.path).expanduser().exists():
         return
     from huggingface_hub import HfApi, constants
@@ -205,6 +206,16 @@ def check_hub_source(source: SourceConfig) -> None:
                         f"{sorted(BUILTIN_CORPORA)}") from None
     except Exception:  # unreachable, rate-limited...: not an answer about the dataset
         return
+    import datasets
+
+    try:
+        first = next(iter(datasets.load_dataset(source.path, split=source.split, streaming=True)), None)
+    except ValueError as e:  # the datasets library's answer about the set: a split or config it does not have
+        raise DataError(f"data source {source.path!r} (split {source.split!r}): {e}") from None
+    except Exception:  # the stream broke off: not an answer about the dataset
+        return
+    if first is not None:
+        _record_content(first, source.kind, source.field, f"data source {source.path!r}")
 
 
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
