@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,15 @@ from .tasks.base import Item
 
 _MARKER = re.compile(r"<image (\d+)>")
 IMAGE_TASKS = ("mmdu", "image_memory")  # tasks whose items show images: a vision-language model runs them here
+
+
+@contextmanager
+def _chat_position_warning_off():
+    """Silence RetentionChat's warning about running past the model's positions (it points a chat user to /reset):
+    the sweep says it per item instead, and marks the rows (``past_positions``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="this conversation may reach")
+        yield
 
 
 def is_multimodal_item(item: Item) -> bool:
@@ -103,8 +114,9 @@ class History:
                                   max_new_tokens=max_new_tokens, system=_system(item))
         self.chat.cache.set_budget(entries)
         turns, _ = dialogue_turns(item)
-        for text, reply, shown in turns:
-            self.chat.add_turn(text, reply, images=[self.pictures[k - 1] for k in shown])
+        with _chat_position_warning_off():
+            for text, reply, shown in turns:
+                self.chat.add_turn(text, reply, images=[self.pictures[k - 1] for k in shown])
         self.rope_delta = base.model.rope_deltas
 
     def fork(self, cache: Any) -> Any:
@@ -142,8 +154,8 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
                           prefill_mode: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32,
                           history: History | None = None) -> list[dict[str, Any]]:
     """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
-    :func:`eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's) and
-    ``kept_image_entries``. ``history``: the item's history fed once for every method that
+    :func:`eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's),
+    ``kept_image_entries`` and, for a dialogue that ran past the model's positions, ``past_positions``. ``history``: the item's history fed once for every method that
     :func:`shares_history` (from :func:`shared_history`)."""
     from retention.attach import unwrap
     from retention.cache import RetentionCache
@@ -160,7 +172,7 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
     with method.active(model):
         method.prepare(model, item)
         own = None if streaming or history is not None else History(model, processor, item, policy, chunk, new_tokens)
-        rows = []
+        rows, warned = [], False
         for budget in budgets:
             if streaming and budget is not None and budget.kind == "fraction":
                 raise ValueError(f"{item.id}: a streaming prefill evicts before the history's length is known; give "
@@ -188,6 +200,14 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
                 continue
             row.update(method.memory(c.cache, model), image_tokens=int((c.ids[0] == image_token).sum()),
                        kept_image_entries=kept_image_entries(c.cache, c.ids, image_token))
-            reply = c.send(item.question, images=[pictures[k - 1] for k in asked], max_new_tokens=new_tokens)
+            with _chat_position_warning_off():
+                reply = c.send(item.question, images=[pictures[k - 1] for k in asked], max_new_tokens=new_tokens)
+            if c.max_positions is not None and c.ids.shape[1] > c.max_positions:
+                row["past_positions"] = True
+                if not warned:
+                    warned = True
+                    warnings.warn(f"{item.id}: the dialogue runs to {c.ids.shape[1]:,} tokens, past the model's "
+                                  f"{c.max_positions:,} positions (max_position_embeddings): its rows score positions "
+                                  "the model never trained on (marked past_positions)", stacklevel=2)
             rows.append({**row, "score": score_reply(item.metric, reply, item.answers), "reply": reply})
         return rows

@@ -43,6 +43,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[Group, dict[str, Any]]:
             "metric": rs[0].get("metric", "recall"),
             "n": len(ok),
             "errors": len(rs) - len(ok),
+            "past_positions": sum(bool(r.get("past_positions")) for r in ok),  # longer than the model's positions
         }
     return out
 
@@ -64,7 +65,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         task, length, method, budget = g
         v = s[g]
         kl = "" if v["kl"] is None else f"{v['kl']:.3g}"
-        n = f"{v['n']}" + (f" ({v['errors']} failed)" if v["errors"] else "")
+        notes = [f"{v['errors']} failed"] * bool(v["errors"]) + [f"{v['past_positions']} past positions"] * bool(v["past_positions"])
+        n = f"{v['n']}" + (f" ({', '.join(notes)})" if notes else "")
         share = "" if not images else ("| " if v["image_share"] is None or not v["n"] else f"{v['image_share']:.0%} | ")
         if v["n"]:
             lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | {v['score']:.1f} | {kl} | "

@@ -235,3 +235,22 @@ def test_the_dialogue_helper_the_gpu_test_shares(tmp_path):
     assert full["device"] == gated["device"] == "cpu" and full["image_tokens"] == gated["image_tokens"] > 0
     assert gated["kept_entries"] <= gated["budget_entries"] < full["kept_entries"]
     assert isinstance(full["reply"], str) and isinstance(gated["reply"], str)
+
+
+def test_a_dialogue_past_the_models_positions_is_said_per_item_and_marked(vl, tmp_path, monkeypatch):
+    """A dialogue longer than the model's positions: one warning naming the item (not the chat's, which points a chat
+    user to /reset), and its rows marked past_positions; within the positions, no mark."""
+    model, proc = vl
+    item = load_mmdu(_benchmark(tmp_path), limit=1, max_new_tokens=3)[0]
+    budgets = [parse_budget(0.25), parse_budget(0.5)]
+    method = make_method({"name": "global_gates"})
+    rows = run_chat_item_budgets(model, proc, item, method, budgets, max_new_tokens=3)
+    assert not any("past_positions" in r for r in rows)
+    limit = rows[0]["context_tokens"] // 2
+    monkeypatch.setattr(model.config.text_config, "max_position_embeddings", limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = run_chat_item_budgets(model, proc, item, method, budgets, max_new_tokens=3)
+    said = [str(w.message) for w in caught if "positions" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"{item.id}: ") and f"past the model's {limit:,} positions" in said[0]
+    assert all(r["past_positions"] is True for r in rows) and len(rows) == 2

@@ -93,14 +93,14 @@ def test_report_from_a_fixed_results_file(tmp_path):
         {**base, "item": "a", "method": "snapkv", "budget": "fraction=0.1", "score": 50.0, "kept_entries": 100,
          "kv_bytes": 2**20 / 10},
         {**base, "item": "b", "method": "snapkv", "budget": "fraction=0.1", "score": 0.0, "kept_entries": 100,
-         "kv_bytes": 2**20 / 10},
+         "kv_bytes": 2**20 / 10, "past_positions": True},  # a dialogue longer than the model's positions
         {**base, "item": "c", "method": "snapkv", "budget": "fraction=0.1", "score": None, "error": "too small"},
     ]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = markdown_table(read_results(path))
     assert "| niah_single | 1024 | full | full | 100.0 |  | 1,000 | 1.00 | 100% | 1 |" in table
-    assert "| niah_single | 1024 | snapkv | 10% | 25.0 |  | 100 | 0.10 | 10% | 2 (1 failed) |" in table
+    assert "| niah_single | 1024 | snapkv | 10% | 25.0 |  | 100 | 0.10 | 10% | 2 (1 failed, 1 past positions) |" in table
     md = write_report(path)
     assert (tmp_path / "niah_single.png").stat().st_size > 1000 and "niah_single.png" in md.read_text()
     assert "gaps.png" not in md.read_text()  # 2 items and one budget: no intervals to draw
