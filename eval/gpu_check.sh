@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, as eval/results/gpu-h100/ was made: the compiled-kernel tests, then the three
-# benchmarks, each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
+# benchmarks (and the CUDA-graph ceiling of a decode step), each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
 # randomly initialised copy of the model (eval/random_copy.py) where the weights cannot be brought along; a
 # MODEL folder is also the model of the GPU chat tests (RETENTION_GPU_MODEL), which otherwise need the embedded one.
 #
@@ -27,3 +27,5 @@ done | tee "$OUT/bench_train.txt"
 $PY eval/bench_decode.py --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 --repeats 3 \
   --profile "$OUT/decode_profile.txt" 2>&1 \
   | tee "$OUT/bench_decode.txt"
+$PY eval/bench_graph_ceiling.py --model "$MODEL" --context 4096 --budget 512 --new 32 --repeats 4 --dtype bfloat16 2>&1 \
+  | tee "$OUT/bench_graph_ceiling.txt"

@@ -86,3 +86,20 @@ def test_benchmark_arguments_are_checked_before_anything_loads(script, args, wor
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_graph_ceiling_bench_decodes_the_same_tokens_from_a_static_cache():
+    """eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache, fed with
+    explicit cache positions, decodes the eager DynamicCache's greedy tokens, and every setting is timed."""
+    import torch
+
+    import bench_graph_ceiling
+    from retention import attach_gates
+    from tiny_models import tiny_llama
+
+    model = tiny_llama().eval()
+    attach_gates(model, None, mode="score")
+    ids = torch.randint(0, 100, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    ms, tokens = bench_graph_ceiling.run_round(model, ids, budget_tokens=8, new_tokens=6, chunk=32)
+    assert set(ms) == {"budget", "bare", "static"} and all(v > 0 for v in ms.values())
+    assert len(tokens["bare"]) == 6 and tokens["static"] == tokens["bare"]
