@@ -8,6 +8,7 @@ every launch recorded once. On a GPU a 135M model's decode step is bound by host
 between ``budget`` and ``bare`` is what our cache machinery costs now.
 
   budget         RetentionCache, B tokens per (layer, KV head), gates scoring (our decode path)
+  budget+graph   the same, each step replayed as a recorded CUDA graph (retention.cache.graph_decode; GPU only)
   bare           DynamicCache, gates bypassed (the model's own eager decode)
   static         StaticCache sized N + new tokens, gates bypassed, eager
   static+graph   the same step captured once with torch.cuda.graphs and replayed (GPU only)
@@ -68,6 +69,18 @@ def run_round(model, ids, budget_tokens: int, new_tokens: int, chunk: int) -> tu
             tok[0] = model(input_ids=tok[0], **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
             tokens.setdefault("budget", []).append(int(tok[0]))
         ms["budget"] = _timed(ours, new_tokens, sync)
+
+        if cuda:  # the same cache and budget, each step replayed as a recorded CUDA graph
+            from retention.cache.graph_decode import GraphDecoder
+
+            cache = RetentionCache(model, budget=RetentionCache.budget_for(model, budget_tokens))
+            tok = [prefill(cache, None)]
+            decoder = GraphDecoder(model, cache)
+
+            def ours_graphed():
+                tok[0] = decoder.step(tok[0]).argmax(-1, keepdim=True)
+                tokens.setdefault("budget+graph", []).append(int(tok[0]))
+            ms["budget+graph"] = _timed(ours_graphed, new_tokens, sync)
 
         with model.retention.use_mode("teacher"):  # gates bypassed: the model's own cost
             cache = DynamicCache()
@@ -157,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         ms, tokens = run_round(model, ids, args.budget, args.new, args.chunk)
         if r == 0:  # the bare model's greedy tokens, three ways: the graph must decode what eager decoding does
-            agree = {k: v == tokens["bare"] for k, v in tokens.items() if k != "budget"}
+            agree = {k: v == tokens["bare"] for k, v in tokens.items() if not k.startswith("budget")}
             print(f"greedy tokens equal to the eager DynamicCache's: {agree}")
+            if "budget+graph" in tokens:
+                print(f"budget+graph decodes the budget row's greedy tokens: {tokens['budget+graph'] == tokens['budget']}")
         else:
             rounds.append(ms)
     rounds = rounds or [ms]

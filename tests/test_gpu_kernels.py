@@ -150,6 +150,45 @@ def test_decode_step_adds_no_host_sync():
     assert kept <= plain, (kept, plain)
 
 
+def test_a_decode_step_replayed_as_a_cuda_graph_decodes_as_the_cache_does():
+    """GraphDecoder records a decode step (gates scoring, planned slots, the paged kernel) as a CUDA graph: its
+    logits match the same planned step run eagerly (the same kernels) and the cache's ordinary decode path,
+    through evictions and new pages, and a growing block table is recorded again."""
+    from retention import attach_gates
+    from retention.cache import RetentionCache
+    from retention.cache.graph_decode import GraphDecoder
+    from retention.compat import cache_kwargs
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=64, hidden_size=384, num_attention_heads=6).cuda().eval()
+    attach_gates(model, None, mode="score", bias_init=1.0)
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def prefilled():
+        cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 40), initial_pages=8)
+        with torch.no_grad():
+            tok = model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        return cache, tok
+
+    (plain, tok), (eager, _), (graphed, _) = prefilled(), prefilled(), prefilled()
+    by_eager, by_graph = GraphDecoder(model, eager, graph=False), GraphDecoder(model, graphed)
+    assert by_graph.graph
+    layouts = []  # the store's addresses and table width at each replay: a new one must be recorded again
+    for _ in range(60):
+        with torch.no_grad():
+            want = model(input_ids=tok, **cache_kwargs(plain), use_cache=True).logits[:, -1]
+        same = by_eager.step(tok)
+        got = by_graph.step(tok)
+        if not layouts or layouts[-1] != by_graph._addresses():
+            layouts.append(by_graph._addresses())
+        torch.testing.assert_close(got, same, atol=1e-5, rtol=1e-5)  # the same kernels, replayed
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        tok = want.argmax(-1, keepdim=True)
+    assert plain.evictions == graphed.evictions >= 2 and plain._seen == graphed._seen
+    assert by_graph.captures == len(layouts) >= 2  # once per layout (the table grew on the way), not per step
+    graphed.store.check()
+
+
 def test_retention_chat_on_the_gpu():
     """RetentionChat built its inputs on the CPU: on a CUDA model, generate failed on devices. The first reply
     equals plain generate on the GPU, and a budgeted conversation goes on with its cache and ids there."""

@@ -27,8 +27,9 @@ def run_example(code: str, cwd: Path) -> str:
 
 def test_the_readme_has_the_examples_this_file_runs():
     blocks = python_blocks()
-    assert len(blocks) == 3, "a Python example was added to or removed from the README: update tests/test_readme.py"
-    assert "RetentionChat(model, tok" in blocks[2] and "model, tok" in blocks[1]  # the chat example reuses the model
+    assert len(blocks) == 4, "a Python example was added to or removed from the README: update tests/test_readme.py"
+    assert "model, tok" in blocks[1] and "GraphDecoder(model, cache)" in blocks[2]  # the later examples reuse the model
+    assert "RetentionChat(model, tok" in blocks[3]
 
 
 def test_python_in_ten_lines(tmp_path):
@@ -38,5 +39,8 @@ def test_python_in_ten_lines(tmp_path):
 
 def test_inference_with_a_global_budget_then_a_chat(tmp_path):
     blocks = python_blocks()
-    out = run_example(blocks[1] + "\n" + blocks[2], tmp_path)
+    graph = blocks[2].replace("range(63)", "range(3)")  # 4 tokens, as max_new_tokens is lowered to for generate
+    out = run_example(blocks[1] + "\n" + graph + "\n" + blocks[3], tmp_path)
+    generated = out.splitlines()[0]  # generate's reply, then the cache's report, then GraphDecoder's reply
+    assert generated.strip() and out.count(generated + "\n") == 2  # the planned steps decode generate's tokens
     assert out.count("KV cache:") == 2  # the cache's memory report, then the chat's

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attach import text_config_of, unwrap
 from ..policies.base import EntryView, EvictionPolicy
 from ..policies.global_gates import GlobalGatesPolicy
-from .attention import padded_attention
+from .attention import padded_attention, paged_decode_reference
 from .paged import PagedKVStore
 from .select import rank_in_groups, select_keep
 
@@ -115,6 +115,13 @@ def _new_token_valid(mask: torch.Tensor | None, batch: int, T: int) -> torch.Ten
     return allowed.any(1).expand(batch, T)
 
 
+def _triton_decodes(t: torch.Tensor) -> bool:
+    """Whether paged decoding runs the Triton kernel for ``t``'s device: on CUDA, or forced for tests."""
+    import os
+
+    return t.is_cuda or os.environ.get("RETENTION_FORCE_TRITON") == "1"
+
+
 class RetentionCache(Cache):
     """Paged KV cache with global top-B eviction scored by an :class:`EvictionPolicy`.
 
@@ -179,6 +186,9 @@ class RetentionCache(Cache):
         self._crop_floor = 0  # tokens seen at the last eviction or padded forward: crop cannot go below
         self.evictions = 0
         self.peak_entries = 0
+        # set by GraphDecoder around one decode step: {"slots": (L, B*H), "pos": (B*H,)} device tensors; the step
+        # then writes its entries there and attends without host work (see retention.cache.graph_decode)
+        self._static: dict[str, torch.Tensor] | None = None
 
     # -- budget ------------------------------------------------------------------------------------
     @staticmethod
@@ -260,6 +270,11 @@ class RetentionCache(Cache):
             hint = (f"; to continue each held sequence {B // self.store.batch} times call "
                     f"cache.batch_repeat_interleave({B // self.store.batch}) first" if B % self.store.batch == 0 else "")
             raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; or use a new cache")
+        if self._static is not None:  # a decode step GraphDecoder planned: no host work, so a graph can record it
+            self.store.write(self._static["slots"][layer_idx], key_states.reshape(B * H, D),
+                             value_states.reshape(B * H, D), log_beta.reshape(B * H), self._static["pos"])
+            self._views[layer_idx] = (None, None)
+            return key_states, value_states
         t0 = self._seen[layer_idx]
         if layer_idx == 0:
             self._maybe_evict(T)
@@ -294,11 +309,9 @@ class RetentionCache(Cache):
 
     def _paged_decode(self, key_states: torch.Tensor, T: int) -> bool:
         """Single-token decoding on CUDA (or forced for tests) goes through the Triton paged kernel."""
-        import os
-
         if T != 1 or self.policy.needs_queries or self.page_size & (self.page_size - 1):
             return False
-        if not (key_states.is_cuda or os.environ.get("RETENTION_FORCE_TRITON") == "1"):
+        if not _triton_decodes(key_states):
             return False
         return not bool(self._pad_entries.any())  # (host) padding entries are masked by the padded path only
 
@@ -316,10 +329,13 @@ class RetentionCache(Cache):
             q = query.reshape(B, H, Hq // H, D).reshape(B * H, Hq // H, D)
             store, pool = self.store, self.store.pool
             out = flash_paged_decode(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
+            if out is None and self._static is not None and not _triton_decodes(q):  # GraphDecoder on the CPU
+                out = paged_decode_reference(q, pool.keys, pool.values, store.block_table[rows], store.lengths[rows], scale)
             if out is None:  # the kernel reads the layer's rows of the block table in place
-                out = paged_decode_triton(
-                    q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows, longest=store.longest(layer)
-                )
+                # a graph replays the grid it recorded: the table's width then, not the host's longest stream now
+                longest = None if self._static is not None else store.longest(layer)
+                out = paged_decode_triton(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows,
+                                          longest=longest)
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view, qpos)

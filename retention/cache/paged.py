@@ -60,6 +60,7 @@ class PagedKVStore:
         # (one device sync per layer and token otherwise); the same tensor on CPU
         self.host_lengths = self.lengths if dev.type == "cpu" else torch.zeros_like(self.lengths, device="cpu")
         self._layer_streams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # streams(layer), device and host
+        self._all_streams: tuple[torch.Tensor, torch.Tensor] | None = None  # every stream, device and host
 
     # -- indexing ----------------------------------------------------------------------------------
     def streams(self, layer: int, batch_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,6 +107,15 @@ class PagedKVStore:
         R, T = keys.shape[0], keys.shape[1]
         if T == 0:
             return
+        slot, pos = self._reserve(rows, host_rows, T, pos)
+        self.write(slot, keys.reshape(R * T, -1), values.reshape(R * T, -1), log_beta.reshape(-1), pos.reshape(-1))
+
+    def _reserve(self, rows: torch.Tensor, host_rows: torch.Tensor, T: int,
+                 pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Room for ``T`` more entries in each stream of ``rows`` ``(R,)``: pages allocated where needed and the
+        lengths grown by ``T`` (host and device). Returns the entries' pool slots ``(R * T,)`` on the device and
+        ``pos`` ``(R, T)`` moved there (None stays None)."""
+        R = rows.shape[0]
         dev, ps = rows.device, self.page_size
         # page planning on the host copy of the lengths: nothing here waits for the device
         old = self.host_lengths[host_rows]
@@ -123,17 +133,33 @@ class PagedKVStore:
             self.block_table[owner, col] = self.pool.alloc(owner)
         idx = old[:, None] + torch.arange(T)[None]  # (R, T) slots in each stream, on the host
         # one host-to-device copy carries the page columns, offsets and (host) positions
-        host = [idx // ps, idx % ps] + ([pos.reshape(R, T)] if pos.device.type == "cpu" else [])
+        on_host = pos is not None and pos.device.type == "cpu"
+        host = [idx // ps, idx % ps] + ([pos.reshape(R, T)] if on_host else [])
         moved = torch.stack(host).to(dev, non_blocking=True)
-        pos = moved[2] if len(host) == 3 else pos.reshape(R, T)
+        if pos is not None:
+            pos = moved[2] if on_host else pos.reshape(R, T)
         slot = (self.block_table[rows[:, None], moved[0]] * ps + moved[1]).flatten()  # (R * T,) in the pool
-        p = self.pool
-        p.keys.view(-1, p.keys.shape[-1]).index_copy_(0, slot, keys.reshape(R * T, -1).to(p.dtype))
-        p.values.view(-1, p.values.shape[-1]).index_copy_(0, slot, values.reshape(R * T, -1).to(p.dtype))
-        p.log_beta.view(-1).index_copy_(0, slot, log_beta.reshape(-1).to(torch.float32))
-        p.pos.view(-1).index_copy_(0, slot, pos.reshape(-1))
         self.host_lengths[host_rows] = new
         self._lengths_to_device()
+        return slot, pos
+
+    def reserve_next(self) -> torch.Tensor:
+        """Room for one more entry in every stream (a decode step of every sequence): slots ``(num_streams,)`` on the
+        device, in stream order; the lengths grow by one. The caller writes the entries (:meth:`write`)."""
+        if self._all_streams is None:
+            host = torch.arange(self.num_streams)
+            self._all_streams = (host.to(self.pool.device), host)
+        return self._reserve(*self._all_streams, 1)[0]
+
+    def write(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor,
+              pos: torch.Tensor) -> None:
+        """Store entries at pool ``slot`` ``(n,)``: ``keys/values`` ``(n, D)``, ``log_beta`` ``(n,)``, ``pos`` ``(n,)``
+        int64. No host work: a CUDA graph can record it."""
+        p = self.pool
+        p.keys.view(-1, p.keys.shape[-1]).index_copy_(0, slot, keys.to(p.dtype))
+        p.values.view(-1, p.values.shape[-1]).index_copy_(0, slot, values.to(p.dtype))
+        p.log_beta.view(-1).index_copy_(0, slot, log_beta.to(torch.float32))
+        p.pos.view(-1).index_copy_(0, slot, pos)
 
     def _lengths_to_device(self) -> None:
         # non_blocking from pageable memory: staged at once, so later host edits cannot race the copy
@@ -244,6 +270,7 @@ class PagedKVStore:
         self.host_lengths = lengths if lengths.device.type == "cpu" else lengths.cpu()
         self.batch, self.num_streams = len(indices), len(src)
         self._layer_streams.clear()
+        self._all_streams = None
         owned = self.block_table >= 0  # page owners follow the renumbered streams
         self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=dev)[:, None].expand_as(self.block_table)[owned]
 

@@ -1,0 +1,79 @@
+"""GraphDecoder's planned decode step (retention.cache.graph_decode) against the cache's ordinary decode path, on the
+CPU where it runs eagerly: the same logits, evictions and kept entries step for step. The recorded CUDA graph is
+checked on a GPU in test_gpu_kernels.py."""
+
+import pytest
+import torch
+
+from retention import attach_gates
+from retention.cache import RetentionCache
+from retention.cache.graph_decode import GraphDecoder
+from retention.compat import cache_kwargs
+from tiny_models import tiny_llama
+
+
+def _prefilled(model, ids, budget_tokens, policy=None):
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, budget_tokens), policy=policy)
+    with torch.no_grad():
+        first = model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    return cache, first
+
+
+def _kept(cache):
+    """Every stream's kept positions, in order."""
+    s = cache.store
+    view = s.gather(torch.arange(s.num_streams), with_kv=False)
+    return [view.pos[r][view.valid[r]].tolist() for r in range(s.num_streams)]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_planned_step_decodes_as_the_cache_does(batch):
+    """Fed the same tokens, the planned step gives the ordinary path's logits at every step, through evictions and
+    new pages, and leaves the cache holding the same entries, counters and peak."""
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    attach_gates(model, None, mode="score", bias_init=1.0)
+    ids = torch.randint(0, 100, (batch, 40), generator=torch.Generator().manual_seed(1))
+    plain, tok = _prefilled(model, ids, budget_tokens=12)
+    planned, _ = _prefilled(model, ids, budget_tokens=12)
+    decoder = GraphDecoder(model, planned, graph=False)
+    assert not decoder.graph
+    for _ in range(40):  # past several pages of 16 and evictions (budget 12 tokens per head, one page of slack)
+        with torch.no_grad():
+            want = model(input_ids=tok, **cache_kwargs(plain), use_cache=True).logits[:, -1]
+        got = decoder.step(tok)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        tok = want.argmax(-1, keepdim=True)
+    assert plain.evictions == planned.evictions >= 2
+    assert plain._seen == planned._seen == [80] * model.config.num_hidden_layers
+    assert plain.peak_entries == planned.peak_entries
+    assert _kept(plain) == _kept(planned)
+    planned.store.check()
+
+
+def test_what_the_planned_step_cannot_decode_is_refused():
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="score mode"):
+        GraphDecoder(model, RetentionCache.__new__(RetentionCache))
+    attach_gates(model, None, mode="score")
+    with pytest.raises(ValueError, match="prefill the prompt first"):
+        GraphDecoder(model, RetentionCache(model, budget=None))
+    cache, _ = _prefilled(model, ids, budget_tokens=8, policy="snapkv")
+    with pytest.raises(ValueError, match="reads the queries"):
+        GraphDecoder(model, cache)
+    cache, _ = _prefilled(model, ids, budget_tokens=8)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        GraphDecoder(model, cache, graph=True)
+    padded = RetentionCache(model, budget=None)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        model(input_ids=ids.expand(2, 20), attention_mask=mask, **cache_kwargs(padded), use_cache=True)
+    with pytest.raises(ValueError, match="left padding"):
+        GraphDecoder(model, padded)
+    decoder = GraphDecoder(model, cache)
+    with pytest.raises(ValueError, match=r"ids of shape \(1, 1\)"):
+        decoder.step(torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match="RetentionCache"):
+        GraphDecoder(model, object())
