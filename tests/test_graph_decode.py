@@ -7,7 +7,7 @@ import torch
 
 from retention import attach_gates
 from retention.cache import RetentionCache
-from retention.cache.graph_decode import GraphDecoder
+from retention.cache import GraphDecoder
 from retention.compat import cache_kwargs
 from tiny_models import tiny_llama
 
