@@ -9,7 +9,7 @@ from retention import attach_gates
 from retention.cache import RetentionCache
 from retention.cache import GraphDecoder
 from retention.compat import cache_kwargs
-from tiny_models import tiny_llama
+from tiny_models import BUILDERS, tiny_llama
 
 
 def _prefilled(model, ids, budget_tokens, policy=None):
@@ -26,12 +26,12 @@ def _kept(cache):
     return [view.pos[r][view.valid[r]].tolist() for r in range(s.num_streams)]
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_the_planned_step_decodes_as_the_cache_does(batch):
+@pytest.mark.parametrize("arch,batch", [("llama", 1), ("llama", 2), ("mistral", 2), ("qwen2", 2), ("qwen3", 2)])
+def test_the_planned_step_decodes_as_the_cache_does(arch, batch):
     """Fed the same tokens, the planned step gives the ordinary path's logits at every step, through evictions and
-    new pages, and leaves the cache holding the same entries, counters and peak."""
+    new pages, and leaves the cache holding the same entries, counters and peak (every text architecture)."""
     torch.manual_seed(0)
-    model = tiny_llama().eval()
+    model = BUILDERS[arch]().eval()
     attach_gates(model, None, mode="score", bias_init=1.0)
     ids = torch.randint(0, 100, (batch, 40), generator=torch.Generator().manual_seed(1))
     plain, tok = _prefilled(model, ids, budget_tokens=12)
@@ -77,3 +77,10 @@ def test_what_the_planned_step_cannot_decode_is_refused():
         decoder.step(torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="RetentionCache"):
         GraphDecoder(model, object())
+    vl = BUILDERS["qwen3_vl"]().eval()
+    attach_gates(vl, None, mode="score")
+    cache = RetentionCache(vl, budget=None)
+    with torch.no_grad():
+        vl(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    with pytest.raises(ValueError, match="text models only"):
+        GraphDecoder(vl, cache)
