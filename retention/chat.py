@@ -28,6 +28,12 @@ from .policies.base import EvictionPolicy
 
 # generate() options that turn on assisted decoding (a draft model or prompt lookup)
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+# generation-config settings that change greedy decoding's logits, at their no-op values: a model whose config sets
+# one decodes through generate, not GraphDecoder
+_PLAIN_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+                     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                     "sequence_bias": None, "min_length": 0, "min_new_tokens": None, "renormalize_logits": False,
+                     "exponential_decay_length_penalty": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0}
 
 
 class ChatInputError(ValueError):
@@ -230,6 +236,7 @@ class RetentionChat:
         system: str | None = None,
         protected_window: int = 0,
         page_size: int = 16,
+        cuda_graphs: bool = False,
         **generation_kwargs: Any,
     ) -> None:
         from .cache import RetentionCache
@@ -266,6 +273,16 @@ class RetentionChat:
         self.cache = RetentionCache(model, budget, policy, page_size=page_size, protected_window=protected_window)
         self.chunk_size, self.max_new_tokens, self.system = chunk_size, max_new_tokens, system
         self.generation_kwargs = {"do_sample": False, **generation_kwargs}
+        if cuda_graphs:
+            why = ("the model is on the CPU; load it on a CUDA GPU" if self.device.type != "cuda" else
+                   "a vision-language model's M-RoPE positions are not planned for replay" if self.multimodal else
+                   f"{type(self.cache.policy).__name__} reads the queries as they come" if self.cache.policy.needs_queries
+                   else None)
+            if why:
+                raise ChatSetupError(f"cuda_graphs (--cuda-graphs): {why}; leave it out to decode with generate")
+        # greedy replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
+        # same planned steps eagerly, which is how the CPU tests check the path
+        self.cuda_graphs, self._graph_replay, self._decoder = cuda_graphs, True, None
         self.reset()
 
     # -- session state -----------------------------------------------------------------------------
@@ -464,9 +481,14 @@ class RetentionChat:
 
         kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), _StopWhenAsked()])
 
+        graphs = self.cuda_graphs and self._graphs_decode(kwargs)
+
         def run() -> None:
             try:
                 with torch.no_grad():
+                    if graphs:
+                        result["out"] = self._graph_generate(full, kwargs, streamer)
+                        return
                     result["out"] = self.model.generate(
                         input_ids=full,
                         attention_mask=torch.ones_like(full),
@@ -506,6 +528,49 @@ class RetentionChat:
             "never trained on and its replies degrade; reset() (/reset in retention chat) starts a new conversation",
             stacklevel=3,
         )
+
+    def _graphs_decode(self, kwargs: dict[str, Any]) -> bool:
+        """Whether this reply can decode through GraphDecoder: greedy, with nothing that changes the logits (the
+        model's generation config included). Otherwise it goes through generate, with a warning that says why."""
+        plain = {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "stopping_criteria",
+                 "prefill_chunk_size"}
+        gc = self.model.generation_config
+        changed = {name: getattr(gc, name, None) for name, default in _PLAIN_GENERATION.items()
+                   if getattr(gc, name, default) not in (default, None)}
+        why = ("do_sample=True (graphs decode greedily)" if kwargs.get("do_sample") else
+               f"{', '.join(sorted(set(kwargs) - plain))} given" if set(kwargs) - plain else
+               f"the model's generation config sets {changed}" if changed else None)
+        if why:
+            warnings.warn(f"cuda_graphs: this reply decodes with generate, since {why}", stacklevel=4)
+        return why is None
+
+    def _graph_generate(self, full: torch.Tensor, kwargs: dict[str, Any], streamer: Any) -> torch.Tensor:
+        """Greedy decoding as ``generate`` does it (chunked prefill, min_new_tokens, eos, stopping criteria, the
+        streamer), each step after the first a :class:`~retention.cache.GraphDecoder` replay. Returns ``full`` plus
+        the reply, ``(1, T + n)``; the cache holds every token but the last, as after generate."""
+        from .cache import GraphDecoder
+        from .compat import cache_kwargs
+
+        streamer.put(full)  # the prompt, which the streamer skips (as generate hands it over)
+        for start in range(self.cache.get_seq_length(), full.shape[1], self.chunk_size):
+            logits = self.model(input_ids=full[:, start : start + self.chunk_size], **cache_kwargs(self.cache),
+                                use_cache=True).logits[:, -1]
+        if self._decoder is None or self._decoder.cache is not self.cache:
+            self._decoder = GraphDecoder(self.model, self.cache, graph=self._graph_replay)
+        eos = sorted({*_ids(self.model.generation_config.eos_token_id), *_ids(kwargs.get("eos_token_id"))})
+        criteria = kwargs.get("stopping_criteria") or []
+        out = full
+        for n in range(kwargs["max_new_tokens"]):
+            if n < (kwargs.get("min_new_tokens") or 0) and eos:
+                logits[:, eos] = float("-inf")
+            new = logits.argmax(-1, keepdim=True)  # (1, 1)
+            out = torch.cat([out, new], dim=1)
+            streamer.put(new[0])
+            if int(new) in eos or n + 1 == kwargs["max_new_tokens"] or any(bool(c(out, logits).any()) for c in criteria):
+                break
+            logits = self._decoder.step(new)
+        streamer.end()
+        return out
 
     def _commit(self, full: torch.Tensor, out: torch.Tensor, turn: dict[str, Any], kwargs: dict[str, Any]) -> None:
         """Record a finished (or stopped) turn: ``out`` is the prompt ``full`` plus the reply generated."""
@@ -733,6 +798,9 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .cli import check_gates_source, model_placement
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
+    if args.cuda_graphs and torch.device(device).type != "cuda":
+        print(f"error: --cuda-graphs needs a CUDA GPU (the model goes to {device}); leave it out", file=sys.stderr)
+        return 2
     gates = check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
     history = None
     try:  # and a file that is no saved conversation, or no conversation log
@@ -754,6 +822,7 @@ def _chat_command(args: argparse.Namespace) -> int:
         chat = RetentionChat(
             model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
             max_new_tokens=args.max_new_tokens, system=args.system or (history[0] if history else None), policy=policy,
+            cuda_graphs=args.cuda_graphs,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -849,5 +918,7 @@ def register(subparsers: Any) -> None:
                    "command's budget and policy)")
     p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, content} "
                    "messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode greedy replies as replayed CUDA graphs "
+                   "(GraphDecoder; text models on a GPU, policies that read no queries): several times faster per token")
     add_placement_args(p)
     p.set_defaults(func=_chat_command)

@@ -238,6 +238,21 @@ def test_retention_chat_in_bfloat16_on_the_gpu():
     assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
 
 
+def test_retention_chat_with_cuda_graphs_on_the_gpu():
+    """RetentionChat(cuda_graphs=True) decodes greedy replies as replayed CUDA graphs (recorded in the chat's generation
+    thread): over three budgeted turns its replies and evictions are the generate path's."""
+    from retention import load_model
+    from retention.chat import RetentionChat
+
+    model, tok = load_model(GPU_MODEL or "smollm2-135m", device="cuda", dtype="float32")
+    plain = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=16)
+    graphed = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=16, cuda_graphs=True)
+    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
+        assert graphed.send(turn) == plain.send(turn)
+    assert graphed._decoder is not None and graphed._decoder.graph and graphed._decoder.captures >= 1
+    assert graphed.cache.evictions == plain.cache.evictions > 0 and torch.equal(graphed.ids, plain.ids)
+
+
 def test_a_vl_dialogue_item_on_the_gpu(tmp_path):
     """The sweep's multimodal protocol (a shared history, add_turn with photos, compress, send) on a CUDA model; the
     CPU twin is in test_eval_multimodal.py."""

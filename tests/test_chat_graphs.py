@@ -1,0 +1,88 @@
+"""RetentionChat(cuda_graphs=True): greedy replies decode through GraphDecoder. On the CPU the same planned steps run
+eagerly (``_graph_replay = False``), which is what these tests check against the chat's generate path on the real
+SmolLM2; the replayed graphs run in test_gpu_kernels.py."""
+
+import pytest
+import torch
+
+from retention import load_model
+from retention.chat import ChatSetupError, RetentionChat
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def _planned(chat: RetentionChat) -> RetentionChat:
+    chat.cuda_graphs, chat._graph_replay = True, False  # the graph path, its steps eager (no GPU here)
+    return chat
+
+
+def _kept(cache) -> list[list[int]]:
+    s = cache.store
+    view = s.gather(torch.arange(s.num_streams), with_kv=False)
+    return [view.pos[r][view.valid[r]].tolist() for r in range(s.num_streams)]
+
+
+def test_replies_through_the_planned_steps_are_generates(smollm2):
+    """Turn for turn, through chunked prefills and evictions: the same replies, ids, messages, kept entries and
+    ends as the generate path, with min_new_tokens, a list of eos ids and streaming too."""
+    model, tok = smollm2
+    settings = dict(budget_tokens=24, max_new_tokens=30, chunk_size=16)
+    plain, planned = RetentionChat(model, tok, **settings), _planned(RetentionChat(model, tok, **settings))
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("!")]
+    script = [("Say hello.", dict(eos_token_id=stops)),  # ends on its first "!"
+              ("Say hello.", dict(eos_token_id=stops, min_new_tokens=16)),  # not before its sixteenth token
+              ("My name is Ada and I live in Paris.", {}), ("Tell me one fact about rivers.", {}),
+              ("What is my name?", {})]
+    replies, ended = [], []
+    for turn, kwargs in script:
+        replies.append(planned.send(turn, **kwargs))
+        assert replies[-1] == plain.send(turn, **kwargs)
+        ended.append(plain._last_reply_ended)
+        assert planned._last_reply_ended == ended[-1]
+    first = len(tok(replies[0])["input_ids"])
+    assert replies[0].endswith("!") and ended[0] and first < 16 <= len(tok(replies[1])["input_ids"])
+    assert list(planned.stream("Count to three.")) == list(plain.stream("Count to three."))
+    assert torch.equal(planned.ids, plain.ids) and planned.messages == plain.messages
+    assert planned.cache.evictions == plain.cache.evictions > 0 and _kept(planned.cache) == _kept(plain.cache)
+    assert planned._decoder is not None and planned._decoder.cache is planned.cache
+    assert planned.cache.get_seq_length() == planned.ids.shape[1] - 1  # the last token goes with the next turn
+
+
+def test_a_reply_stopped_early_on_the_planned_steps_is_kept(smollm2):
+    model, tok = smollm2
+    chat = _planned(RetentionChat(model, tok, budget_tokens=64, max_new_tokens=40))
+    prompt = "Write a long story about a lighthouse keeper."
+    stream = chat.stream(prompt)
+    next(stream)
+    stream.close()
+    n_prompt = len(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"])
+    assert 1 <= chat.ids.shape[1] - n_prompt < 40  # cut where it was stopped, not run to max_new_tokens
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1 and chat.messages[-1]["role"] == "assistant"
+    assert isinstance(chat.send("Now name her cat.", max_new_tokens=6), str)
+
+
+def test_what_graphs_cannot_decode_goes_through_generate_or_is_refused(smollm2, monkeypatch, capsys):
+    model, tok = smollm2
+    chat = _planned(RetentionChat(model, tok, budget_tokens=64, max_new_tokens=4))
+    with pytest.warns(UserWarning, match=r"decodes with generate, since do_sample=True"):
+        chat.send("Hi.", do_sample=True, top_k=1)
+    with pytest.warns(UserWarning, match=r"since repetition_penalty given"):
+        chat.send("Hi again.", repetition_penalty=1.2)
+    monkeypatch.setattr(model.generation_config, "no_repeat_ngram_size", 3)
+    with pytest.warns(UserWarning, match=r"the model's generation config sets \{'no_repeat_ngram_size': 3\}"):
+        chat.send("And again.")
+    with pytest.raises(ChatSetupError, match="cuda_graphs.*on the CPU"):
+        RetentionChat(model, tok, cuda_graphs=True)
+
+    import retention.models
+    from retention.cli import main
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["chat", "--cuda-graphs", "--device", "cpu"]) == 2
+    assert "--cuda-graphs needs a CUDA GPU" in capsys.readouterr().err
