@@ -275,7 +275,6 @@ class RetentionChat:
         self.generation_kwargs = {"do_sample": False, **generation_kwargs}
         if cuda_graphs:
             why = ("the model is on the CPU; load it on a CUDA GPU" if self.device.type != "cuda" else
-                   "a vision-language model's M-RoPE positions are not planned for replay" if self.multimodal else
                    f"{type(self.cache.policy).__name__} reads the queries as they come" if self.cache.policy.needs_queries
                    else None)
             if why:
@@ -294,8 +293,20 @@ class RetentionChat:
         self._last_reply_ended = False
         self._warned_positions = False
         self._image_turns: list[dict[str, Any]] = []  # {"start", "length", "images"} of each turn with images
+        # M-RoPE: this conversation's text positions past its images. The model keeps one rope_deltas, so each chat
+        # keeps its own and puts it back before it runs the model (two chats may share one model)
+        self._rope_deltas: torch.Tensor | None = None
         if self.multimodal:
             unwrap(self.model).model.rope_deltas = None
+
+    def _own_positions(self) -> None:
+        """Put this conversation's M-RoPE offset on the model (another chat on the same model may have moved it)."""
+        if self.multimodal:
+            unwrap(self.model).model.rope_deltas = self._rope_deltas
+
+    def _keep_positions(self) -> None:
+        if self.multimodal:
+            self._rope_deltas = unwrap(self.model).model.rope_deltas
 
     def memory(self) -> dict[str, Any]:
         """The cache's memory report (see :meth:`RetentionCache.memory_report`); a vision-language chat adds
@@ -360,6 +371,7 @@ class RetentionChat:
         self.messages = data["messages"]
         self._image_turns = turns
         self._last_reply_ended = bool(data["reply_ended"])
+        self._keep_positions()
 
     def _read_transcript(self, path: Path) -> dict[str, Any]:
         data = read_transcript(path)
@@ -416,6 +428,7 @@ class RetentionChat:
         stop = torch.tensor([self._stop_after(turn["message"], reply)], dtype=torch.long, device=self.device)
         out = torch.cat([full, said, stop.view(1, -1)], dim=1)
         self._warn_past_positions(out.shape[1])
+        self._own_positions()
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
         self._feed(out, out.shape[1] - 1)  # the stop token goes with the next turn, as after send()
@@ -465,6 +478,7 @@ class RetentionChat:
             raise ChatInputError(f"max_new_tokens must be at least 1, got {kwargs['max_new_tokens']}")
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
+        self._own_positions()
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -584,6 +598,7 @@ class RetentionChat:
         reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         self.ids = out
         self.messages += [message, {"role": "assistant", "content": reply}]
+        self._keep_positions()
 
     # -- encoding ----------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -919,6 +934,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, content} "
                    "messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
     p.add_argument("--cuda-graphs", action="store_true", help="decode greedy replies as replayed CUDA graphs "
-                   "(GraphDecoder; text models on a GPU, policies that read no queries): several times faster per token")
+                   "(GraphDecoder; a GPU, policies that read no queries): several times faster per token")
     add_placement_args(p)
     p.set_defaults(func=_chat_command)

@@ -173,3 +173,31 @@ def test_the_memory_report_counts_the_image_entries_kept():
         else:
             assert 0 <= want < report["image_tokens"] * streams
         assert "image entries:" in str(report) and "of images)" in _memory_line(report)
+
+
+def test_two_chats_on_one_model_keep_their_own_image_positions():
+    """The model holds one M-RoPE offset (rope_deltas): two chats on it, their turns interleaved, used to place each
+    other's text after the wrong images. Each now keeps its own: the same replies as each chat alone."""
+    import warnings
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    imgs = photos(2)
+    plans = {"a": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]]), ("Which?", None)],
+             "b": [("Look.", [imgs[1]]), ("And this?", [imgs[0]]), ("Go on.", None), ("Done?", None)]}
+
+    def chat():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+            return RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+
+    alone = {}
+    for name, plan in plans.items():
+        c = chat()
+        alone[name] = [c.send(text, images=images) for text, images in plan]
+    together = {name: chat() for name in plans}
+    replies = {name: [] for name in plans}
+    for turns in zip(plans["a"], plans["b"]):
+        for name, (text, images) in zip(plans, turns):
+            replies[name].append(together[name].send(text, images=images))
+    assert replies == alone
