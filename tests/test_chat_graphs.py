@@ -86,3 +86,24 @@ def test_what_graphs_cannot_decode_goes_through_generate_or_is_refused(smollm2, 
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert main(["chat", "--cuda-graphs", "--device", "cpu"]) == 2
     assert "--cuda-graphs needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_vision_language_chat_through_the_planned_steps_is_generates():
+    """Qwen3-VL (tiny, random): turns with photos, then text, decode through the planned steps with M-RoPE positions
+    shifted by the model's rope_deltas, as generate places them: the same replies, ids and kept entries."""
+    import warnings
+
+    from tiny_vl import photos, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc).eval()
+    imgs = photos(2)
+    settings = dict(budget_tokens=24, max_new_tokens=6, min_new_tokens=6, chunk_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        plain, planned = RetentionChat(model, proc, **settings), _planned(RetentionChat(model, proc, **settings))
+    for text, images in (("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]]),
+                         ("Which is brighter?", None)):
+        assert planned.send(text, images=images) == plain.send(text, images=images)
+    assert torch.equal(planned.ids, plain.ids) and planned._decoder is not None
+    assert planned.cache.evictions == plain.cache.evictions > 0 and _kept(planned.cache) == _kept(plain.cache)

@@ -77,10 +77,4 @@ def test_what_the_planned_step_cannot_decode_is_refused():
         decoder.step(torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="RetentionCache"):
         GraphDecoder(model, object())
-    vl = BUILDERS["qwen3_vl"]().eval()
-    attach_gates(vl, None, mode="score")
-    cache = RetentionCache(vl, budget=None)
-    with torch.no_grad():
-        vl(input_ids=ids, **cache_kwargs(cache), use_cache=True)
-    with pytest.raises(ValueError, match="text models only"):
-        GraphDecoder(vl, cache)
+

@@ -15,7 +15,8 @@ the grid of the block table's width. The graph is recorded again when an address
 or the block table grew), which doubling makes rare.
 
 On the CPU the same planned step runs eagerly (``graph=False``; the reference paged attention), which is how the
-tests check it against the cache's ordinary decode path.
+tests check it against the cache's ordinary decode path. A vision-language model (Qwen3-VL) decodes its text with
+M-RoPE positions shifted by the model's ``rope_deltas``, read before each step.
 """
 
 from __future__ import annotations
@@ -44,9 +45,6 @@ class GraphDecoder:
         if getattr(base, "retention", None) is None or base.retention.mode != "score":
             raise ValueError("GraphDecoder needs the retention gates attached in score mode "
                              "(attach_gates(model, gates, mode='score'), as RetentionChat and generate use)")
-        if getattr(base.config, "vision_config", None) is not None:
-            raise ValueError("GraphDecoder decodes text models only: a vision-language model's M-RoPE positions are "
-                             "not planned here; decode it with model.generate over the RetentionCache")
         if cache.store is None:
             raise ValueError("the cache is empty: prefill the prompt first (model(input_ids=..., past_key_values=cache))")
         if cache.policy.needs_queries:
@@ -68,6 +66,9 @@ class GraphDecoder:
         self._ids = torch.zeros(B, 1, dtype=torch.long, device=device)
         self._t = torch.zeros(1, dtype=torch.long, device=device)  # the fed token's position
         self._slots = torch.zeros(L, B * H, dtype=torch.long, device=device)
+        # a vision-language model (Qwen3-VL) places text after images at its index plus rope_deltas (M-RoPE)
+        self._mrope = getattr(base.config, "vision_config", None) is not None
+        self._delta = torch.zeros(B, 1, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._recorded_on: tuple | None = None
         self._logits: torch.Tensor | None = None
@@ -89,6 +90,9 @@ class GraphDecoder:
         self._slots.copy_(slots.view(B, L, H).transpose(0, 1).reshape(L, B * H))
         self._t.fill_(c._seen[0])
         self._ids.copy_(ids)
+        if self._mrope:
+            delta = unwrap(self.model).model.rope_deltas
+            self._delta.copy_(delta.expand(B, 1) if delta is not None else torch.zeros_like(self._delta))
         c._static = {"slots": self._slots, "pos": self._t.expand(B * H)}
         try:
             if self.graph:
@@ -102,7 +106,11 @@ class GraphDecoder:
         return self._logits.clone()
 
     def _forward(self) -> torch.Tensor:
-        position = self._t.expand(self.batch, 1)
+        B = self.batch
+        position = self._t.expand(B, 1)
+        if self._mrope:  # (4, B, 1): the text position (masks), then M-RoPE's three, each shifted by rope_deltas
+            rope = (self._t.view(1, 1, 1) + self._delta.view(1, B, 1)).expand(3, B, 1)
+            position = torch.cat([position[None], rope], dim=0)
         out = self.model(input_ids=self._ids, **cache_kwargs(self.cache), cache_position=self._t,
                          position_ids=position, use_cache=True)
         return out.logits[:, -1]
