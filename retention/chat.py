@@ -571,7 +571,8 @@ class RetentionChat:
                                 use_cache=True).logits[:, -1]
         if self._decoder is None or self._decoder.cache is not self.cache:
             self._decoder = GraphDecoder(self.model, self.cache, graph=self._graph_replay)
-        eos = sorted({*_ids(self.model.generation_config.eos_token_id), *_ids(kwargs.get("eos_token_id"))})
+        given = kwargs.get("eos_token_id")  # as generate reads them: given ids replace the generation config's
+        eos = sorted(set(_ids(given if given is not None else self.model.generation_config.eos_token_id)))
         criteria = kwargs.get("stopping_criteria") or []
         out = full
         for n in range(kwargs["max_new_tokens"]):

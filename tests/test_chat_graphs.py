@@ -53,6 +53,18 @@ def test_replies_through_the_planned_steps_are_generates(smollm2):
     assert planned.cache.get_seq_length() == planned.ids.shape[1] - 1  # the last token goes with the next turn
 
 
+def test_given_eos_ids_replace_the_models_as_in_generate(smollm2):
+    """eos_token_id=[...] replaces the generation config's eos (as generate reads it): a reply that would end on
+    <|im_end|> runs on to max_new_tokens when only <|endoftext|> stops it."""
+    model, tok = smollm2
+    plain, planned = (RetentionChat(model, tok, budget_tokens=None, max_new_tokens=40) for _ in range(2))
+    _planned(planned)
+    assert planned.send("Say hello.") == plain.send("Say hello.") and plain._last_reply_ended  # ends on <|im_end|>
+    plain.reset(), planned.reset()
+    assert planned.send("Say hello.", eos_token_id=[0]) == plain.send("Say hello.", eos_token_id=[0])
+    assert torch.equal(planned.ids, plain.ids) and tok.eos_token_id in plain.ids[0, -40:-1].tolist()
+
+
 def test_a_reply_stopped_early_on_the_planned_steps_is_kept(smollm2):
     model, tok = smollm2
     chat = _planned(RetentionChat(model, tok, budget_tokens=64, max_new_tokens=40))
