@@ -189,6 +189,17 @@ def test_a_decode_step_replayed_as_a_cuda_graph_decodes_as_the_cache_does():
     graphed.store.check()
 
 
+def _budgeted_chat_evicts_within_its_bound(model, tok) -> None:
+    """Three turns under 48 tokens per KV head: the cache evicts and keeps at most budget + slack entries."""
+    from retention.chat import RetentionChat
+
+    chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
+    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
+        assert isinstance(chat.send(turn), str)
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
+
+
 def test_retention_chat_on_the_gpu():
     """RetentionChat built its inputs on the CPU: on a CUDA model, generate failed on devices. The first reply
     equals plain generate on the GPU, and a budgeted conversation goes on with its cache and ids there."""
@@ -205,11 +216,7 @@ def test_retention_chat_on_the_gpu():
     with torch.no_grad():
         out = model.generate(**x, max_new_tokens=8, do_sample=False)
     assert reply == tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
-    chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
-    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
-        assert isinstance(chat.send(turn), str)
-    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
-    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
+    _budgeted_chat_evicts_within_its_bound(model, tok)
 
 
 def test_retention_chat_in_bfloat16_on_the_gpu():
@@ -231,11 +238,7 @@ def test_retention_chat_in_bfloat16_on_the_gpu():
     with torch.no_grad():
         out = model.generate(**x, max_new_tokens=1, do_sample=False)
     assert torch.equal(chat.ids[0, :n + 1], out[0, :n + 1])
-    chat = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=12)
-    for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
-        assert isinstance(chat.send(turn), str)
-    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
-    assert chat.cache.evictions > 0 and chat.memory()["kept_entries"] <= 48 * streams + chat.cache.slack
+    _budgeted_chat_evicts_within_its_bound(model, tok)
 
 
 def test_retention_chat_with_cuda_graphs_on_the_gpu():
