@@ -40,8 +40,10 @@ IMAGE_TASKS = ("mmdu", "image_memory")  # tasks whose items show images: a visio
 def _chat_position_warning_off():
     """Silence RetentionChat's warning about running past the model's positions (it points a chat user to /reset):
     the sweep says it per item instead, and marks the rows (``past_positions``)."""
+    from retention.chat import PastPositionsWarning
+
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="this conversation may reach")
+        warnings.simplefilter("ignore", PastPositionsWarning)
         yield
 
 

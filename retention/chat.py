@@ -45,6 +45,10 @@ class ChatSetupError(ValueError):
 
 
 # what RetentionChat.save writes (a JSON object); resume reads this version only
+class PastPositionsWarning(UserWarning):
+    """A conversation may run past the model's ``max_position_embeddings`` (said once per conversation)."""
+
+
 TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION = "retention-chat", 1
 
 
@@ -540,7 +544,7 @@ class RetentionChat:
             f"this conversation may reach {tokens:,} tokens, past the model's {self.max_positions:,} positions "
             "(max_position_embeddings): the cache stays within its budget, but the model reads positions it was "
             "never trained on and its replies degrade; reset() (/reset in retention chat) starts a new conversation",
-            stacklevel=3,
+            PastPositionsWarning, stacklevel=3,
         )
 
     def _graphs_decode(self, kwargs: dict[str, Any]) -> bool:
