@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attach import text_config_of, unwrap
+from ..attach import unwrap
 from ..compat import cache_kwargs
+from ..models import is_multimodal
 from .hf import RetentionCache
 
 
@@ -59,15 +60,14 @@ class GraphDecoder:
         self.graph = device.type == "cuda" if graph is None else graph
         if self.graph and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model; this cache is on {device}: pass graph=False")
-        cfg = text_config_of(model)
         self.model, self.cache = model, cache
-        self.batch, self.layers, self.heads = cache.store.batch, cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.batch, self.layers, self.heads = cache.store.batch, cache.num_layers, cache.num_kv_heads
         B, L, H = self.batch, self.layers, self.heads
         self._ids = torch.zeros(B, 1, dtype=torch.long, device=device)
         self._t = torch.zeros(1, dtype=torch.long, device=device)  # the fed token's position
         self._slots = torch.zeros(L, B * H, dtype=torch.long, device=device)
         # a vision-language model (Qwen3-VL) places text after images at its index plus rope_deltas (M-RoPE)
-        self._mrope = getattr(base.config, "vision_config", None) is not None
+        self._mrope = is_multimodal(base.config)
         self._delta = torch.zeros(B, 1, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._recorded_on: tuple | None = None
