@@ -28,12 +28,18 @@ from .policies.base import EvictionPolicy
 
 # generate() options that turn on assisted decoding (a draft model or prompt lookup)
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-# generation-config settings that change greedy decoding's logits, at their no-op values: a model whose config sets
-# one decodes through generate, not GraphDecoder
-_PLAIN_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+# generation-config settings that change the logits and that the graph path does not apply, at their no-op values: a
+# model whose config sets one decodes through generate, not GraphDecoder
+_PLAIN_GENERATION = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
                      "sequence_bias": None, "min_length": 0, "min_new_tokens": None, "renormalize_logits": False,
                      "exponential_decay_length_penalty": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0}
+# sampling settings the graph path applies itself (with transformers' own logits warpers, in generate's order, after
+# the repetition penalty); one left unset (None) in the call and the generation config takes transformers' global
+# default, as generate does
+_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
+# sampling warpers the graph path does not apply: a model whose generation config sets one samples through generate
+_OTHER_SAMPLING = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 class ChatInputError(ValueError):
@@ -283,7 +289,7 @@ class RetentionChat:
                    else None)
             if why:
                 raise ChatSetupError(f"cuda_graphs (--cuda-graphs): {why}; leave it out to decode with generate")
-        # greedy replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
+        # replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
         # same planned steps eagerly, which is how the CPU tests check the path
         self.cuda_graphs, self._graph_replay, self._decoder = cuda_graphs, True, None
         self.reset()
@@ -547,25 +553,60 @@ class RetentionChat:
             PastPositionsWarning, stacklevel=3,
         )
 
+    def _setting(self, kwargs: dict[str, Any], name: str, default: Any) -> Any:
+        """A generation setting as generate resolves it: the call's, else the model's generation config's, else
+        transformers' global ``default``."""
+        value = kwargs[name] if name in kwargs else getattr(self.model.generation_config, name, None)
+        return default if value is None else value
+
     def _graphs_decode(self, kwargs: dict[str, Any]) -> bool:
-        """Whether this reply can decode through GraphDecoder: greedy, with nothing that changes the logits (the
-        model's generation config included). Otherwise it goes through generate, with a warning that says why."""
+        """Whether this reply can decode through GraphDecoder: greedy or sampled (temperature, top_k, top_p, min_p),
+        with at most a repetition penalty changing the logits (the model's generation config included). Otherwise it
+        goes through generate, with a warning that says why."""
         plain = {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "stopping_criteria",
-                 "prefill_chunk_size"}
+                 "prefill_chunk_size", "repetition_penalty", *_SAMPLING}
+        others = {**_PLAIN_GENERATION, **(_OTHER_SAMPLING if kwargs.get("do_sample") else {})}
         gc = self.model.generation_config
-        changed = {name: getattr(gc, name, None) for name, default in _PLAIN_GENERATION.items()
+        changed = {name: getattr(gc, name, None) for name, default in others.items()
                    if getattr(gc, name, default) not in (default, None)}
-        why = ("do_sample=True (graphs decode greedily)" if kwargs.get("do_sample") else
-               f"{', '.join(sorted(set(kwargs) - plain))} given" if set(kwargs) - plain else
+        why = (f"{', '.join(sorted(set(kwargs) - plain))} given" if set(kwargs) - plain else
                f"the model's generation config sets {changed}" if changed else None)
         if why:
             warnings.warn(f"cuda_graphs: this reply decodes with generate, since {why}", stacklevel=4)
         return why is None
 
+    def _graph_processors(self, kwargs: dict[str, Any], prompt_length: int, eos: list[int]) -> Any:
+        """The logits processors generate would apply to this reply's scores, in its order: the repetition penalty,
+        no eos before min_new_tokens, then (when sampling) temperature, top-k, top-p and min-p."""
+        from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                  RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                                  TopPLogitsWarper)
+
+        out = LogitsProcessorList()
+        penalty = self._setting(kwargs, "repetition_penalty", 1.0)
+        if penalty != 1.0:
+            out.append(RepetitionPenaltyLogitsProcessor(penalty))
+        if (kwargs.get("min_new_tokens") or 0) > 0 and eos:
+            out.append(MinNewTokensLengthLogitsProcessor(prompt_length, kwargs["min_new_tokens"], eos,
+                                                         device=str(self.device)))
+        if not kwargs.get("do_sample"):
+            return out
+        s = {name: self._setting(kwargs, name, default) for name, default in _SAMPLING.items()}
+        if s["temperature"] != 1.0:
+            out.append(TemperatureLogitsWarper(s["temperature"]))
+        if s["top_k"] != 0:
+            out.append(TopKLogitsWarper(s["top_k"]))
+        if s["top_p"] < 1.0:
+            out.append(TopPLogitsWarper(s["top_p"]))
+        if s["min_p"] is not None:
+            out.append(MinPLogitsWarper(s["min_p"]))
+        return out
+
     def _graph_generate(self, full: torch.Tensor, kwargs: dict[str, Any], streamer: Any) -> torch.Tensor:
-        """Greedy decoding as ``generate`` does it (chunked prefill, min_new_tokens, eos, stopping criteria, the
-        streamer), each step after the first a :class:`~retention.cache.GraphDecoder` replay. Returns ``full`` plus
-        the reply, ``(1, T + n)``; the cache holds every token but the last, as after generate."""
+        """Decoding as ``generate`` does it (chunked prefill, min_new_tokens, eos, stopping criteria, the streamer,
+        greedy or sampled from the processed scores), each step after the first a
+        :class:`~retention.cache.GraphDecoder` replay. Returns ``full`` plus the reply, ``(1, T + n)``; the cache
+        holds every token but the last, as after generate."""
         from .cache import GraphDecoder
         from .compat import cache_kwargs
 
@@ -578,14 +619,15 @@ class RetentionChat:
         given = kwargs.get("eos_token_id")  # as generate reads them: given ids replace the generation config's
         eos = sorted(set(_ids(given if given is not None else self.model.generation_config.eos_token_id)))
         criteria = kwargs.get("stopping_criteria") or []
+        processors, sample = self._graph_processors(kwargs, full.shape[1], eos), bool(kwargs.get("do_sample"))
         out = full
         for n in range(kwargs["max_new_tokens"]):
-            if n < (kwargs.get("min_new_tokens") or 0) and eos:
-                logits[:, eos] = float("-inf")
-            new = logits.argmax(-1, keepdim=True)  # (1, 1)
+            scores = processors(out, logits.float())  # generate processes float32 scores
+            new = (torch.multinomial(scores.softmax(-1), num_samples=1) if sample
+                   else scores.argmax(-1, keepdim=True))  # (1, 1)
             out = torch.cat([out, new], dim=1)
             streamer.put(new[0])
-            if int(new) in eos or n + 1 == kwargs["max_new_tokens"] or any(bool(c(out, logits).any()) for c in criteria):
+            if int(new) in eos or n + 1 == kwargs["max_new_tokens"] or any(bool(c(out, scores).any()) for c in criteria):
                 break
             logits = self._decoder.step(new)
         streamer.end()
@@ -812,6 +854,7 @@ def _chat_command(args: argparse.Namespace) -> int:
             if given:
                 raise ValueError(f"{', '.join(given)} apply to --policy global_gates, not {args.policy}")
             policy = get_policy(args.policy)
+        generation = _generation_options(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -842,7 +885,7 @@ def _chat_command(args: argparse.Namespace) -> int:
         chat = RetentionChat(
             model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
             max_new_tokens=args.max_new_tokens, system=args.system or (history[0] if history else None), policy=policy,
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=args.cuda_graphs, **generation,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -859,11 +902,36 @@ def _chat_command(args: argparse.Namespace) -> int:
 
         if not _start_from(chat, feed, "fed", args.history, where=f"{args.history}: "):  # images for a text-only model
             return 2
+    if args.seed is not None:  # after the model and gates load, so the replies alone draw from it
+        torch.manual_seed(args.seed)
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
         print()
     return 0
+
+
+def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The generate options of ``retention chat``'s sampling flags; ValueError naming the fix for a flag out of range
+    or a sampling flag without ``--sample`` (checked before the model loads)."""
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+                "seed": args.seed}
+    given = [f"--{k.replace('_', '-')}" for k, v in sampling.items() if v is not None]
+    if given and not args.sample:
+        raise ValueError(f"{', '.join(given)} apply when sampling: add --sample (replies are greedy without it)")
+    ranges = {"temperature": (args.temperature, "above 0 (for greedy replies leave out --sample)",
+                              lambda v: v > 0),
+              "top_p": (args.top_p, "in (0, 1]", lambda v: 0 < v <= 1),
+              "min_p": (args.min_p, "in [0, 1]", lambda v: 0 <= v <= 1),
+              "repetition_penalty": (args.repetition_penalty, "above 0 (1 changes nothing, above 1 discourages "
+                                     "repeats)", lambda v: v > 0)}
+    for name, (value, allowed, ok) in ranges.items():
+        if value is not None and not ok(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    options = {k: v for k, v in sampling.items() if k != "seed" and v is not None}
+    if args.repetition_penalty is not None:
+        options["repetition_penalty"] = args.repetition_penalty
+    return {"do_sample": True, **options} if args.sample else options
 
 
 def _check_shows_images(model: str, path: str) -> None:
@@ -914,7 +982,7 @@ def _typed_lines() -> Iterator[str]:
 
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
-    from .cli import add_placement_args, positive_int
+    from .cli import add_placement_args, non_negative_int, positive_int
     from .policies import POLICIES
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
@@ -938,7 +1006,19 @@ def register(subparsers: Any) -> None:
                    "command's budget and policy)")
     p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, content} "
                    "messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
-    p.add_argument("--cuda-graphs", action="store_true", help="decode greedy replies as replayed CUDA graphs "
-                   "(GraphDecoder; a GPU, policies that read no queries): several times faster per token")
+    p.add_argument("--sample", action="store_true", help="sample the replies (at the model's generation-config "
+                   "temperature, top-k, top-p and min-p, each overridden by its flag below); default: greedy")
+    p.add_argument("--temperature", type=float, default=None, help="with --sample: divide the logits by this (> 0)")
+    p.add_argument("--top-k", type=non_negative_int, default=None, help="with --sample: draw from the K likeliest "
+                   "tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample: draw from the likeliest tokens whose "
+                   "probabilities sum to P (nucleus sampling)")
+    p.add_argument("--min-p", type=float, default=None, help="with --sample: drop tokens less likely than P times the "
+                   "likeliest")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="penalise tokens already in the conversation "
+                   "(above 1), greedy or sampled")
+    p.add_argument("--seed", type=int, default=None, help="with --sample: seed the draws, for replies that repeat")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode replies as replayed CUDA graphs (GraphDecoder; "
+                   "a GPU, policies that read no queries): several times faster per token")
     add_placement_args(p)
     p.set_defaults(func=_chat_command)

@@ -423,6 +423,40 @@ def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
         smollm2[0].retention.detach()
 
 
+def test_chat_command_samples_only_when_asked(smollm2, capsys, monkeypatch):
+    """`retention chat --sample --temperature 0.7 --seed 3`: the chat samples with those settings and the seed makes
+    its replies repeat; a sampling flag without --sample, or a value out of range, is refused before the model loads."""
+    import retention.chat as chat_module
+    import retention.models
+    from retention.cli import main
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    for argv, message in ((["--temperature", "0.7"], "--temperature apply when sampling: add --sample"),
+                          (["--top-p", "0.9", "--seed", "1"], "--top-p, --seed apply when sampling: add --sample"),
+                          (["--sample", "--temperature", "0"], "--temperature must be above 0"),
+                          (["--sample", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+                          (["--sample", "--min-p", "-0.1"], "--min-p must be in [0, 1]"),
+                          (["--repetition-penalty", "0"], "--repetition-penalty must be above 0")):
+        assert main(["chat", *argv]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["chat", "--sample", "--top-k", "-1"])
+    assert "must be at least 0" in capsys.readouterr().err
+
+    replies = []
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(chat_module, "chat_loop", lambda chat, lines: replies.append(
+        (chat.generation_kwargs, chat.send("Write one line about the sea."))))
+    sampled = ["--sample", "--temperature", "1.4", "--top-k", "0", "--top-p", "0.95", "--repetition-penalty", "1.1"]
+    for argv in ([*sampled, "--seed", "3"], [*sampled, "--seed", "3"], [*sampled, "--seed", "4"], []):
+        assert main(["chat", "--budget", "32", "--max-new-tokens", "16", *argv]) == 0
+        smollm2[0].retention.detach()
+    assert replies[0][0] == {"do_sample": True, "temperature": 1.4, "top_k": 0, "top_p": 0.95,
+                             "repetition_penalty": 1.1}
+    assert replies[3][0] == {"do_sample": False}  # greedy by default
+    assert replies[0][1] == replies[1][1] and len({r for _, r in replies}) == 3  # the seed repeats; others differ
+
+
 def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
     """save() then resume() in a new chat: the same ids, the same cache (keys of every layer), and the next reply equals
     the one the original chat gives; resumed under a budget, the cache keeps to it."""

@@ -1,6 +1,8 @@
-"""RetentionChat(cuda_graphs=True): greedy replies decode through GraphDecoder. On the CPU the same planned steps run
+"""RetentionChat(cuda_graphs=True): replies, greedy or sampled, decode through GraphDecoder. On the CPU the same planned steps run
 eagerly (``_graph_replay = False``), which is what these tests check against the chat's generate path on the real
 SmolLM2; the replayed graphs run in test_gpu_kernels.py."""
+
+import warnings
 
 import pytest
 import torch
@@ -65,6 +67,39 @@ def test_given_eos_ids_replace_the_models_as_in_generate(smollm2):
     assert torch.equal(planned.ids, plain.ids) and tok.eos_token_id in plain.ids[0, -40:-1].tolist()
 
 
+def _same_draws(plain: RetentionChat, planned: RetentionChat, text: str, seed: int, **kwargs) -> str:
+    torch.manual_seed(seed)
+    reply = plain.send(text, **kwargs)
+    torch.manual_seed(seed)
+    assert planned.send(text, **kwargs) == reply
+    return reply
+
+
+def test_sampled_replies_through_the_planned_steps_are_generates(smollm2, monkeypatch):
+    """From the same seed the planned steps draw generate's tokens: each sampling warper alone and all together with
+    a repetition penalty and min_new_tokens (eos kept out before top-k, as generate orders them), and the model's
+    generation-config settings where the call gives none. Different seeds draw different replies, so the draws are
+    really sampled."""
+    model, tok = smollm2
+    settings = dict(budget_tokens=24, max_new_tokens=20, chunk_size=16)
+    plain, planned = RetentionChat(model, tok, **settings), _planned(RetentionChat(model, tok, **settings))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no reply falls back to generate
+        replies = [_same_draws(plain, planned, "Tell me about the sea.", 0, do_sample=True, temperature=1.3, top_k=0),
+                   _same_draws(plain, planned, "Name a colour.", 1, do_sample=True, top_k=5),
+                   _same_draws(plain, planned, "Name an animal.", 2, do_sample=True, top_p=0.7, top_k=0),
+                   _same_draws(plain, planned, "Name a city.", 3, do_sample=True, min_p=0.1, top_k=0),
+                   _same_draws(plain, planned, "Write a poem.", 4, do_sample=True, temperature=0.9, top_k=3,
+                               top_p=0.95, min_p=0.02, repetition_penalty=1.3, min_new_tokens=12),
+                   _same_draws(plain, planned, "Say hi.", 5, repetition_penalty=1.5)]  # greedy, penalised
+        monkeypatch.setattr(model.generation_config, "temperature", 1.5)
+        monkeypatch.setattr(model.generation_config, "top_k", 0)
+        replies.append(_same_draws(plain, planned, "Describe a forest.", 6, do_sample=True))
+    assert torch.equal(planned.ids, plain.ids) and planned.cache.evictions == plain.cache.evictions > 0
+    assert len(tok(replies[4])["input_ids"]) >= 12
+    assert replies[0] != RetentionChat(model, tok, **settings).send("Tell me about the sea.")  # sampled, not greedy
+
+
 def test_a_reply_stopped_early_on_the_planned_steps_is_kept(smollm2):
     model, tok = smollm2
     chat = _planned(RetentionChat(model, tok, budget_tokens=64, max_new_tokens=40))
@@ -82,13 +117,17 @@ def test_a_reply_stopped_early_on_the_planned_steps_is_kept(smollm2):
 def test_what_graphs_cannot_decode_goes_through_generate_or_is_refused(smollm2, monkeypatch, capsys):
     model, tok = smollm2
     chat = _planned(RetentionChat(model, tok, budget_tokens=64, max_new_tokens=4))
-    with pytest.warns(UserWarning, match=r"decodes with generate, since do_sample=True"):
-        chat.send("Hi.", do_sample=True, top_k=1)
-    with pytest.warns(UserWarning, match=r"since repetition_penalty given"):
-        chat.send("Hi again.", repetition_penalty=1.2)
+    with pytest.warns(UserWarning, match=r"decodes with generate, since typical_p given"):
+        chat.send("Hi.", do_sample=True, typical_p=0.9)
+    with pytest.warns(UserWarning, match=r"since no_repeat_ngram_size given"):
+        chat.send("Hi again.", no_repeat_ngram_size=2)
     monkeypatch.setattr(model.generation_config, "no_repeat_ngram_size", 3)
     with pytest.warns(UserWarning, match=r"the model's generation config sets \{'no_repeat_ngram_size': 3\}"):
         chat.send("And again.")
+    monkeypatch.setattr(model.generation_config, "no_repeat_ngram_size", None)
+    monkeypatch.setattr(model.generation_config, "typical_p", 0.9)  # a warper the graph path lacks, when sampling
+    with pytest.warns(UserWarning, match=r"the model's generation config sets \{'typical_p': 0.9\}"):
+        chat.send("Once more.", do_sample=True)
     with pytest.raises(ChatSetupError, match="cuda_graphs.*on the CPU"):
         RetentionChat(model, tok, cuda_graphs=True)
 
