@@ -242,8 +242,11 @@ def test_retention_chat_in_bfloat16_on_the_gpu():
 
 
 def test_retention_chat_with_cuda_graphs_on_the_gpu():
-    """RetentionChat(cuda_graphs=True) decodes greedy replies as replayed CUDA graphs (recorded in the chat's generation
-    thread): over three budgeted turns its replies and evictions are the generate path's."""
+    """RetentionChat(cuda_graphs=True) decodes replies as replayed CUDA graphs (recorded in the chat's generation
+    thread): over three budgeted greedy turns and a sampled one (the same seed for both) its replies and evictions are
+    the generate path's."""
+    import warnings
+
     from retention import load_model
     from retention.chat import RetentionChat
 
@@ -252,6 +255,13 @@ def test_retention_chat_with_cuda_graphs_on_the_gpu():
     graphed = RetentionChat(model, tok, budget_tokens=48, max_new_tokens=16, cuda_graphs=True)
     for turn in ("My name is Ada.", "Tell me one fact about rivers.", "What is my name?"):
         assert graphed.send(turn) == plain.send(turn)
+    sampled = dict(do_sample=True, temperature=0.9, top_p=0.95, repetition_penalty=1.2)
+    torch.manual_seed(0)
+    reply = plain.send("Tell me a story.", **sampled)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # decoded through the graphs, not generate
+        assert graphed.send("Tell me a story.", **sampled) == reply
     assert graphed._decoder is not None and graphed._decoder.graph and graphed._decoder.captures >= 1
     assert graphed.cache.evictions == plain.cache.evictions > 0 and torch.equal(graphed.ids, plain.ids)
 
