@@ -610,16 +610,17 @@ class RetentionChat:
         from .cache import GraphDecoder
         from .compat import cache_kwargs
 
+        given = kwargs.get("eos_token_id")  # as generate reads them: given ids replace the generation config's
+        eos = sorted(set(_ids(given if given is not None else self.model.generation_config.eos_token_id)))
+        criteria = kwargs.get("stopping_criteria") or []
+        # built before the prefill, so a setting the processors refuse (top_k=-1) leaves the cache as it was
+        processors, sample = self._graph_processors(kwargs, full.shape[1], eos), bool(kwargs.get("do_sample"))
         streamer.put(full)  # the prompt, which the streamer skips (as generate hands it over)
         for start in range(self.cache.get_seq_length(), full.shape[1], self.chunk_size):
             logits = self.model(input_ids=full[:, start : start + self.chunk_size], **cache_kwargs(self.cache),
                                 use_cache=True).logits[:, -1]
         if self._decoder is None or self._decoder.cache is not self.cache:
             self._decoder = GraphDecoder(self.model, self.cache, graph=self._graph_replay)
-        given = kwargs.get("eos_token_id")  # as generate reads them: given ids replace the generation config's
-        eos = sorted(set(_ids(given if given is not None else self.model.generation_config.eos_token_id)))
-        criteria = kwargs.get("stopping_criteria") or []
-        processors, sample = self._graph_processors(kwargs, full.shape[1], eos), bool(kwargs.get("do_sample"))
         out = full
         for n in range(kwargs["max_new_tokens"]):
             scores = processors(out, logits.float())  # generate processes float32 scores

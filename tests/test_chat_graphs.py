@@ -98,6 +98,12 @@ def test_sampled_replies_through_the_planned_steps_are_generates(smollm2, monkey
     assert torch.equal(planned.ids, plain.ids) and planned.cache.evictions == plain.cache.evictions > 0
     assert len(tok(replies[4])["input_ids"]) >= 12
     assert replies[0] != RetentionChat(model, tok, **settings).send("Tell me about the sea.")  # sampled, not greedy
+    for bad in (dict(top_k=-1), dict(temperature=0.0), dict(min_p=2.0)):  # refused as generate refuses them ...
+        for chat in (plain, planned):
+            with pytest.raises(ValueError):
+                chat.send("Again.", do_sample=True, **bad)
+    assert planned.send("Name a river.") == plain.send("Name a river.")  # ... with the cache as it was
+    assert planned.cache.get_seq_length() == planned.ids.shape[1] - 1
 
 
 def test_a_reply_stopped_early_on_the_planned_steps_is_kept(smollm2):
