@@ -368,6 +368,13 @@ class RetentionChat:
         turns = [{**t, "images": [_png_image(s) for s in t["images"]]} for t in data["image_turns"]]
         self.reset()
         self._warn_past_positions(ids.shape[1])
+        self._refeed(ids, turns)
+        self.messages = data["messages"]
+        self._last_reply_ended = bool(data["reply_ended"])
+
+    def _refeed(self, ids: torch.Tensor, turns: list[dict[str, Any]]) -> None:
+        """Feed a conversation's ``ids`` ``(1, T)`` and its image ``turns`` through the (empty) cache in chunks, turns
+        with images as they were fed live, and make them this chat's (the last token goes with the next turn)."""
         for t in turns:
             start, length = t["start"], t["length"]
             self._feed(ids, max(start - 1, 0))  # as live: the last reply's last token goes with the turn
@@ -378,10 +385,24 @@ class RetentionChat:
             self._prefill_multimodal(turn)
         self._feed(ids, ids.shape[1] - 1)  # the last token is fed with the next turn, as after send()
         self.ids = ids
-        self.messages = data["messages"]
         self._image_turns = turns
-        self._last_reply_ended = bool(data["reply_ended"])
         self._keep_positions()
+
+    def _repair(self) -> None:
+        """Before a turn: when the last one failed midway (an exception in its prefill or generation, e.g. out of GPU
+        memory), the cache holds entries of a turn the conversation does not; feed the conversation again through an
+        emptied cache, with a warning, instead of going on from a cache that no longer matches it."""
+        if self.cache.get_seq_length() == max(self.ids.shape[1] - 1, 0):
+            return
+        warnings.warn(f"the cache holds {self.cache.get_seq_length() - max(self.ids.shape[1] - 1, 0):+,} tokens the "
+                      "conversation does not (the last turn failed midway): feeding the conversation's "
+                      f"{self.ids.shape[1]:,} tokens again", stacklevel=3)
+        ids, turns, messages, ended, warned = (self.ids, self._image_turns, self.messages, self._last_reply_ended,
+                                               self._warned_positions)
+        self.reset()
+        self._decoder = None
+        self._refeed(ids, turns)
+        self.messages, self._last_reply_ended, self._warned_positions = messages, ended, warned
 
     def _read_transcript(self, path: Path) -> dict[str, Any]:
         data = read_transcript(path)
@@ -438,6 +459,7 @@ class RetentionChat:
         stop = torch.tensor([self._stop_after(turn["message"], reply)], dtype=torch.long, device=self.device)
         out = torch.cat([full, said, stop.view(1, -1)], dim=1)
         self._warn_past_positions(out.shape[1])
+        self._repair()
         self._own_positions()
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
@@ -487,6 +509,7 @@ class RetentionChat:
         if (kwargs["max_new_tokens"] or 0) < 1:
             raise ChatInputError(f"max_new_tokens must be at least 1, got {kwargs['max_new_tokens']}")
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
+        self._repair()
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
         self._own_positions()
         if "pixel_values" in turn:

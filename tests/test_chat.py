@@ -457,6 +457,37 @@ def test_chat_command_samples_only_when_asked(smollm2, capsys, monkeypatch):
     assert replies[0][1] == replies[1][1] and len({r for _, r in replies}) == 3  # the seed repeats; others differ
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["generate", "planned-steps"])
+def test_a_turn_that_failed_midway_leaves_no_entries_behind(smollm2, graphs):
+    """An error in the middle of a reply (here a stopping criterion that raises on the third token; out of GPU memory
+    in life) leaves its prompt and tokens in the cache but not in the conversation: the next turn warns, feeds the
+    conversation again, and replies as a chat that never had the failed turn does."""
+    from transformers import StoppingCriteria
+
+    class Fails(StoppingCriteria):
+        calls = 0
+
+        def __call__(self, input_ids, scores, **kw):
+            Fails.calls += 1
+            if Fails.calls == 3:
+                raise RuntimeError("failed on the third token")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    model, tok = smollm2
+    live, clean = (RetentionChat(model, tok, budget_tokens=None, max_new_tokens=12) for _ in range(2))
+    if graphs:
+        live.cuda_graphs, live._graph_replay = True, False  # the graph path's planned steps, eager (no GPU here)
+    assert live.send("My name is Ada.") == clean.send("My name is Ada.")
+    with pytest.raises(RuntimeError, match="third token"):
+        live.send("Tell me a long story.", stopping_criteria=[Fails()])
+    assert live.cache.get_seq_length() > live.ids.shape[1] - 1 and len(live.messages) == 2
+    with pytest.warns(UserWarning, match=r"the last turn failed midway\): feeding the conversation's"):
+        reply = live.send("What is my name?")
+    assert reply == clean.send("What is my name?")
+    assert torch.equal(live.ids, clean.ids) and live.messages == clean.messages
+    assert live.cache.get_seq_length() == live.ids.shape[1] - 1
+
+
 def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
     """save() then resume() in a new chat: the same ids, the same cache (keys of every layer), and the next reply equals
     the one the original chat gives; resumed under a budget, the cache keeps to it."""
