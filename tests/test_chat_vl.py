@@ -201,3 +201,32 @@ def test_two_chats_on_one_model_keep_their_own_image_positions():
         for name, (text, images) in zip(plans, turns):
             replies[name].append(together[name].send(text, images=images))
     assert replies == alone
+
+
+def test_a_failed_turn_with_a_photo_leaves_no_entries_behind():
+    """A turn with a photo that fails after its images are prefilled: the next turn warns, feeds the conversation
+    (its earlier photo at its M-RoPE positions) again, and replies as a chat that never had the failed turn does."""
+    import warnings
+
+    import torch
+    from transformers import StoppingCriteria
+
+    class Fails(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            raise RuntimeError("failed on the first token")
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    imgs = photos(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+        live, clean = (RetentionChat(model, proc, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
+                       for _ in range(2))
+    assert live.send("What is this?", images=[imgs[0]]) == clean.send("What is this?", images=[imgs[0]])
+    with pytest.raises(RuntimeError, match="first token"):
+        live.send("And this one?", images=[imgs[1]], stopping_criteria=[Fails()])
+    with pytest.warns(UserWarning, match="the last turn failed midway"):
+        reply = live.send("Say more.")
+    assert reply == clean.send("Say more.") and torch.equal(live.ids, clean.ids)
+    assert live.memory()["image_tokens"] == clean.memory()["image_tokens"] > 0
+    assert live.cache.get_seq_length() == live.ids.shape[1] - 1
