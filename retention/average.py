@@ -65,6 +65,10 @@ def average_checkpoints(
     first checkpoint, and the sources must share the base model."""
     weights = normalised_weights(weights, len(paths))  # a lone checkpoint or bad weights fail before any download
     check_gate_folder_target(out)  # and an --out that holds other files (it is replaced whole)
+    source = next((p for p in paths if Path(p).exists() and Path(p).resolve() == Path(out).resolve()), None)
+    if source is not None:  # replaced whole: the source's own gates, card and plots would be gone
+        raise FileExistsError(f"--out {out} is one of the checkpoints averaged ({source}): writing the mean there "
+                              "replaces those gates; choose a new folder")
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]

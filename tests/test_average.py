@@ -74,6 +74,17 @@ def test_average_refuses_an_out_folder_of_other_files_before_reading(tmp_path, c
     assert (tmp_path / "work" / "notes.txt").read_text() == "keep me"
 
 
+def test_average_refuses_to_write_over_one_of_its_sources(tmp_path, capsys):
+    """`retention average A B --out A` used to replace A's gates, card and plots with the mean: refused, A kept."""
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama")
+    (pa / "results.png").write_bytes(b"a plot")
+    before = (pa / "gates.safetensors").read_bytes()
+    assert main(["average", str(pa), str(pb), "--out", str(tmp_path / "x" / ".." / "a")]) == 2
+    assert "is one of the checkpoints averaged" in capsys.readouterr().err
+    assert (pa / "gates.safetensors").read_bytes() == before and (pa / "results.png").read_bytes() == b"a plot"
+
+
 def test_average_refuses_checkpoints_of_different_base_models(tmp_path):
     pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
     pb = export_gates(_gates(1), tmp_path / "b", base_model="other-model")
