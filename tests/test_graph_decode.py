@@ -51,6 +51,40 @@ def test_the_planned_step_decodes_as_the_cache_does(arch, batch):
     planned.store.check()
 
 
+def test_a_step_that_fails_midway_leaves_the_cache_as_it_was():
+    """A step that raises after its first layers wrote their entries (Ctrl-C, out of memory) gives its slots and any
+    page it opened back: no leak, the same lengths, and the next steps decode as the ordinary path does."""
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    attach_gates(model, None, mode="score", bias_init=1.0)
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1))
+    plain, tok = _prefilled(model, ids, budget_tokens=12)
+    planned, _ = _prefilled(model, ids, budget_tokens=12)
+    decoder = GraphDecoder(model, planned, graph=False)
+
+    def fail(*args):
+        raise KeyboardInterrupt
+
+    at_page_start = 0
+    for _ in range(30):
+        hook = model.model.layers[1].register_forward_hook(fail)  # layer 0 has written its entries
+        lengths = []
+        for _ in range(2):  # the first failure may evict first, as any step does; neither reserves for good
+            with pytest.raises(KeyboardInterrupt):
+                decoder.step(tok)
+            lengths.append(planned.store.host_lengths.clone())
+            assert torch.equal(planned.store.lengths, lengths[-1])
+            planned.store.check()  # a page the step opened is free again
+        hook.remove()
+        assert torch.equal(lengths[0], lengths[1])
+        at_page_start += int((lengths[0] % planned.page_size == 0).any())
+        with torch.no_grad():
+            want = model(input_ids=tok, **cache_kwargs(plain), use_cache=True).logits[:, -1]
+        torch.testing.assert_close(decoder.step(tok), want, atol=1e-5, rtol=1e-5)
+        tok = want.argmax(-1, keepdim=True)
+    assert at_page_start >= 1 and plain.evictions == planned.evictions >= 1 and _kept(plain) == _kept(planned)
+
+
 def test_what_the_planned_step_cannot_decode_is_refused():
     model = tiny_llama().eval()
     ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(1))

@@ -99,6 +99,9 @@ class GraphDecoder:
                 self._replay()
             else:
                 self._logits = self._forward()
+        except BaseException:  # the step did not happen: give its slots back, so the cache is as before it
+            store.release_next()
+            raise
         finally:
             c._static = None
         c._seen = [s + 1 for s in c._seen]

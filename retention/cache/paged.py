@@ -151,6 +151,18 @@ class PagedKVStore:
             self._all_streams = (host.to(self.pool.device), host)
         return self._reserve(*self._all_streams, 1)[0]
 
+    def release_next(self) -> None:
+        """Undo :meth:`reserve_next` (a step that failed before its entries were read): every stream's length shrinks
+        by one and a page the reservation opened goes back to the pool."""
+        ps, new = self.page_size, self.host_lengths - 1
+        opened = torch.nonzero(new % ps == 0).flatten()  # the reserved entry was the first of its page
+        if opened.numel():
+            rows, col = opened.to(self.block_table.device), (new[opened] // ps).to(self.block_table.device)
+            self.pool.free(self.block_table[rows, col])
+            self.block_table[rows, col] = -1
+        self.host_lengths.copy_(new)
+        self._lengths_to_device()
+
     def write(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor,
               pos: torch.Tensor) -> None:
         """Store entries at pool ``slot`` ``(n,)``: ``keys/values`` ``(n, D)``, ``log_beta`` ``(n,)``, ``pos`` ``(n,)``
