@@ -231,6 +231,8 @@ class RetentionChat:
     ``gates``: trained gates, a checkpoint folder or Hub repo id, ``"untrained"``, or ``None``: the gates
     already attached, else those shipped for an embedded model (``checkpoints/``), else untrained gates
     (with a warning). ``chunk_size``: prefill chunk in tokens. ``policy``: as :class:`RetentionCache` takes it.
+    ``chat_template_kwargs``: passed to every rendering of the chat template, e.g. ``{"enable_thinking": False}``
+    for Qwen3's replies without a reasoning block. Other keyword arguments are ``generate``'s, for every reply.
     """
 
     def __init__(
@@ -247,6 +249,7 @@ class RetentionChat:
         protected_window: int = 0,
         page_size: int = 16,
         cuda_graphs: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **generation_kwargs: Any,
     ) -> None:
         from .cache import RetentionCache
@@ -257,6 +260,15 @@ class RetentionChat:
         self.device = unwrap(model).get_input_embeddings().weight.device
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.multimodal = is_multimodal(unwrap(model).config)
+        if not isinstance(chat_template_kwargs, (dict, type(None))):
+            raise ChatSetupError(f"chat_template_kwargs must be a dict of template variables, got "
+                                 f"{type(chat_template_kwargs).__name__}: e.g. {{'enable_thinking': False}}")
+        taken = sorted(set(chat_template_kwargs or {}) & {"tokenize", "add_generation_prompt", "conversation",
+                                                           "return_dict", "return_tensors", "continue_final_message"})
+        if taken:
+            raise ChatSetupError(f"chat_template_kwargs sets {', '.join(taken)}, which the chat sets itself for every "
+                                 "turn: leave them out")
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         asked_untrained = isinstance(gates, str) and gates == "untrained"
         gates = _load_gates(gates, model)
         attachment = getattr(unwrap(model), "retention", None)
@@ -673,7 +685,8 @@ class RetentionChat:
 
     # -- encoding ----------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **self.chat_template_kwargs)
 
     def _encode_turn(self, text: str, images: list[Any]) -> dict[str, Any]:
         if images and not self.multimodal:
@@ -879,6 +892,7 @@ def _chat_command(args: argparse.Namespace) -> int:
                 raise ValueError(f"{', '.join(given)} apply to --policy global_gates, not {args.policy}")
             policy = get_policy(args.policy)
         generation = _generation_options(args)
+        template = _template_options(args.chat_template_kwargs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -909,7 +923,7 @@ def _chat_command(args: argparse.Namespace) -> int:
         chat = RetentionChat(
             model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
             max_new_tokens=args.max_new_tokens, system=args.system or (history[0] if history else None), policy=policy,
-            cuda_graphs=args.cuda_graphs, **generation,
+            cuda_graphs=args.cuda_graphs, chat_template_kwargs=template, **generation,
         )
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -956,6 +970,23 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
     return {"do_sample": True, **options} if args.sample else options
+
+
+def _template_options(text: str | None) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object of template variables; ValueError naming the fix otherwise."""
+    import json
+
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not JSON ({e.msg}): give an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object of template variables, got {text}: e.g. "
+                         "'{\"enable_thinking\": false}'")
+    return value
 
 
 def _check_shows_images(model: str, path: str) -> None:
@@ -1042,6 +1073,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="penalise tokens already in the conversation "
                    "(above 1), greedy or sampled")
     p.add_argument("--seed", type=int, default=None, help="with --sample: seed the draws, for replies that repeat")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON", help="variables for the model's chat "
+                   "template, as a JSON object: '{\"enable_thinking\": false}' turns Qwen3's reasoning block off")
     p.add_argument("--cuda-graphs", action="store_true", help="decode replies as replayed CUDA graphs (GraphDecoder; "
                    "a GPU, policies that read no queries): several times faster per token")
     add_placement_args(p)

@@ -9,3 +9,12 @@ QWEN3_LIKE_TEMPLATE = (
     "{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
 )
+
+# Qwen3's thinking switch (reduced): ``enable_thinking=False`` opens each reply with an empty <think> block, which the
+# template leaves out of an answered turn
+THINKING_SWITCH_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'].split('</think>')[-1].lstrip('\n') }}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)

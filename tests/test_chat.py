@@ -6,7 +6,7 @@ import torch
 from retention import load_model
 from retention.chat import ChatInputError, ChatSetupError, RetentionChat
 from retention.gates import GateConfig, RetentionGates
-from chat_templates import QWEN3_LIKE_TEMPLATE
+from chat_templates import QWEN3_LIKE_TEMPLATE, THINKING_SWITCH_TEMPLATE
 
 pytestmark = pytest.mark.smollm2
 
@@ -350,6 +350,45 @@ def test_a_template_that_rerenders_the_last_reply_still_chats_incrementally(smol
         out = model.generate(input_ids=chat.ids[:, :n_prompt], attention_mask=torch.ones(1, n_prompt, dtype=torch.long),
                              **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=12, do_sample=False)
     assert tok.decode(out[0, n_prompt:], skip_special_tokens=True) == second
+
+
+def test_chat_template_kwargs_reach_every_turn(smollm2, capsys, monkeypatch):
+    """chat_template_kwargs={"enable_thinking": False} (`--chat-template-kwargs`): every reply opens with the empty
+    <think> block the template adds for it, the first reply is generate's on the template's own rendering, and later
+    turns keep the cache in step (the template drops the block from answered turns). Keys the chat sets itself and
+    JSON that is no object are refused, on the command line before the model loads."""
+    import copy
+
+    import retention.models
+    from retention.chat import ChatSetupError
+    from retention.cli import main
+
+    model, tok = smollm2
+    tok = copy.deepcopy(tok)
+    tok.chat_template = THINKING_SWITCH_TEMPLATE
+    off = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8, chat_template_kwargs={"enable_thinking": False})
+    on = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
+    first = off.send("Name a colour.")
+    for turn in ("Name another.", "Thanks."):
+        off.send(turn), on.send(turn)
+    text = tok.decode(off.ids[0], skip_special_tokens=False)
+    assert text.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == 3
+    assert "<think>" not in tok.decode(on.ids[0], skip_special_tokens=False)
+    assert off.cache.get_seq_length() == off.ids.shape[1] - 1
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                     enable_thinking=False, return_tensors="pt", return_dict=True)
+    off.model.retention.detach()
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True) == first
+
+    with pytest.raises(ChatSetupError, match="add_generation_prompt, which the chat sets itself"):
+        RetentionChat(model, tok, chat_template_kwargs={"add_generation_prompt": False})  # before gates attach
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    for given, message in (("{enable_thinking: false}", "--chat-template-kwargs is not JSON"),
+                           ("[1]", "--chat-template-kwargs must be a JSON object")):
+        assert main(["chat", "--chat-template-kwargs", given]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys):
