@@ -13,6 +13,7 @@ from retention.models import MODEL_DTYPES, device_problem
 from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
 from .methods import Method, available_methods, make_method
+from .models import RESERVED_TEMPLATE_VARIABLES
 from .multimodal import IMAGE_TASKS
 from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task
@@ -58,6 +59,8 @@ class EvalConfig:
     prefill: str = "one_shot"
     chunk: int = 512
     max_new_tokens: int = 32
+    # variables for the model's chat template in every prompt, e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def task_specs(self) -> list[TaskSpec]:
         return [TaskSpec(t) if isinstance(t, str) else TaskSpec(t["name"], dict(t.get("params") or {})) for t in self.tasks]
@@ -97,6 +100,13 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail(key, f"must be an integer >= 1, got {v!r}")
     if not isinstance(cfg.seed, int):
         _fail("seed", f"must be an integer, got {cfg.seed!r}")
+    kwargs = cfg.chat_template_kwargs
+    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() for k in kwargs):
+        _fail("chat_template_kwargs", f"must be a mapping of template variable names to values, e.g. "
+                                      f"{{enable_thinking: false}}; got {kwargs!r}")
+    if set(kwargs) & RESERVED_TEMPLATE_VARIABLES:
+        _fail("chat_template_kwargs", f"sets {sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)}, which rendering "
+                                      "sets itself: leave them out")
     if not isinstance(cfg.lengths, list) or not cfg.lengths or any(
             not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in cfg.lengths):
         _fail("lengths", f"must be a non-empty list of integers >= 64 (context tokens), got {cfg.lengths!r}")

@@ -43,3 +43,45 @@ def load_eval_model(spec: str, dtype: str | None = None, device: str | None = No
     model, proc = load_model(spec, dtype=dtype, device=device)
     # a vision-language model keeps its processor (images of multimodal items); text models give their tokenizer
     return model, proc if is_multimodal(model.config) else getattr(proc, "tokenizer", proc)
+
+
+# what rendering sets itself: a template variable of one of these names is refused
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                         "conversation", "return_dict", "return_tensors", "continue_final_message"})
+
+
+def _jinja_literal(value: Any) -> str:
+    """``value`` (JSON: None, bool, number, string, list, dict) as a Jinja literal."""
+    import json
+
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, list):
+        return "[" + ", ".join(_jinja_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def with_template_variables(processor: Any, variables: dict[str, Any]) -> Any:
+    """A shallow copy of ``processor`` (a tokenizer, or a processor and its tokenizer) whose chat template sets
+    ``variables`` first (``{"enable_thinking": False}`` for Qwen3), so every rendering of a sweep's prompts, in the
+    task generators and in the chat of multimodal items alike, sees them. ``processor`` itself is left as it was."""
+    import copy
+
+    if not variables:
+        return processor
+    prefix = "".join(f"{{% set {k} = {_jinja_literal(v)} %}}" for k, v in variables.items())
+    out = copy.copy(processor)
+    holders = [out]
+    if getattr(out, "tokenizer", None) is not None:
+        out.tokenizer = copy.copy(out.tokenizer)
+        holders.append(out.tokenizer)
+    for holder in holders:
+        template = getattr(holder, "chat_template", None)
+        if isinstance(template, str):
+            holder.chat_template = prefix + template
+        elif template is not None:
+            raise ValueError("chat_template_kwargs: this model's tokenizer holds several named chat templates; "
+                             "leave chat_template_kwargs out")
+    return out

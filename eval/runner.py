@@ -93,7 +93,8 @@ def _drop_torn_tail(path: Path) -> None:
 def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
     """What a row's score depends on beyond its key (task, length, item, method, budget, protocol, prefill)
     and its gates: each row records these, and a resumed sweep rescores rows that recorded other values."""
-    return {"model": cfg.model, "dtype": cfg.dtype or "float32", "max_new_tokens": cfg.max_new_tokens, "chunk": cfg.chunk}
+    return {"model": cfg.model, "dtype": cfg.dtype or "float32", "max_new_tokens": cfg.max_new_tokens, "chunk": cfg.chunk,
+            "chat_template_kwargs": cfg.chat_template_kwargs}
 
 
 def item_sha(item) -> str:
@@ -188,6 +189,10 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
                 m.own_gates(model)  # loaded now and kept by the method for the sweep
             except Exception as e:
                 raise RuntimeError(f"method {m.label}: cannot load its gates {m.gates!r}: {e}") from None
+    if cfg.chat_template_kwargs:  # every prompt of the sweep renders with them (a copy: the caller's stays as it was)
+        from .models import with_template_variables
+
+        tokenizer = with_template_variables(tokenizer, cfg.chat_template_kwargs)
     return model, tokenizer
 
 

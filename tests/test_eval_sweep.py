@@ -26,6 +26,9 @@ def test_config_errors_before_any_model_loads(tmp_path):
         ("methods: [{name: snapkv, params: {windw: 8}}]\n", "snapkv"),
         ("dtype: bfloat17\n", r"dtype: 'bfloat17' is not allowed; choose one of \['float32', 'bfloat16', 'float16'\]"),
         ("device: gpu0\n", "device: 'gpu0' is not a device"),
+        ("chat_template_kwargs: [enable_thinking]\n", "chat_template_kwargs: must be a mapping of template variable"),
+        ("chat_template_kwargs: {enable-thinking: false}\n", "chat_template_kwargs: must be a mapping"),
+        ("chat_template_kwargs: {add_generation_prompt: false}\n", r"sets \['add_generation_prompt'\], which rendering"),
     ]
     for text, match in cases:
         p.write_text(text)
@@ -581,6 +584,44 @@ def test_a_resumed_sweep_rescores_rows_of_another_setup(tmp_path, capsys):
                                for r in now))
     run_sweep(config(max_new_tokens=5, keys=3), progress=False)
     assert "rows were scored with another setup" not in capsys.readouterr().out and len(read_results(results)) == 4
+
+
+def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatch, capsys):
+    """`chat_template_kwargs: {enable_thinking: false}` renders every prompt as apply_chat_template(...,
+    enable_thinking=False) does (Qwen3's empty reasoning block); rows record it, so a resumed sweep with other
+    variables scores them again, and the tokenizer handed to the sweep stays as it was."""
+    from chat_templates import THINKING_SWITCH_TEMPLATE
+
+    import eval.protocol
+    from eval.models import load_eval_model, with_template_variables
+
+    model, tok = load_eval_model("tiny-llama-random")
+    tok.chat_template = THINKING_SWITCH_TEMPLATE
+    messages = [{"role": "user", "content": "Hi."}]
+    switched = with_template_variables(tok, {"enable_thinking": False, "extra": [1, None, {"k": "v\"w"}]})
+    assert (switched.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            != tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert tok.chat_template == THINKING_SWITCH_TEMPLATE
+
+    prompts = []
+    render = eval.protocol.render_chat
+    monkeypatch.setattr(eval.protocol, "render_chat", lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
+
+    def sweep(extra: str) -> list[dict]:
+        p = tmp_path / "c.yaml"
+        p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nlengths: [128]\n"
+                     f"budgets: [0.25]\nitems: 2\nmax_new_tokens: 2\nmethods: [{{name: streamingllm}}]\n{extra}")
+        prompts.clear()
+        return read_results(run_sweep(load_eval_config(p), (model, tok), progress=False))
+
+    plain = sweep("")
+    assert prompts and not any("<think>" in t for t in prompts) and plain[0]["chat_template_kwargs"] == {}
+    off = sweep("chat_template_kwargs: {enable_thinking: false}\n")
+    assert "chat_template_kwargs ({} -> {'enable_thinking': False})" in capsys.readouterr().out
+    generation = [t for t in prompts if t.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")]
+    assert len(generation) >= 2 and len(off) == 2 and off[0]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert tok.chat_template == THINKING_SWITCH_TEMPLATE
 
 
 def test_a_generated_task_listed_twice_is_refused(tmp_path):
