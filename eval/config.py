@@ -8,12 +8,12 @@ from typing import Any
 
 import yaml
 
+from retention.chat import RESERVED_TEMPLATE_VARIABLES
 from retention.models import MODEL_DTYPES, device_problem
 
 from .budgets import Budget, parse_budget
 from .haystack import SOURCES, SPLITS
 from .methods import Method, available_methods, make_method
-from .models import RESERVED_TEMPLATE_VARIABLES
 from .multimodal import IMAGE_TASKS
 from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task

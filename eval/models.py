@@ -45,10 +45,6 @@ def load_eval_model(spec: str, dtype: str | None = None, device: str | None = No
     return model, proc if is_multimodal(model.config) else getattr(proc, "tokenizer", proc)
 
 
-# what rendering sets itself: a template variable of one of these names is refused
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                                         "conversation", "return_dict", "return_tensors", "continue_final_message"})
-
 
 def _jinja_literal(value: Any) -> str:
     """``value`` (JSON: None, bool, number, string, list, dict) as a Jinja literal."""

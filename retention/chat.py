@@ -42,6 +42,12 @@ _SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
 _OTHER_SAMPLING = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
+# what every rendering of a chat template sets itself: template variables (chat_template_kwargs) of these names are
+# refused, here and in an eval sweep's config
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
+                                         "return_tensors", "continue_final_message"})
+
+
 class ChatInputError(ValueError):
     """A turn cannot be processed as given; the message names the problem and the fix."""
 
@@ -263,8 +269,7 @@ class RetentionChat:
         if not isinstance(chat_template_kwargs, (dict, type(None))):
             raise ChatSetupError(f"chat_template_kwargs must be a dict of template variables, got "
                                  f"{type(chat_template_kwargs).__name__}: e.g. {{'enable_thinking': False}}")
-        taken = sorted(set(chat_template_kwargs or {}) & {"tokenize", "add_generation_prompt", "conversation",
-                                                           "return_dict", "return_tensors", "continue_final_message"})
+        taken = sorted(set(chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
         if taken:
             raise ChatSetupError(f"chat_template_kwargs sets {', '.join(taken)}, which the chat sets itself for every "
                                  "turn: leave them out")
