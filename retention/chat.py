@@ -260,6 +260,11 @@ class RetentionChat:
     ) -> None:
         from .cache import RetentionCache
 
+        _check_counts(budget_tokens=(budget_tokens, 1, "tokens per (layer, KV head); None keeps every entry"),
+                      chunk_size=(chunk_size, 1, "prefill chunk in tokens"),
+                      max_new_tokens=(max_new_tokens, 1, "the longest reply in tokens"),
+                      protected_window=(protected_window, 0, "newest tokens never evicted"),
+                      page_size=(page_size, 1, "entries per KV page"))
         self.model, self.processor = model, processor
         self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
@@ -952,6 +957,16 @@ def _chat_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)
         print()
     return 0
+
+
+def _check_counts(**given: tuple[Any, int, str]) -> None:
+    """ChatSetupError naming the argument unless each ``name=(value, least, meaning)`` is an integer >= least (a
+    ``budget_tokens`` of None is allowed: no budget)."""
+    for name, (value, least, meaning) in given.items():
+        if name == "budget_tokens" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ChatSetupError(f"{name} must be an integer >= {least} ({meaning}), got {value!r}")
 
 
 def _generation_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -78,6 +78,24 @@ def test_gates_for_another_model_are_a_setup_error(smollm2):
         RetentionChat(model, tok, other, budget_tokens=64)
 
 
+@pytest.mark.parametrize("given,message", [
+    (dict(budget_tokens=0), r"budget_tokens must be an integer >= 1 \(tokens per \(layer, KV head\)"),
+    (dict(budget_tokens=-3), "budget_tokens must be an integer >= 1"),
+    (dict(budget_tokens=2.5), "budget_tokens must be an integer >= 1 .*got 2.5"),
+    (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(protected_window=-1), "protected_window must be an integer >= 0"),
+    (dict(page_size=True), "page_size must be an integer >= 1"),
+])
+def test_counts_out_of_range_are_setup_errors_before_anything_attaches(smollm2, given, message):
+    """A budget of 0 or -3 tokens used to fail inside the cache in entries ("got -270"), a chunk of 0 deep in a tensor
+    split, and a float budget, a reply of 0 tokens or a negative window were taken: each now names its argument."""
+    model, tok = smollm2
+    with pytest.raises(ChatSetupError, match=message):
+        RetentionChat(model, tok, **given)
+    assert getattr(model, "retention", None) is None
+
+
 def test_untrained_gates_on_request(smollm2):
     model, tok = smollm2
     chat = RetentionChat(model, tok, "untrained", budget_tokens=64, max_new_tokens=4)
