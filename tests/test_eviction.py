@@ -200,6 +200,27 @@ def test_a_budget_that_is_not_a_count_of_entries_is_named(model, budget, problem
         RetentionCache(model).set_budget(budget)
 
 
+@pytest.mark.parametrize("options,problem", [(dict(page_size=4.0), "page_size must be an integer >= 1, got 4.0"),
+                                             (dict(page_size=0), "page_size must be an integer >= 1"),
+                                             (dict(protected_window=-2), "protected_window must be an integer >= 0"),
+                                             (dict(min_per_head=-1), "min_per_head must be an integer >= 0"),
+                                             (dict(slack=-5), "slack must be an integer >= 0"),
+                                             (dict(initial_pages=0), "initial_pages must be an integer >= 1")])
+def test_options_that_are_not_counts_are_named(model, options, problem):
+    """A float page size failed in torch.empty, a page size of 0 named "capacity and head_dim", and a negative
+    protected window was taken (it then protected nothing)."""
+    with pytest.raises(ValueError, match=problem):
+        RetentionCache(model, budget=1000, **options)
+
+
+@pytest.mark.parametrize("tokens", [0, -1, 2.5, True, "64"])
+def test_budget_for_takes_a_whole_positive_number_of_tokens(model, tokens):
+    """budget_for(model, 2.5) gave the entries of 2 tokens and 0 or -1 gave a budget the cache then refused in
+    entries; each is refused naming the tokens."""
+    with pytest.raises(CacheBudgetError, match=r"tokens must be a whole number of tokens >= 1.*got"):
+        RetentionCache.budget_for(model, tokens)
+
+
 def test_integer_budgets_of_numpy_and_torch_behave_as_ints(model):
     import numpy as np
 

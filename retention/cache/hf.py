@@ -170,6 +170,11 @@ class RetentionCache(Cache):
         self.policy = policy if policy is not None else GlobalGatesPolicy()
         self.policy.validate()
         self.policy.bind(unwrap(model))
+        for name, value, least in (("page_size", page_size, 1), ("protected_window", protected_window, 0),
+                                   ("min_per_head", min_per_head, 0), ("slack", slack, 0),
+                                   ("initial_pages", initial_pages, 1)):
+            if value is not None and (not _is_count(value) or value < least):
+                raise ValueError(f"RetentionCache {name} must be an integer >= {least}, got {value!r}")
         self.page_size, self.protected_window, self.min_per_head = page_size, protected_window, min_per_head
         self.streams_per_seq = self.num_layers * self.num_kv_heads
         self.slack = self.streams_per_seq * page_size if slack is None else slack
@@ -194,6 +199,9 @@ class RetentionCache(Cache):
     @staticmethod
     def budget_for(model: torch.nn.Module, tokens: int) -> int:
         """Entries that hold ``tokens`` tokens in every layer and KV head (``tokens * L * H_kv``)."""
+        if not _is_count(tokens) or tokens < 1:
+            raise CacheBudgetError(f"tokens must be a whole number of tokens >= 1 in every layer and KV head, got "
+                                   f"{tokens!r}")
         cfg = text_config_of(model)
         return int(tokens) * cfg.num_hidden_layers * cfg.num_key_value_heads
 
