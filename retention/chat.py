@@ -423,8 +423,11 @@ class RetentionChat:
                                                self._warned_positions)
         self.reset()
         self._decoder = None
-        self._refeed(ids, turns)
-        self.messages, self._last_reply_ended, self._warned_positions = messages, ended, warned
+        try:
+            self._refeed(ids, turns)
+        finally:  # the conversation stays whole even if this feed fails too: the next turn repairs again
+            self.ids, self._image_turns = ids, turns
+            self.messages, self._last_reply_ended, self._warned_positions = messages, ended, warned
 
     def _read_transcript(self, path: Path) -> dict[str, Any]:
         data = read_transcript(path)

@@ -538,6 +538,17 @@ def test_a_turn_that_failed_midway_leaves_no_entries_behind(smollm2, graphs):
     with pytest.raises(RuntimeError, match="third token"):
         live.send("Tell me a long story.", stopping_criteria=[Fails()])
     assert live.cache.get_seq_length() > live.ids.shape[1] - 1 and len(live.messages) == 2
+    ids, messages = live.ids, list(live.messages)
+    feed = live._feed
+
+    def feed_fails(*args):  # the repair's own feed fails once (out of memory again, say) ...
+        live._feed = feed
+        raise RuntimeError("the repair failed too")
+
+    live._feed = feed_fails
+    with pytest.warns(UserWarning, match="failed midway"), pytest.raises(RuntimeError, match="repair failed too"):
+        live.send("What is my name?")
+    assert torch.equal(live.ids, ids) and live.messages == messages  # ... and the conversation stays whole
     with pytest.warns(UserWarning, match=r"the last turn failed midway\): feeding the conversation's"):
         reply = live.send("What is my name?")
     assert reply == clean.send("What is my name?")
