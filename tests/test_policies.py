@@ -278,3 +278,19 @@ def test_a_dropped_cache_is_freed_at_once_without_the_cyclic_gc(name, params):
         assert [r() is None for r in refs] == [True] * 3
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name,params,problem", [
+    ("snapkv", {"window": 2.5}, "window must be an integer, got 2.5"),
+    ("snapkv", {"kernel": "7"}, "kernel must be an integer, got '7'"),
+    ("global_gates", {"sink": True}, "sink must be an integer, got True"),
+    ("gates_snapkv", {"share": "0.25"}, "share must be a number, got '0.25'"),
+    ("h2o", {"recent": -1}, "recent must be >= 0"),
+    ("cake", {"gamma": -1.0}, "gamma must be >= 0"),
+])
+def test_a_parameter_of_the_wrong_kind_or_sign_is_named(name, params, problem):
+    """A float window, a string kernel from a hand-written config, a negative H2O window or CAKE weight were taken
+    and failed (or silently changed the ranking) once the cache scored; each is refused when the policy is built."""
+    with pytest.raises(ValueError, match=problem):
+        get_policy(name, **params)
+    assert get_policy("gates_snapkv", share=1).share == 1  # an integer where a number is asked is fine

@@ -85,6 +85,18 @@ class EvictionPolicy(ABC):
         return None
 
     def validate(self) -> None:
+        import dataclasses
+        import numbers
+
+        for f in dataclasses.fields(self) if dataclasses.is_dataclass(self) else ():
+            if not f.init:  # built from the others, after this check
+                continue
+            value = getattr(self, f.name)
+            kind = {"int": numbers.Integral, "float": numbers.Real}.get(f.type if isinstance(f.type, str)
+                                                                     else getattr(f.type, "__name__", ""))
+            if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):  # window=2.5, "7"
+                raise ValueError(f"{f.name} must be {'an integer' if kind is numbers.Integral else 'a number'}, "
+                                 f"got {value!r}")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(f"budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
         if self.mode not in MODES:

@@ -33,6 +33,9 @@ class CAKEPolicy(WindowPolicy):
         super().__post_init__()
         if self.tau1 <= 0 or self.tau2 <= 0:
             raise ValueError(f"tau1 and tau2 must be > 0, got {self.tau1}, {self.tau2}")
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0 (weight of the attention's variance in the eviction score), got "
+                             f"{self.gamma}")
         self.preference: dict[int, float] = {}
 
     def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:

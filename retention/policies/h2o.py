@@ -30,6 +30,8 @@ class H2OPolicy(EvictionPolicy):
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.recent < 0:
+            raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
 
     def observe(self, layer, query, view, query_pos) -> None:
         attn = window_attention(query, view, query_pos, window=None)  # every query of this forward
