@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,9 @@ class GateConfig:
             raise ValueError(
                 f"GateConfig.activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
             )
-        if not math.isfinite(float(self.bias_init)):
-            raise ValueError(f"GateConfig.bias_init must be finite, got {self.bias_init!r}")
+        if (not isinstance(self.bias_init, numbers.Real) or isinstance(self.bias_init, bool)
+                or not math.isfinite(float(self.bias_init))):
+            raise ValueError(f"GateConfig.bias_init must be a finite number, got {self.bias_init!r}")
 
     @classmethod
     def for_model(cls, model: nn.Module, **options: Any) -> "GateConfig":
@@ -77,6 +79,10 @@ class GateConfig:
         cfg = text_config_of(model)
         name = getattr(getattr(model, "config", cfg), "_name_or_path", None) or None
         options.setdefault("base_model", name)
+        taken = {f.name for f in fields(cls)} - {"num_layers", "num_kv_heads", "hidden_size"}
+        if set(options) - taken:
+            raise TypeError(f"unknown gate option(s) {sorted(set(options) - taken)}; the options are {sorted(taken)} "
+                            "(the layer count, KV heads and hidden size come from the model)")
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,

@@ -331,3 +331,18 @@ def test_gates_trained_for_another_model_of_the_same_shapes_are_warned_about():
             warnings.simplefilter("always")
             check_gates_match(model, GateConfig(**{**cfg.to_dict(), "base_model": base}))
         assert bool([w for w in caught if "trained for someone/Tiny-Base" in str(w.message)]) == warned, base
+
+
+def test_an_unknown_gate_option_or_a_bias_that_is_no_number_is_named():
+    """attach_gates(model, hidden=0) said only "GateConfig.__init__() got an unexpected keyword argument", and
+    bias_init="x" "could not convert string to float": both now name the option and what it takes."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama().eval()
+    with pytest.raises(TypeError, match=r"unknown gate option\(s\) \['hidden'\]; the options are \['activation'"):
+        attach_gates(model, None, hidden=0)
+    for bias in ("x", True, float("nan")):
+        with pytest.raises(ValueError, match="GateConfig.bias_init must be a finite number"):
+            attach_gates(model, None, bias_init=bias)
+    assert getattr(model, "retention", None) is None
+    attach_gates(model, None, gate_hidden=8, bias_init=5).detach()  # an int bias is a number

@@ -23,7 +23,7 @@ def make(variant="global", **kw):
         (dict(num_layers=0), "num_layers must be a positive integer"),
         (dict(gate_hidden=2.5), "gate_hidden must be a positive integer"),
         (dict(activation="swish"), "activation must be one of"),
-        (dict(bias_init=float("nan")), "bias_init must be finite"),
+        (dict(bias_init=float("nan")), "bias_init must be a finite number"),
     ],
 )
 def test_config_rejects_bad_values(bad, match):
