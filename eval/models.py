@@ -45,7 +45,6 @@ def load_eval_model(spec: str, dtype: str | None = None, device: str | None = No
     return model, proc if is_multimodal(model.config) else getattr(proc, "tokenizer", proc)
 
 
-
 def _jinja_literal(value: Any) -> str:
     """``value`` (JSON: None, bool, number, string, list, dict) as a Jinja literal."""
     import json
