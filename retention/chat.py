@@ -56,11 +56,11 @@ class ChatSetupError(ValueError):
     """Model, gates and options do not fit together; the message names the fix."""
 
 
-# what RetentionChat.save writes (a JSON object); resume reads this version only
 class PastPositionsWarning(UserWarning):
     """A conversation may run past the model's ``max_position_embeddings`` (said once per conversation)."""
 
 
+# what RetentionChat.save writes (a JSON object); resume reads this version only
 TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION = "retention-chat", 1
 
 
@@ -414,9 +414,10 @@ class RetentionChat:
         """Before a turn: when the last one failed midway (an exception in its prefill or generation, e.g. out of GPU
         memory), the cache holds entries of a turn the conversation does not; feed the conversation again through an
         emptied cache, with a warning, instead of going on from a cache that no longer matches it."""
-        if self.cache.get_seq_length() == max(self.ids.shape[1] - 1, 0):
+        cached, expected = self.cache.get_seq_length(), max(self.ids.shape[1] - 1, 0)  # the last token goes with a turn
+        if cached == expected:
             return
-        warnings.warn(f"the cache holds {self.cache.get_seq_length() - max(self.ids.shape[1] - 1, 0):+,} tokens the "
+        warnings.warn(f"the cache holds {cached - expected:+,} tokens the "
                       "conversation does not (the last turn failed midway): feeding the conversation's "
                       f"{self.ids.shape[1]:,} tokens again", stacklevel=3)
         ids, turns, messages, ended, warned = (self.ids, self._image_turns, self.messages, self._last_reply_ended,
