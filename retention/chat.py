@@ -22,7 +22,7 @@ from torch import nn
 from .attach import attach_gates, check_gates_match, model_stem, text_config_of, unwrap
 from .compat import cache_kwargs
 from .gates import RetentionGates
-from .models import is_multimodal
+from .models import is_multimodal, text_mrope_positions
 from .policies.base import EvictionPolicy
 
 
@@ -461,8 +461,8 @@ class RetentionChat:
                 extra: dict[str, Any] = {}
                 if self.multimodal:  # M-RoPE: text positions continue the images' (rope_deltas), on all three axes
                     delta = self._rope_delta()
-                    text = torch.arange(past, past + n, device=ids.device)[None, None]
-                    extra["position_ids"] = torch.cat([text, (text + delta).expand(3, 1, n)], dim=0)
+                    extra["position_ids"] = text_mrope_positions(torch.arange(past, past + n, device=ids.device)[None],
+                                                                 delta)
                     base.model.rope_deltas = torch.tensor([[delta]], device=ids.device)
                 self.model(
                     input_ids=ids[:, past : past + n],

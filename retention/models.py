@@ -210,6 +210,13 @@ def is_multimodal(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def text_mrope_positions(text: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+    """Qwen3-VL ``position_ids`` ``(4, B, n)`` of text tokens at true indices ``text`` ``(B, n)``: the first row the
+    index itself (the masks read it), then M-RoPE's three axes, each at the index plus ``delta`` (the model's
+    ``rope_deltas``, ``(B, 1)`` or an int: how far the images so far moved the text positions)."""
+    return torch.cat([text[None], (text + delta)[None].expand(3, *text.shape)], dim=0)
+
+
 # from_pretrained keywords that say where and how to fetch files (not config attributes): the config, the weights
 # and the tokenizer all take them
 HUB_KWARGS = ("token", "cache_dir", "local_files_only", "force_download", "proxies", "trust_remote_code", "subfolder",

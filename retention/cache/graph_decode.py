@@ -25,7 +25,7 @@ import torch
 
 from ..attach import unwrap
 from ..compat import cache_kwargs
-from ..models import is_multimodal
+from ..models import is_multimodal, text_mrope_positions
 from .hf import RetentionCache
 
 
@@ -109,11 +109,9 @@ class GraphDecoder:
         return self._logits.clone()
 
     def _forward(self) -> torch.Tensor:
-        B = self.batch
-        position = self._t.expand(B, 1)
+        position = self._t.expand(self.batch, 1)
         if self._mrope:  # (4, B, 1): the text position (masks), then M-RoPE's three, each shifted by rope_deltas
-            rope = (self._t.view(1, 1, 1) + self._delta.view(1, B, 1)).expand(3, B, 1)
-            position = torch.cat([position[None], rope], dim=0)
+            position = text_mrope_positions(position, self._delta)
         out = self.model(input_ids=self._ids, **cache_kwargs(self.cache), cache_position=self._t,
                          position_ids=position, use_cache=True)
         return out.logits[:, -1]
