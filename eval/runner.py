@@ -58,13 +58,16 @@ def load_result_file(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: give the results.jsonl of a sweep (or its published copy)")
-    lines = p.read_text().splitlines()
+    text = p.read_text()
+    lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines):
+            # rows are written whole with their newline, so only an unterminated last line that starts as a row can
+            # be torn; any other line that is not JSON means the file is something else
+            if i == len(lines) and not text.endswith("\n") and line.lstrip().startswith("{"):
                 continue  # torn by an interrupted write
             raise ValueError(f"{p}, line {i}: not JSON; a results file holds one JSON row per line") from None
         missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]

@@ -360,8 +360,15 @@ def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys)
     good.write_text(json.dumps(row) + "\n" + json.dumps({**row, "item": "i1"}) + "\n" + '{"task": "niah_si')  # torn
     junk = tmp_path / "junk.jsonl"
     junk.write_text(json.dumps(row) + "\n" + json.dumps({"a": 1}) + "\n")
+    # a file of one line that is not JSON read as "no results" (its line taken for a torn one)
+    text = tmp_path / "notes.txt"
+    text.write_text("these are my notes\n")
+    cut = tmp_path / "cut.jsonl"  # complete lines end with a newline, so a whole last line that is not JSON is no tear
+    cut.write_text(json.dumps(row) + "\n" + '{"task": "niah_si\n')
     for argv, words in ((["report", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
                         (["report", str(junk)], "junk.jsonl, line 2: a row without task, length, item, method, budget, score"),
+                        (["report", str(text)], "notes.txt, line 1: not JSON"),
+                        (["report", str(cut)], "cut.jsonl, line 2: not JSON"),
                         (["pool", str(junk), str(good), "--out", str(tmp_path / "p.jsonl")], "junk.jsonl, line 2"),
                         (["pool", str(tmp_path / "missing.jsonl"), str(good), "--out", str(tmp_path / "p.jsonl")],
                          "missing.jsonl not found")):
