@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from retention.chat import RESERVED_TEMPLATE_VARIABLES
+from retention.templates import template_variables_problem
 from retention.models import MODEL_DTYPES, device_problem
 
 from .budgets import Budget, parse_budget
@@ -100,13 +100,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail(key, f"must be an integer >= 1, got {v!r}")
     if not isinstance(cfg.seed, int):
         _fail("seed", f"must be an integer, got {cfg.seed!r}")
-    kwargs = cfg.chat_template_kwargs
-    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() for k in kwargs):
-        _fail("chat_template_kwargs", f"must be a mapping of template variable names to values, e.g. "
-                                      f"{{enable_thinking: false}}; got {kwargs!r}")
-    if set(kwargs) & RESERVED_TEMPLATE_VARIABLES:
-        _fail("chat_template_kwargs", f"sets {sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)}, which rendering "
-                                      "sets itself: leave them out")
+    if problem := template_variables_problem(cfg.chat_template_kwargs):
+        _fail("chat_template_kwargs", problem)
     if not isinstance(cfg.lengths, list) or not cfg.lengths or any(
             not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in cfg.lengths):
         _fail("lengths", f"must be a non-empty list of integers >= 64 (context tokens), got {cfg.lengths!r}")

@@ -193,7 +193,7 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
             except Exception as e:
                 raise RuntimeError(f"method {m.label}: cannot load its gates {m.gates!r}: {e}") from None
     if cfg.chat_template_kwargs:  # every prompt of the sweep renders with them (a copy: the caller's stays as it was)
-        from .models import with_template_variables
+        from retention.templates import with_template_variables
 
         tokenizer = with_template_variables(tokenizer, cfg.chat_template_kwargs)
     return model, tokenizer

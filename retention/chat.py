@@ -24,6 +24,7 @@ from .compat import cache_kwargs
 from .gates import RetentionGates
 from .models import is_multimodal, text_mrope_positions
 from .policies.base import EvictionPolicy
+from .templates import template_variables_problem
 
 
 # generate() options that turn on assisted decoding (a draft model or prompt lookup)
@@ -42,10 +43,6 @@ _SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
 _OTHER_SAMPLING = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
-# what every rendering of a chat template sets itself: template variables (chat_template_kwargs) of these names are
-# refused, here and in an eval sweep's config
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
-                                         "return_tensors", "continue_final_message"})
 
 
 class ChatInputError(ValueError):
@@ -271,13 +268,8 @@ class RetentionChat:
         self.device = unwrap(model).get_input_embeddings().weight.device
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.multimodal = is_multimodal(unwrap(model).config)
-        if not isinstance(chat_template_kwargs, (dict, type(None))):
-            raise ChatSetupError(f"chat_template_kwargs must be a dict of template variables, got "
-                                 f"{type(chat_template_kwargs).__name__}: e.g. {{'enable_thinking': False}}")
-        taken = sorted(set(chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
-        if taken:
-            raise ChatSetupError(f"chat_template_kwargs sets {', '.join(taken)}, which the chat sets itself for every "
-                                 "turn: leave them out")
+        if problem := template_variables_problem({} if chat_template_kwargs is None else chat_template_kwargs):
+            raise ChatSetupError(f"chat_template_kwargs {problem}")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         asked_untrained = isinstance(gates, str) and gates == "untrained"
         gates = _load_gates(gates, model)
@@ -343,6 +335,9 @@ class RetentionChat:
     def memory(self) -> dict[str, Any]:
         """The cache's memory report (see :meth:`RetentionCache.memory_report`); a vision-language chat adds
         ``image_tokens`` (seen so far) and ``kept_image_entries`` (entries of image tokens kept, all layers and heads)."""
+        if stale := self._stale_tokens():
+            warnings.warn(f"the report counts the entries of {stale:+,} tokens the conversation does not hold (the last "
+                          "turn failed midway); the next turn feeds the conversation again without them", stacklevel=2)
         report = self.cache.memory_report()
         if self.multimodal and self.ids.shape[1]:
             from .cache.hf import kept_where
@@ -410,14 +405,17 @@ class RetentionChat:
         self._image_turns = turns
         self._keep_positions()
 
+    def _stale_tokens(self) -> int:
+        """Tokens the cache holds beyond the conversation (0 unless the last turn failed midway)."""
+        return self.cache.get_seq_length() - max(self.ids.shape[1] - 1, 0)  # the last token is fed with the next turn
+
     def _repair(self) -> None:
         """Before a turn: when the last one failed midway (an exception in its prefill or generation, e.g. out of GPU
         memory), the cache holds entries of a turn the conversation does not; feed the conversation again through an
         emptied cache, with a warning, instead of going on from a cache that no longer matches it."""
-        cached, expected = self.cache.get_seq_length(), max(self.ids.shape[1] - 1, 0)  # the last token goes with a turn
-        if cached == expected:
+        if not (stale := self._stale_tokens()):
             return
-        warnings.warn(f"the cache holds {cached - expected:+,} tokens the "
+        warnings.warn(f"the cache holds {stale:+,} tokens the "
                       "conversation does not (the last turn failed midway): feeding the conversation's "
                       f"{self.ids.shape[1]:,} tokens again", stacklevel=3)
         ids, turns, messages, ended, warned = (self.ids, self._image_turns, self.messages, self._last_reply_ended,
@@ -1010,6 +1008,8 @@ def _template_options(text: str | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"--chat-template-kwargs must be a JSON object of template variables, got {text}: e.g. "
                          "'{\"enable_thinking\": false}'")
+    if problem := template_variables_problem(value):
+        raise ValueError(f"--chat-template-kwargs {problem}")
     return value
 
 

@@ -1,5 +1,7 @@
 """RetentionChat on the real SmolLM2: one cache across turns, bounded memory, clear errors."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -400,11 +402,14 @@ def test_chat_template_kwargs_reach_every_turn(smollm2, capsys, monkeypatch):
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True) == first
 
-    with pytest.raises(ChatSetupError, match="add_generation_prompt, which the chat sets itself"):
+    with pytest.raises(ChatSetupError, match="add_generation_prompt, which rendering sets itself"):
         RetentionChat(model, tok, chat_template_kwargs={"add_generation_prompt": False})  # before gates attach
+    with pytest.raises(ChatSetupError, match="must be a mapping of template variable names"):
+        RetentionChat(model, tok, chat_template_kwargs=[("enable_thinking", False)])
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     for given, message in (("{enable_thinking: false}", "--chat-template-kwargs is not JSON"),
-                           ("[1]", "--chat-template-kwargs must be a JSON object")):
+                           ("[1]", "--chat-template-kwargs must be a JSON object"),
+                           ('{"tokenize": true}', "--chat-template-kwargs sets tokenize, which rendering sets itself")):
         assert main(["chat", "--chat-template-kwargs", given]) == 2
         assert message in capsys.readouterr().err
 
@@ -538,6 +543,8 @@ def test_a_turn_that_failed_midway_leaves_no_entries_behind(smollm2, graphs):
     with pytest.raises(RuntimeError, match="third token"):
         live.send("Tell me a long story.", stopping_criteria=[Fails()])
     assert live.cache.get_seq_length() > live.ids.shape[1] - 1 and len(live.messages) == 2
+    with pytest.warns(UserWarning, match=r"counts the entries of \+\d+ tokens .* failed midway"):
+        live.memory()  # counted them silently
     ids, messages = live.ids, list(live.messages)
     feed = live._feed
 
@@ -554,6 +561,10 @@ def test_a_turn_that_failed_midway_leaves_no_entries_behind(smollm2, graphs):
     assert reply == clean.send("What is my name?")
     assert torch.equal(live.ids, clean.ids) and live.messages == clean.messages
     assert live.cache.get_seq_length() == live.ids.shape[1] - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [live.memory()[k] for k in ("tokens_seen", "kept_entries")] == \
+            [clean.memory()[k] for k in ("tokens_seen", "kept_entries")]
 
 
 def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):

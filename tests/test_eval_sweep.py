@@ -28,7 +28,7 @@ def test_config_errors_before_any_model_loads(tmp_path):
         ("device: gpu0\n", "device: 'gpu0' is not a device"),
         ("chat_template_kwargs: [enable_thinking]\n", "chat_template_kwargs: must be a mapping of template variable"),
         ("chat_template_kwargs: {enable-thinking: false}\n", "chat_template_kwargs: must be a mapping"),
-        ("chat_template_kwargs: {add_generation_prompt: false}\n", r"sets \['add_generation_prompt'\], which rendering"),
+        ("chat_template_kwargs: {add_generation_prompt: false}\n", "sets add_generation_prompt, which rendering"),
     ]
     for text, match in cases:
         p.write_text(text)
@@ -593,7 +593,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     from chat_templates import THINKING_SWITCH_TEMPLATE
 
     import eval.protocol
-    from eval.models import load_eval_model, with_template_variables
+    from eval.models import load_eval_model
+    from retention.templates import with_template_variables
 
     model, tok = load_eval_model("tiny-llama-random")
     tok.chat_template = THINKING_SWITCH_TEMPLATE

@@ -570,3 +570,36 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     with pytest.raises(DataError, match="'someone/no-such-set': the Hub has no such dataset"):
         train(load_config(cfg_file, over + ["data.sources.0.path=someone/no-such-set"]))
+
+
+def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monkeypatch):
+    """``data.chat_template_kwargs`` renders every chat row with those variables (Qwen3's ``enable_thinking`` in
+    life), through a copy of the tokenizer; the data cache keeps rows of other variables apart."""
+    import train.loop as loop
+    from transformers import AutoModelForCausalLM
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.first and persona is defined %}"
+                "You are {{ persona }}. {% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = AutoTokenizer.from_pretrained(tiny_setup / "model")
+    tok.chat_template = template
+    model = AutoModelForCausalLM.from_pretrained(tiny_setup / "model")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about river {i}."},
+                                                      {"role": "assistant", "content": f"River {i} runs far. " * 6}]})
+                             + "\n" for i in range(8)))
+    built = []
+    build = loop.build_data
+    monkeypatch.setattr(loop, "build_data", lambda cfg, tokenizer, cache=None: built.append(
+        build(cfg, tokenizer, cache=cache)) or built[-1])
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    over += [f"data.sources=[{{kind: chat, path: {chats}}}]", "data.seq_len=64", "train.steps=1",
+             "train.report_before=false"]
+    text = lambda: tok.decode([t for row in built[-1][0] + built[-1][1] for t in row.input_ids])
+    for persona in ("Ada", None, "Ada"):  # a persona, none (not the cached rows of the first), the first again
+        extra = [f"data.chat_template_kwargs={{persona: {persona}}}"] if persona else []
+        train(load_config(cfg_file, over + extra), model_and_processor=(model, tok))
+        assert (text().count("You are Ada.") == 8) == bool(persona) and text().count("River 3 runs far.") == 6
+        model.retention.detach()
+    assert tok.chat_template == template  # the caller's tokenizer renders as it did

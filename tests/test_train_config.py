@@ -114,3 +114,19 @@ def test_the_other_commands_config_is_named_with_its_command():
         load_config(root / "eval" / "configs" / "tiny.yaml")
     with pytest.raises(EvalConfigError, match="this is a training config: python train.py --config"):
         load_eval_config(root / "configs" / "smollm2.yaml")
+
+
+def test_chat_template_kwargs_are_checked_with_their_line(tmp_path):
+    """``data.chat_template_kwargs`` (as in an eval config and ``retention chat``): a mapping of variable names that
+    rendering does not set itself, checked before anything loads."""
+    head = "budget:\n  tokens_per_head: 8\ndata:\n  sources: [{kind: chat, path: sharegpt}]\n"
+    cfg = load_config(write(tmp_path, head + "  chat_template_kwargs: {enable_thinking: false}\n"))
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    assert load_config(write(tmp_path, head)).data.chat_template_kwargs == {}
+    over = load_config(write(tmp_path, head), ["data.chat_template_kwargs.enable_thinking=false"])
+    assert over.data.chat_template_kwargs == {"enable_thinking": False}
+    for given, words in (("[enable_thinking]", r"data.chat_template_kwargs \(.*line 5\) must be a mapping of template"),
+                         ("{enable-thinking: false}", "must be a mapping of template variable names"),
+                         ("{tokenize: true}", "sets tokenize, which rendering sets itself: leave them out")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(write(tmp_path, head + f"  chat_template_kwargs: {given}\n"))

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from retention.models import MODEL_DTYPES
+from retention.templates import template_variables_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -109,6 +110,9 @@ class DataConfig:
     # betas down with no KL to say what matters. Dropped unless true (the shipped gates' configs keep them, as they
     # were trained)
     keep_untargeted_rows: bool = False
+    # chat-template variables for every rendering of the data (chat sources, synthetic items, multimodal
+    # conversations), e.g. {enable_thinking: false} for Qwen3; as the eval config's and `retention chat`'s
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -407,6 +411,8 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                           f"loss.rank_weight = {cfg.loss.rank_weight:g} trains nothing; give one source rank_weight > 0 or set loss.rank_weight: 0")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
+    if problem := template_variables_problem(cfg.data.chat_template_kwargs):
+        raise ConfigError(f"data.chat_template_kwargs{_where('data.chat_template_kwargs', lines, source)} {problem}")
 
 
 def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,

@@ -367,10 +367,17 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: i
     return docs
 
 
+def _template_key(tokenizer) -> str | None:
+    """The chat template's hash (None without one): rows cached under another template, or other template variables
+    (``data.chat_template_kwargs``), are not these rows."""
+    template = getattr(tokenizer, "chat_template", None)
+    return None if template is None else hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
         [DATA_FORMAT, [{k: v for k, v in vars(s).items() if k != "rank_weight"} for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
-         cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None],
+         cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None, _template_key(tokenizer)],
         sort_keys=True,
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -772,7 +779,8 @@ def build_multimodal(cfg: DataConfig, processor, cache: Path | None = None) -> t
     if not records:
         raise DataError(f"the multimodal sources {[s.path for s in cfg.sources]} hold no conversations")
     key = hashlib.sha256(json.dumps([[vars(s) for s in cfg.sources], len(records), len(processor.tokenizer),
-                                     getattr(processor.tokenizer, "name_or_path", "")], sort_keys=True).encode()).hexdigest()[:16]
+                                     getattr(processor.tokenizer, "name_or_path", ""), _template_key(processor.tokenizer)],
+                                    sort_keys=True).encode()).hexdigest()[:16]
     target = None if cache is None else cache / f"mm-lengths-{key}.json"
     if target is not None and target.is_file():
         lengths = json.loads(target.read_text())

@@ -29,6 +29,7 @@ from retention.hub import export_gates, load_gates, local_checkpoint, push_to_hu
 from retention.io import atomic_directory, exclusive_use, save_state
 from retention.losses import beta_stats, capacity_loss, distillation_kl
 from retention.models import cache_dir, load_model, looks_like_a_path
+from retention.templates import with_template_variables
 
 from .config import Config
 from .data import (PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any,
@@ -519,6 +520,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         model, processor = load_model(
             cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
         )
+    # the data renders with the config's template variables (a copy: the model's own tokenizer stays as it was)
+    processor = with_template_variables(processor, cfg.data.chat_template_kwargs)
     tokenizer = getattr(processor, "tokenizer", processor)
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
