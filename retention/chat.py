@@ -1078,8 +1078,9 @@ def register(subparsers: Any) -> None:
                    "(a local window; default 0)")
     p.add_argument("--pool", type=int, default=None, help="global_gates: odd width, rank each entry by the best gate "
                    "score among its neighbours in the head (keeps whole spans such as multi-digit numbers); default 1")
-    p.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk in tokens")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--chunk-size", type=positive_int, default=256,
+                   help="prefill chunk in tokens (default: %(default)s): a long turn competes for the budget chunk by chunk")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest reply in tokens (default: %(default)s)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--resume", default=None, metavar="FILE", help="go on with a conversation saved by /save (under this "
                    "command's budget and policy)")

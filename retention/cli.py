@@ -74,13 +74,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
-    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder (default: %(default)s)")
     demo.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name (smollm2-135m-global)")
     demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=positive_int, default=48,
                       help="KV budget in tokens per (layer, KV head), as retention chat's --budget")
-    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--prompt", default=DEMO_PROMPT,
+                      help="the user turn (default: a secret code hidden in filler, asked for at the end)")
     add_placement_args(demo)
-    demo.add_argument("--max-new-tokens", type=positive_int, default=24)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=24, help="reply length (default: %(default)s)")
     demo.set_defaults(func=_demo)
 
 
