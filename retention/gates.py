@@ -221,7 +221,9 @@ class RetentionGates(nn.Module):
         cfg_file, weights = path / "config.json", path / "gates.safetensors"
         for f in (cfg_file, weights):
             if not f.is_file():
-                raise FileNotFoundError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors")
+                inside = gate_folders_under(path)
+                hint = f"; the gate checkpoints under it: {', '.join(inside)}" if inside else ""
+                raise FileNotFoundError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors{hint}")
         from safetensors import SafetensorError
 
         try:
@@ -243,6 +245,25 @@ def is_gate_folder(path: str | Path) -> bool:
         return "gate_config" in json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError, TypeError):
         return False
+
+
+def gate_folders_under(path: str | Path, depth: int = 2) -> list[str]:
+    """The gate checkpoints inside ``path`` (a training run's folder: ``final``, ``checkpoints/step-50``), as paths
+    relative to it, at most ``depth`` levels down; none when ``path`` is no folder."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    found, level = [], [root]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            try:
+                below += sorted(d for d in folder.iterdir() if d.is_dir())
+            except OSError:  # unreadable: nothing to suggest from it
+                continue
+        level = below
+        found += [d.relative_to(root).as_posix() for d in level if is_gate_folder(d)]
+    return found
 
 
 def check_gate_folder_target(path: str | Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .gates import RetentionGates, check_gate_folder_target
+from .gates import RetentionGates, check_gate_folder_target, is_gate_folder
 from .io import atomic_directory, save_state
 
 CHECKPOINT_FILES = ("gates.safetensors", "config.json", "README.md")
@@ -118,10 +118,12 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
 
 
 def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
-    """The folder ``path_or_repo_id`` names on this machine: itself when it exists (``~`` expanded), else a shipped
-    checkpoint of that name (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any
+    """The folder ``path_or_repo_id`` names on this machine: itself when it exists (``~`` expanded; the folder of a
+    checkpoint file such as its ``gates.safetensors``), else a shipped checkpoint of that name (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any
     folder); ``None`` when neither exists."""
     p = Path(path_or_repo_id).expanduser()
+    if p.is_file() and p.name in CHECKPOINT_FILES and is_gate_folder(p.parent):
+        return p.parent  # a file of a checkpoint (its gates.safetensors, say) names the checkpoint
     if p.exists():
         return p
     from .models import shipped_checkpoint

@@ -139,6 +139,26 @@ def test_a_checkpoint_under_home_loads_by_tilde(checkpoint, monkeypatch):
     assert load_gates(f"~/{Path(path).name}").config == load_gates(path).config
 
 
+def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_inside(checkpoint, tmp_path):
+    """Giving the checkpoint's gates.safetensors (or its config.json) looked for "gates.safetensors/config.json"; a
+    folder that holds checkpoints (a run's output, checkpoints/) said only that its config.json was missing."""
+    path, gates, _ = checkpoint
+    for name in ("gates.safetensors", "config.json"):
+        assert torch.equal(load_gates(path / name).state_dict()["W1"], gates.state_dict()["W1"])
+    stray = tmp_path / "loose"  # a file of that name outside a checkpoint is not taken for one
+    stray.mkdir()
+    (stray / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="loose/config.json/config.json not found"):
+        load_gates(stray / "config.json")
+    run = tmp_path / "run"
+    export_gates(gates, run / "final", base_model="tiny-llama")
+    (run / "checkpoints" / "step-4").mkdir(parents=True)  # trainer state, no config.json: not loadable as it is
+    with pytest.raises(FileNotFoundError, match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
+        load_gates(run)
+    with pytest.raises(FileNotFoundError, match=r"gates.safetensors$"):  # no hint where there is none
+        load_gates(stray)
+
+
 def test_unreachable_repo_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HubError, match="neither a local folder nor reachable"):
