@@ -357,6 +357,8 @@ class RetentionChat:
 
         if not self.ids.shape[1]:
             raise ChatInputError("nothing to save yet: the conversation is empty")
+        if Path(path).is_dir():
+            raise ChatInputError(f"{path} is a folder: give the file to save to, e.g. {Path(path) / 'chat.json'}")
         data = {
             "format": TRANSCRIPT_FORMAT,
             "version": TRANSCRIPT_VERSION,
@@ -477,6 +479,7 @@ class RetentionChat:
         history (a benchmark's earlier turns, another chat's log) fed through this chat's cache as if the model
         had said ``reply`` and then stopped. Its tokens compete for the budget like any others."""
         images = list(images or [])
+        _check_text("the reply", reply)
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
         said = self.tokenizer(reply, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
@@ -701,6 +704,7 @@ class RetentionChat:
                                                   **self.chat_template_kwargs)
 
     def _encode_turn(self, text: str, images: list[Any]) -> dict[str, Any]:
+        _check_text("the message", text)
         if images and not self.multimodal:
             raise ChatInputError(
                 f"{len(images)} image(s) given but {type(unwrap(self.model)).__name__} is a text-only model: "
@@ -1011,6 +1015,13 @@ def _template_options(text: str | None) -> dict[str, Any]:
     if problem := template_variables_problem(value):
         raise ValueError(f"--chat-template-kwargs {problem}")
     return value
+
+
+def _check_text(what: str, text: Any) -> None:
+    """ChatInputError unless ``text`` is a string (a None or a list rendered as a Jinja error or a TypeError deep in
+    the template)."""
+    if not isinstance(text, str):
+        raise ChatInputError(f"{what} must be a str, got {type(text).__name__}: {text!r:.60}")
 
 
 def _check_shows_images(model: str, path: str) -> None:

@@ -118,6 +118,8 @@ def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file and a rename."""
     path = Path(path)
+    if path.is_dir():  # the rename would fail only after the temp file is written beside the folder
+        raise IsADirectoryError(f"{path} is a folder: give the path of a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:

@@ -52,6 +52,13 @@ def test_three_turns_stay_within_budget_and_errors_leave_the_session_usable(smol
     assert seen == sorted(seen) and seen[-1] > 64
     with pytest.raises(ChatInputError, match="text-only model"):
         chat.send("look", images=["not an image"])
+    # a message or reply that is no string was a Jinja UndefinedError (None) or a TypeError in the template
+    for call, words in ((lambda: chat.send(None), "the message must be a str, got NoneType"),
+                        (lambda: "".join(chat.stream(["hi"])), r"the message must be a str, got list: \['hi'\]"),
+                        (lambda: chat.add_turn("hi", 3), "the reply must be a str, got int"),
+                        (lambda: chat.add_turn(5, "hello"), "the message must be a str, got int")):
+        with pytest.raises(ChatInputError, match=words):
+            call()
     before = chat.memory()["tokens_seen"]
     chat.send("Thanks!")  # still usable after the error
     assert chat.memory()["tokens_seen"] > before
@@ -574,6 +581,8 @@ def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
     live = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, system="You are brief.")
     for turn in ("My name is Ada and I live in Paris.", "Name one river in France."):
         live.send(turn)
+    with pytest.raises(ChatInputError, match=r"is a folder: give the file to save to, e\.g\. .*chat\.json"):
+        live.save(tmp_path)  # was an IsADirectoryError naming a temp file beside the folder
     path = live.save(tmp_path / "talk" / "chat.json")
     again = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, chunk_size=16)
     again.send("Something else first.")  # resume replaces what the chat held

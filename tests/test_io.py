@@ -60,3 +60,16 @@ def test_a_folder_in_use_is_refused_to_a_second_writer(tmp_path):
         assert other.returncode != 0 and "FolderBusyError" in other.stderr and f"pid {os.getpid()}" in other.stderr
     with exclusive_use(folder, "a sweep"):  # released: free again
         pass
+
+
+def test_a_file_write_aimed_at_a_folder_names_it_and_leaves_no_temp_file(tmp_path):
+    """The rename used to fail only after the temp file was written beside the folder, with an error naming both."""
+    from retention.io import atomic_write_bytes
+
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError, match="out is a folder: give the path of a file to write"):
+        atomic_write_bytes(target, b"data")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any(target.iterdir())
+    atomic_write_bytes(target / "f.json", b"data")
+    assert (target / "f.json").read_bytes() == b"data"
