@@ -69,8 +69,9 @@ def _publish(args: argparse.Namespace, results) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from .report import check_pairs, markdown_table, parse_pairs, write_report
-    from .runner import load_result_file
+    from .runner import load_result_file, results_file
 
+    args.results = str(results_file(args.results))  # a sweep's output folder names its results.jsonl
     try:
         rows = load_result_file(args.results)
     except (FileNotFoundError, ValueError) as e:
@@ -93,8 +94,9 @@ def _report(args: argparse.Namespace) -> int:
 def _pool(args: argparse.Namespace) -> int:
     from .pool import pool_results
     from .report import check_pairs, markdown_table, parse_pairs
-    from .runner import read_results
+    from .runner import read_results, results_file
 
+    args.results = [str(results_file(p)) for p in args.results]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
     try:
         inputs = {Path(p).resolve() for p in args.results}
@@ -188,12 +190,12 @@ def register(subparsers) -> None:
     _publish_args(run)
     run.set_defaults(func=_run)
     rep = sub.add_parser("report", help="markdown table and PNG plots from a results.jsonl")
-    rep.add_argument("results")
+    rep.add_argument("results", help="a sweep's output folder or its results.jsonl (or a published copy of one)")
     rep.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: beside RESULTS)")
     _publish_args(rep)
     rep.set_defaults(func=_report)
     pool = sub.add_parser("pool", help="pool sweeps of the same tasks on different items (seeds) into one results file")
-    pool.add_argument("results", nargs="+", help="results.jsonl files (two or more)")
+    pool.add_argument("results", nargs="+", help="results.jsonl files or sweep output folders (two or more)")
     pool.add_argument("--out", required=True, help="the pooled results.jsonl to write")
     pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
     _publish_args(pool)

@@ -51,11 +51,20 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
 ROW_FIELDS = ("task", "length", "item", "method", "budget", "score")  # what every report and pool reads
 
 
+def results_file(path: str | Path) -> Path:
+    """The results file a user names: ``path`` itself, or the ``results.jsonl`` of a sweep's output folder."""
+    p = Path(path)
+    return p / "results.jsonl" if p.is_dir() and (p / "results.jsonl").is_file() else p
+
+
 def load_result_file(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a results file a user names (``report``, ``pool``): FileNotFoundError or ValueError naming the file,
     the line and the fix when it is missing or is not a sweep's rows. A torn last line (a sweep still writing, or
     interrupted) is left out, as :func:`read_results` does."""
     p = Path(path)
+    if p.is_dir():
+        raise FileNotFoundError(f"{p} is a folder without a results.jsonl: give a sweep's output folder or its "
+                                "results.jsonl (or a published copy of one)")
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: give the results.jsonl of a sweep (or its published copy)")
     text = p.read_text()

@@ -223,6 +223,22 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "r.jsonl"), "--summary", str(tmp_path / "b.md")]) == 2
     assert "one of the files to pool: name the page otherwise" in capsys.readouterr().err
     assert (a.read_text(), b.read_text()) == before and not (tmp_path / "r.jsonl").exists()
+    # a sweep's output folder names its results.jsonl, for pool and report alike (was "not found")
+    for name, src in (("sweep_a", a), ("sweep_b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text(src.read_text())
+    capsys.readouterr()
+    assert main(["pool", str(tmp_path / "sweep_a"), str(tmp_path / "sweep_b"), "--out", str(tmp_path / "s.jsonl")]) == 0
+    from eval.runner import read_results
+
+    scores = lambda f: [(r["item"], r["method"], r["score"]) for r in read_results(tmp_path / f)]
+    assert scores("s.jsonl") == scores("p.jsonl")
+    assert {r["pooled_from"] for r in read_results(tmp_path / "s.jsonl")} == {
+        str(tmp_path / n / "results.jsonl") for n in ("sweep_a", "sweep_b")}
+    assert main(["report", str(tmp_path / "sweep_a")]) == 0 and (tmp_path / "sweep_a" / "report.md").is_file()
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "empty is a folder without a results.jsonl" in capsys.readouterr().err
 
 
 def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
