@@ -242,3 +242,7 @@ def test_a_policy_may_be_named(model):
         RetentionCache(model, policy="snapkvv", budget=60)
     with pytest.raises(TypeError, match="policy must be an EvictionPolicy"):
         RetentionCache(model, policy=3, budget=60)
+    from retention.policies.snapkv import SnapKVPolicy
+
+    with pytest.raises(TypeError, match=r"got the class SnapKVPolicy: pass SnapKVPolicy\(\)"):  # was "got ABCMeta"
+        RetentionCache(model, policy=SnapKVPolicy, budget=60)

@@ -163,6 +163,9 @@ class RetentionCache(Cache):
             from ..policies.registry import get_policy
 
             policy = get_policy(policy)
+        if isinstance(policy, type) and issubclass(policy, EvictionPolicy):
+            raise TypeError(f"policy must be an EvictionPolicy instance, got the class {policy.__name__}: pass "
+                            f"{policy.__name__}() (with its options)")
         if policy is not None and not isinstance(policy, EvictionPolicy):
             raise TypeError(
                 f"policy must be an EvictionPolicy (retention.policies) or a policy name, got {type(policy).__name__}"
