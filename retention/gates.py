@@ -34,7 +34,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tan
 
 
 class GateCheckpointError(ValueError):
-    """A gate checkpoint's files are there but cannot be read (damaged, or of another layout); the message says so."""
+    """A folder named as a gate checkpoint cannot be read as one (a file missing, damaged, or of another layout); the
+    message says which and the fix."""
 
 
 @dataclass
@@ -223,7 +224,10 @@ class RetentionGates(nn.Module):
             if not f.is_file():
                 inside = gate_folders_under(path)
                 hint = f"; the gate checkpoints under it: {', '.join(inside)}" if inside else ""
-                raise FileNotFoundError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors{hint}")
+                if (path / "state.json").is_file() and weights.is_file():  # a run's checkpoints/step-N
+                    hint = ("; it is a training checkpoint: export its gates with `python train.py --config CONFIG "
+                            f"--export {path}` and load the exported folder")
+                raise GateCheckpointError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors{hint}")
         from safetensors import SafetensorError
 
         try:

@@ -100,7 +100,9 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_load_missing_files_names_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    from retention.gates import GateCheckpointError
+
+    with pytest.raises(GateCheckpointError, match="config.json"):  # a user error: commands print it, no traceback
         RetentionGates.from_pretrained(tmp_path)
 
 

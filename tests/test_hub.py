@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from retention import attach_gates
-from retention.gates import GateConfig, RetentionGates
+from retention.gates import GateCheckpointError, GateConfig, RetentionGates
 from retention.hub import HubError, export_gates, load_gates, push_to_hub
 from tiny_models import tiny_llama, tiny_qwen3
 
@@ -148,14 +148,20 @@ def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_
     stray = tmp_path / "loose"  # a file of that name outside a checkpoint is not taken for one
     stray.mkdir()
     (stray / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="loose/config.json/config.json not found"):
+    with pytest.raises(GateCheckpointError, match="loose/config.json/config.json not found"):
         load_gates(stray / "config.json")
     run = tmp_path / "run"
     export_gates(gates, run / "final", base_model="tiny-llama")
-    (run / "checkpoints" / "step-4").mkdir(parents=True)  # trainer state, no config.json: not loadable as it is
-    with pytest.raises(FileNotFoundError, match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
+    step = run / "checkpoints" / "step-4"  # a training checkpoint: gates and trainer state, no config.json
+    step.mkdir(parents=True)
+    for name in ("gates.safetensors", "state.json"):
+        (step / name).write_bytes((run / "final" / "gates.safetensors").read_bytes() if name.endswith("tensors") else b"{}")
+    with pytest.raises(GateCheckpointError, match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
         load_gates(run)
-    with pytest.raises(FileNotFoundError, match=r"gates.safetensors$"):  # no hint where there is none
+    with pytest.raises(GateCheckpointError, match=f"a training checkpoint: export its gates with `python train.py "
+                                                  f"--config CONFIG --export {step}`"):
+        load_gates(step)
+    with pytest.raises(GateCheckpointError, match=r"gates.safetensors$"):  # no hint where there is none
         load_gates(stray)
 
 

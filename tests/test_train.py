@@ -522,6 +522,11 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
     missing = tmp_path / "stage1" / "final"
     with pytest.raises(SystemExit, match="not a folder here: train the run that writes it first"):
         train(load_config(cfg_file, over + [f"gates.init_from={missing}", "model.name=/nonexistent/model"]))
+    missing.mkdir(parents=True)  # there, but no checkpoint: an error train.py prints (was a FileNotFoundError)
+    from retention.cli import user_errors
+
+    with pytest.raises(user_errors(), match="final/config.json not found: a gate checkpoint needs"):
+        train(load_config(cfg_file, over + [f"gates.init_from={missing}"]))
     # a shipped checkpoint's name is no missing folder: the run goes on to its next check (here, the missing model)
     with pytest.raises(ModelNotAvailableError, match="/nonexistent/model"):
         train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
