@@ -87,6 +87,12 @@ def validate(cfg: EvalConfig) -> EvalConfig:
     for key, allowed in (("protocol", PROTOCOLS), ("prefill", PREFILLS), ("split", SPLITS), ("source", SOURCES)):
         if getattr(cfg, key) not in allowed:
             _fail(key, f"{getattr(cfg, key)!r} is not allowed; choose one of {list(allowed)}")
+    if not isinstance(cfg.output, str) or not cfg.output:
+        _fail("output", f"must be a folder path (the sweep writes results.jsonl there), got {cfg.output!r}")
+    cfg.output = str(Path(cfg.output).expanduser())  # "~/sweeps/a" is the user's home, not a folder named "~"
+    if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
+        _fail("output", f"{cfg.output} is a file; the sweep writes results.jsonl and its report into a folder: give a "
+                        "folder path (an existing sweep's folder resumes it)")
     if not isinstance(cfg.model, str) or not cfg.model:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
     if cfg.dtype is not None and cfg.dtype not in MODEL_DTYPES:

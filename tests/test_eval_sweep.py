@@ -29,6 +29,8 @@ def test_config_errors_before_any_model_loads(tmp_path):
         ("chat_template_kwargs: [enable_thinking]\n", "chat_template_kwargs: must be a mapping of template variable"),
         ("chat_template_kwargs: {enable-thinking: false}\n", "chat_template_kwargs: must be a mapping"),
         ("chat_template_kwargs: {add_generation_prompt: false}\n", "sets add_generation_prompt, which rendering"),
+        (f"output: {p}\n", "output: .*c.yaml is a file; the sweep writes results.jsonl .* into a folder"),  # a traceback
+        ("output: 3\n", "output: must be a folder path"),
     ]
     for text, match in cases:
         p.write_text(text)
@@ -37,6 +39,8 @@ def test_config_errors_before_any_model_loads(tmp_path):
     with pytest.raises(EvalConfigError, match="not found"):
         load_eval_config(tmp_path / "missing.yaml")
     assert load_eval_config("tiny.yaml").tasks == ["niah_single", "fidelity"]
+    p.write_text("output: ~/sweeps/a\n")  # was a folder named "~" in the working directory
+    assert load_eval_config(p).output == str(Path.home() / "sweeps" / "a")
     import torch
 
     if not torch.cuda.is_available():  # on a CPU machine, asking for cuda fails here, not inside the sweep

@@ -130,3 +130,12 @@ def test_chat_template_kwargs_are_checked_with_their_line(tmp_path):
                          ("{tokenize: true}", "sets tokenize, which rendering sets itself: leave them out")):
         with pytest.raises(ConfigError, match=words):
             load_config(write(tmp_path, head + f"  chat_template_kwargs: {given}\n"))
+
+
+def test_output_folders_under_home_are_the_users_home(tmp_path):
+    """``train.output_dir: ~/runs/x`` (and ``export.dir``) made a folder named "~" in the working directory."""
+    from pathlib import Path
+
+    cfg = load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  output_dir: ~/runs/x\n"),
+                      ["export.dir=~/gates/x"])
+    assert cfg.train.output_dir == str(Path.home() / "runs" / "x") and cfg.export_dir() == Path.home() / "gates" / "x"

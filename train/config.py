@@ -487,6 +487,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"{source} is an evaluation sweep config (tasks, methods, budgets): "
                           f"run it with python -m eval run --config {source}")
     cfg = _build(Config, data, "", lines, source)
+    # "~/runs/x" is the user's home, not a folder named "~" beside the working directory
+    cfg.train.output_dir = str(Path(cfg.train.output_dir).expanduser())
+    if cfg.export.dir:
+        cfg.export.dir = str(Path(cfg.export.dir).expanduser())
     _validate(cfg, lines, source)
     if path is not None:
         cfg.source, cfg.overrides = source, tuple(overrides)
