@@ -77,7 +77,7 @@ def _read_json(path: Path, missing: str, not_json: str) -> Any:
 def read_transcript(path: str | Path) -> dict[str, Any]:
     """A conversation :meth:`RetentionChat.save` wrote, checked as a file (``retention chat --resume`` reads it before
     the model loads); :class:`ChatInputError` naming the problem otherwise. The model checks come in ``resume``."""
-    path = Path(path)
+    path = Path(path).expanduser()
     data = _read_json(path, f"no saved conversation at {path}: give the file that save() (/save) wrote",
                       f"{path} is not a saved conversation (not JSON: {{error}})")
     if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
@@ -106,7 +106,7 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
     turn, ending with a reply; a content may be a list of ``{"type": "text", "text"}`` and ``{"type": "image",
     "image": PATH}`` parts (paths relative to the file's folder). Returns ``(system, [(text, reply, image paths)])``
     for :meth:`RetentionChat.add_turn`; :class:`ChatInputError` naming the problem, before any model loads."""
-    path = Path(path)
+    path = Path(path).expanduser()
     data = _read_json(path, f"no conversation log at {path}",
                       f"{path} is not JSON ({{error}}): give a list of {{role, content}} messages")
     if isinstance(data, dict) and data.get("format") == TRANSCRIPT_FORMAT:
@@ -124,6 +124,10 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
                                  f"content, got {sorted(m)}")
         text, images = content, []
         if isinstance(content, list):
+            content = [{"type": "text", "text": c} if isinstance(c, str) else c for c in content]
+            if not all(isinstance(c, dict) for c in content):
+                raise ChatInputError(f"{path}, message {k}: a content list holds {{\"type\": \"text\", \"text\"}} and "
+                                     f"{{\"type\": \"image\", \"image\": PATH}} parts, got {content!r:.80}")
             text = " ".join(str(c.get("text", "")) for c in content if c.get("type") == "text")
             for c in content:
                 if c.get("type") == "image":
@@ -150,7 +154,7 @@ def _png_base64(image: Any, index: int, start: int) -> str:
     from PIL import Image
 
     if isinstance(image, (str, Path)):
-        image = Image.open(image)
+        image = Image.open(Path(image).expanduser())
     if not isinstance(image, Image.Image):
         raise ChatInputError(f"image {index} of the turn at token {start} is a {type(image).__name__}: save() stores PIL "
                              "images and image files; send images as either to save the conversation")
@@ -357,8 +361,9 @@ class RetentionChat:
 
         if not self.ids.shape[1]:
             raise ChatInputError("nothing to save yet: the conversation is empty")
-        if Path(path).is_dir():
-            raise ChatInputError(f"{path} is a folder: give the file to save to, e.g. {Path(path) / 'chat.json'}")
+        path = Path(path).expanduser()  # "/save ~/chat.json" in the chat: no shell expands it
+        if path.is_dir():
+            raise ChatInputError(f"{path} is a folder: give the file to save to, e.g. {path / 'chat.json'}")
         data = {
             "format": TRANSCRIPT_FORMAT,
             "version": TRANSCRIPT_VERSION,
@@ -370,7 +375,6 @@ class RetentionChat:
             "image_turns": [{**t, "images": [_png_base64(im, i, t["start"]) for i, im in enumerate(t["images"])]}
                             for t in self._image_turns],
         }
-        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(data, ensure_ascii=False).encode())
         return path
@@ -866,7 +870,7 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
                 from PIL import Image
 
                 try:
-                    pending.append(Image.open(arg.strip()).convert("RGB"))
+                    pending.append(Image.open(Path(arg.strip()).expanduser()).convert("RGB"))
                     print(f"[{len(pending)} image(s) attached to the next message]")
                 except OSError as e:
                     print(f"error: cannot open image: {e}", file=sys.stderr)

@@ -199,7 +199,7 @@ class RetentionGates(nn.Module):
         new, empty or gates written before (:func:`check_gate_folder_target`)."""
         from .io import atomic_directory, save_state
 
-        path = Path(path)
+        path = Path(path).expanduser()  # as from_pretrained reads "~/gates"
         check_gate_folder_target(path)
         with atomic_directory(path) as tmp:
             save_state(self.state_dict(), tmp / "gates.safetensors")

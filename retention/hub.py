@@ -104,7 +104,7 @@ def model_card(config: dict[str, Any]) -> str:
 
 def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     """Write a self-describing checkpoint atomically. ``info``: base_model, base_revision, budget, training..."""
-    path = Path(path)
+    path = Path(path).expanduser()  # as loading reads "~/gates"
     gate_config = gates.config.to_dict()
     if info.get("base_model"):  # one name for the base: the gates' own may be a local folder they were trained from
         gate_config["base_model"] = info["base_model"]

@@ -577,7 +577,7 @@ def test_a_turn_that_failed_midway_leaves_no_entries_behind(smollm2, graphs):
             [clean.memory()[k] for k in ("tokens_seen", "kept_entries")]
 
 
-def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
+def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path, monkeypatch):
     """save() then resume() in a new chat: the same ids, the same cache (keys of every layer), and the next reply equals
     the one the original chat gives; resumed under a budget, the cache keeps to it."""
     model, tok = smollm2
@@ -586,10 +586,12 @@ def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path):
         live.send(turn)
     with pytest.raises(ChatInputError, match=r"is a folder: give the file to save to, e\.g\. .*chat\.json"):
         live.save(tmp_path)  # was an IsADirectoryError naming a temp file beside the folder
-    path = live.save(tmp_path / "talk" / "chat.json")
+    monkeypatch.setenv("HOME", str(tmp_path))  # "/save ~/talk/chat.json" in the chat: no shell expands the ~
+    path = live.save("~/talk/chat.json")
+    assert path == tmp_path / "talk" / "chat.json" and path.is_file()
     again = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=10, chunk_size=16)
     again.send("Something else first.")  # resume replaces what the chat held
-    again.resume(path)
+    again.resume("~/talk/chat.json")
     assert torch.equal(again.ids, live.ids) and again.messages == live.messages
     assert again.cache.get_seq_length() == live.cache.get_seq_length() == live.ids.shape[1] - 1
     for layer in range(model.config.num_hidden_layers):
@@ -765,7 +767,7 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
 
     model, tok = smollm2
     log = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "My name is Ada."},
-           {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+           {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": ["Hi."]},  # a bare string part
            {"role": "assistant", "content": "Hi again."}]
     (tmp_path / "log.json").write_text(json.dumps(log))
     sharegpt = {"conversations": [{"from": "human", "value": "My name is Ada."}, {"from": "gpt", "value": "Hello Ada."}]}
@@ -778,12 +780,14 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
     bad = {"open.json": [{"role": "user", "content": "hi"}], "roles.json": [{"speaker": "x", "text": "hi"}],
            "photo.json": [{"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]},
                           {"role": "assistant", "content": "ok"}],
-           "saved.json": {"format": "retention-chat"}}
+           "saved.json": {"format": "retention-chat"},
+           "parts.json": [{"role": "user", "content": [3]}, {"role": "assistant", "content": "ok"}]}  # was an AttributeError
     Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
     bad["shown.json"] = [{"role": "user", "content": [{"type": "image", "image": "photo.png"}, {"type": "text", "text": "What is this?"}]},
                          {"role": "assistant", "content": "A square."}]  # a photo that exists, for a text-only model
     words = {"open.json": "end with a reply", "roles.json": "give each message a role", "photo.json": "nowhere.png not found",
-             "saved.json": "--resume", "shown.json": "smollm2-135m is a text-only model"}
+             "saved.json": "--resume", "shown.json": "smollm2-135m is a text-only model",
+             "parts.json": "parts.json, message 0: a content list holds"}
     for name, data in bad.items():
         (tmp_path / name).write_text(json.dumps(data))
         assert main(["chat", "--history", str(tmp_path / name)]) == 2

@@ -134,9 +134,12 @@ def test_load_refuses_gates_of_another_model(checkpoint):
 
 
 def test_a_checkpoint_under_home_loads_by_tilde(checkpoint, monkeypatch):
-    path, _, _ = checkpoint
+    path, gates, _ = checkpoint
     monkeypatch.setenv("HOME", str(Path(path).parent))
     assert load_gates(f"~/{Path(path).name}").config == load_gates(path).config
+    # and is written there by "~/...": was a folder named "~" in the working directory
+    assert export_gates(gates, "~/again") == Path(path).parent / "again"
+    assert gates.save_pretrained("~/plain") == Path(path).parent / "plain" and load_gates("~/plain").config == gates.config
 
 
 def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_inside(checkpoint, tmp_path):
