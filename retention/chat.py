@@ -266,6 +266,10 @@ class RetentionChat:
                       max_new_tokens=(max_new_tokens, 1, "the longest reply in tokens"),
                       protected_window=(protected_window, 0, "newest tokens never evicted"),
                       page_size=(page_size, 1, "entries per KV page"))
+        if system is not None:
+            _check_text("system", system, ChatSetupError)
+        if unknown := _unknown_generation_options(model, generation_kwargs):
+            raise ChatSetupError(_unknown_options_message(unknown))
         self.model, self.processor = model, processor
         self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
@@ -299,6 +303,9 @@ class RetentionChat:
         self.budget_tokens = budget_tokens
         budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
         self.cache = RetentionCache(model, budget, policy, page_size=page_size, protected_window=protected_window)
+        if budget is not None and not self.cache.policy.evicts:
+            warnings.warn(f"policy {self.cache.policy.name!r} keeps every entry: budget_tokens={budget_tokens} is not "
+                          "enforced (leave the budget out, or pick a policy that evicts)", stacklevel=2)
         self.chunk_size, self.max_new_tokens, self.system = chunk_size, max_new_tokens, system
         self.generation_kwargs = {"do_sample": False, **generation_kwargs}
         if cuda_graphs:
@@ -521,6 +528,8 @@ class RetentionChat:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
         images = list(images or [])
+        if unknown := _unknown_generation_options(self.model, generation_kwargs):
+            raise ChatInputError(_unknown_options_message(unknown))
         kwargs = {**self.generation_kwargs, **generation_kwargs}
         assisted = sorted(k for k in _ASSISTED if kwargs.get(k) is not None)
         if assisted and self.cache.get_seq_length() > 0:
@@ -1021,11 +1030,37 @@ def _template_options(text: str | None) -> dict[str, Any]:
     return value
 
 
-def _check_text(what: str, text: Any) -> None:
-    """ChatInputError unless ``text`` is a string (a None or a list rendered as a Jinja error or a TypeError deep in
-    the template)."""
+def _check_text(what: str, text: Any, error: type[Exception] = ChatInputError) -> None:
+    """``error`` unless ``text`` is a string (a None or a list rendered as a Jinja error or a TypeError deep in the
+    template)."""
     if not isinstance(text, str):
-        raise ChatInputError(f"{what} must be a str, got {type(text).__name__}: {text!r:.60}")
+        raise error(f"{what} must be a str, got {type(text).__name__}: {text!r:.60}")
+
+
+# generate() keywords that are neither GenerationConfig fields nor in its signature
+_GENERATE_EXTRAS = frozenset({"tokenizer", "assistant_tokenizer"})
+
+
+def _unknown_generation_options(model: nn.Module, options: dict[str, Any]) -> list[str]:
+    """The keys of ``options`` that ``generate`` would refuse as unused model inputs (a typo, or a policy option):
+    neither GenerationConfig fields nor ``generate``'s own arguments."""
+    import inspect
+
+    from transformers import GenerationConfig
+
+    config = getattr(unwrap(model), "generation_config", None) or GenerationConfig()
+    own = set(inspect.signature(unwrap(model).generate).parameters) | _GENERATE_EXTRAS
+    return sorted(k for k in options if k not in own and not hasattr(config, k) and not hasattr(GenerationConfig, k))
+
+
+def _unknown_options_message(unknown: list[str]) -> str:
+    from .policies.registry import POLICIES
+
+    policy_options = sorted({k for k in unknown for cls in POLICIES.values() if k in getattr(cls, "__dataclass_fields__", {})})
+    hint = (f"; {', '.join(policy_options)} {'is an option' if len(policy_options) == 1 else 'are options'} of the "
+            "eviction policy: pass policy=GlobalGatesPolicy(...) (or the policy's own class) with it") if policy_options else ""
+    return (f"unknown option(s) {', '.join(unknown)}: a chat's keyword arguments are generate()'s (GenerationConfig "
+            f"fields such as temperature or repetition_penalty){hint}")
 
 
 def _check_shows_images(model: str, path: str) -> None:

@@ -95,6 +95,10 @@ def test_gates_for_another_model_are_a_setup_error(smollm2):
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(protected_window=-1), "protected_window must be an integer >= 0"),
     (dict(page_size=True), "page_size must be an integer >= 1"),
+    (dict(system=5), "system must be a str, got int"),  # was a TypeError in the template at the first turn
+    # generate refused them at the first turn ("model_kwargs are not used by the model")
+    (dict(temprature=0.5), "unknown option.s. temprature: a chat's keyword arguments are generate...s"),
+    (dict(sink=64), r"sink is an option of the eviction policy: pass policy=GlobalGatesPolicy\(\.\.\.\)"),
 ])
 def test_counts_out_of_range_are_setup_errors_before_anything_attaches(smollm2, given, message):
     """A budget of 0 or -3 tokens used to fail inside the cache in entries ("got -270"), a chunk of 0 deep in a tensor
@@ -103,6 +107,19 @@ def test_counts_out_of_range_are_setup_errors_before_anything_attaches(smollm2, 
     with pytest.raises(ChatSetupError, match=message):
         RetentionChat(model, tok, **given)
     assert getattr(model, "retention", None) is None
+
+
+def test_a_budget_under_a_policy_that_never_evicts_is_named(smollm2):
+    """``policy="full"`` keeps every entry whatever the budget (as the eval's reference): the chat says the budget it
+    was given is not enforced, instead of holding the whole conversation silently."""
+    model, tok = smollm2
+    with pytest.warns(UserWarning, match="policy 'full' keeps every entry: budget_tokens=8 is not enforced"):
+        chat = RetentionChat(model, tok, policy="full", budget_tokens=8, max_new_tokens=2)
+    chat.model.retention.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RetentionChat(model, tok, policy="full", max_new_tokens=2).model.retention.detach()
+        RetentionChat(model, tok, policy="snapkv", budget_tokens=8, max_new_tokens=2).model.retention.detach()
 
 
 def test_untrained_gates_on_request(smollm2):
@@ -454,7 +471,8 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
 
 @pytest.mark.parametrize("kwargs,words", [({"num_beams": 2}, "num_beams=2: a chat keeps one reply per turn"),
                                           ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
-                                          ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0")])
+                                          ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0"),
+                                          ({"top_kk": 5}, "unknown option.s. top_kk")])
 def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs(smollm2, kwargs, words):
     """They failed inside generate's thread with transformers' streamer errors ("TextStreamer only supports batch
     size 1"); now they are named as the chat's, and the session goes on unchanged."""
