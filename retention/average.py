@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from .gates import RetentionGates, check_gate_folder_target
-from .hub import HubError, checkpoint_folder, export_gates
+from .hub import HubError, checkpoint_folder, export_gates, local_checkpoint
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -64,8 +64,11 @@ def average_checkpoints(
     The card and ``config.json`` record the sources and weights; base model and budget are taken from the
     first checkpoint, and the sources must share the base model."""
     weights = normalised_weights(weights, len(paths))  # a lone checkpoint or bad weights fail before any download
+    out = Path(out).expanduser()
     check_gate_folder_target(out)  # and an --out that holds other files (it is replaced whole)
-    source = next((p for p in paths if Path(p).exists() and Path(p).resolve() == Path(out).resolve()), None)
+    # a source named by its folder, by a file in it (gates.safetensors) or by "~/..."
+    source = next((p for p in paths if (local := local_checkpoint(p)) is not None and local.resolve() == out.resolve()),
+                  None)
     if source is not None:  # replaced whole: the source's own gates, card and plots would be gone
         raise FileExistsError(f"--out {out} is one of the checkpoints averaged ({source}): writing the mean there "
                               "replaces those gates; choose a new folder")

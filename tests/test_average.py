@@ -82,6 +82,9 @@ def test_average_refuses_to_write_over_one_of_its_sources(tmp_path, capsys):
     before = (pa / "gates.safetensors").read_bytes()
     assert main(["average", str(pa), str(pb), "--out", str(tmp_path / "x" / ".." / "a")]) == 2
     assert "is one of the checkpoints averaged" in capsys.readouterr().err
+    # named by its gates file, the source was not recognised as --out and was replaced
+    assert main(["average", str(pa / "gates.safetensors"), str(pb), "--out", str(pa)]) == 2
+    assert "is one of the checkpoints averaged" in capsys.readouterr().err
     assert (pa / "gates.safetensors").read_bytes() == before and (pa / "results.png").read_bytes() == b"a plot"
 
 
