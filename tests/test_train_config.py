@@ -125,6 +125,15 @@ def test_chat_template_kwargs_are_checked_with_their_line(tmp_path):
     assert load_config(write(tmp_path, head)).data.chat_template_kwargs == {}
     over = load_config(write(tmp_path, head), ["data.chat_template_kwargs.enable_thinking=false"])
     assert over.data.chat_template_kwargs == {"enable_thinking": False}
+    # they change every chat row, so a resume with others is refused as any data change is
+    import json
+
+    from train.loop import check_resume_fits, run_settings
+
+    (tmp_path / "state.json").write_text(json.dumps({"config": run_settings(cfg)}))
+    check_resume_fits(over, tmp_path)  # the same variables, by --set
+    with pytest.raises(SystemExit, match=r"config changed .*data.chat_template_kwargs.enable_thinking False -> None"):
+        check_resume_fits(load_config(write(tmp_path, head)), tmp_path)
     for given, words in (("[enable_thinking]", r"data.chat_template_kwargs \(.*line 5\) must be a mapping of template"),
                          ("{enable-thinking: false}", "must be a mapping of template variable names"),
                          ("{tokenize: true}", "sets tokenize, which rendering sets itself: leave them out")):
