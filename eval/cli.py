@@ -179,7 +179,7 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``eval run`` and ``eval report`` to a parent parser's subcommands."""
     p = subparsers.add_parser("eval", help="run an evaluation sweep or render its report")
-    sub = p.add_subparsers(dest="eval_command", required=True)
+    sub = p.add_subparsers(dest="eval_command", required=True, metavar="{run,report,pool,list}")  # the error names them
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")

@@ -394,3 +394,12 @@ def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys)
     from eval.runner import load_result_file
 
     assert [r["item"] for r in load_result_file(good)] == ["i0", "i1"]  # a torn last line is left out
+
+
+def test_eval_without_a_subcommand_names_the_subcommands(capsys):
+    """It said "the following arguments are required: eval_command", the parser's internal name."""
+    from eval.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([])
+    assert stop.value.code == 2 and "arguments are required: {run,report,pool,list}" in capsys.readouterr().err
