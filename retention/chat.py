@@ -268,8 +268,7 @@ class RetentionChat:
                       page_size=(page_size, 1, "entries per KV page"))
         if system is not None:
             _check_text("system", system, ChatSetupError)
-        if unknown := _unknown_generation_options(model, generation_kwargs):
-            raise ChatSetupError(_unknown_options_message(unknown))
+        _check_generation_options(model, generation_kwargs, ChatSetupError)
         self.model, self.processor = model, processor
         self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
@@ -528,8 +527,7 @@ class RetentionChat:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
         images = list(images or [])
-        if unknown := _unknown_generation_options(self.model, generation_kwargs):
-            raise ChatInputError(_unknown_options_message(unknown))
+        _check_generation_options(self.model, generation_kwargs, ChatInputError)
         kwargs = {**self.generation_kwargs, **generation_kwargs}
         assisted = sorted(k for k in _ASSISTED if kwargs.get(k) is not None)
         if assisted and self.cache.get_seq_length() > 0:
@@ -1041,26 +1039,25 @@ def _check_text(what: str, text: Any, error: type[Exception] = ChatInputError) -
 _GENERATE_EXTRAS = frozenset({"tokenizer", "assistant_tokenizer"})
 
 
-def _unknown_generation_options(model: nn.Module, options: dict[str, Any]) -> list[str]:
-    """The keys of ``options`` that ``generate`` would refuse as unused model inputs (a typo, or a policy option):
-    neither GenerationConfig fields nor ``generate``'s own arguments."""
+def _check_generation_options(model: nn.Module, options: dict[str, Any], error: type[Exception]) -> None:
+    """``error`` naming the keys of ``options`` that ``generate`` would refuse as unused model inputs (a typo, or a
+    policy option): neither fields of the model's GenerationConfig nor ``generate``'s own arguments."""
     import inspect
 
     from transformers import GenerationConfig
 
-    config = getattr(unwrap(model), "generation_config", None) or GenerationConfig()
-    own = set(inspect.signature(unwrap(model).generate).parameters) | _GENERATE_EXTRAS
-    return sorted(k for k in options if k not in own and not hasattr(config, k) and not hasattr(GenerationConfig, k))
-
-
-def _unknown_options_message(unknown: list[str]) -> str:
     from .policies.registry import POLICIES
 
+    config = getattr(unwrap(model), "generation_config", None) or GenerationConfig()
+    own = set(inspect.signature(unwrap(model).generate).parameters) | _GENERATE_EXTRAS
+    unknown = sorted(k for k in options if k not in own and not hasattr(config, k))
+    if not unknown:
+        return
     policy_options = sorted({k for k in unknown for cls in POLICIES.values() if k in getattr(cls, "__dataclass_fields__", {})})
     hint = (f"; {', '.join(policy_options)} {'is an option' if len(policy_options) == 1 else 'are options'} of the "
             "eviction policy: pass policy=GlobalGatesPolicy(...) (or the policy's own class) with it") if policy_options else ""
-    return (f"unknown option(s) {', '.join(unknown)}: a chat's keyword arguments are generate()'s (GenerationConfig "
-            f"fields such as temperature or repetition_penalty){hint}")
+    raise error(f"unknown option(s) {', '.join(unknown)}: a chat's keyword arguments are generate()'s (GenerationConfig "
+                f"fields such as temperature or repetition_penalty){hint}")
 
 
 def _check_shows_images(model: str, path: str) -> None:

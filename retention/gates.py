@@ -252,8 +252,9 @@ def is_gate_folder(path: str | Path) -> bool:
 
 
 def gate_folders_under(path: str | Path, depth: int = 2) -> list[str]:
-    """The gate checkpoints inside ``path`` (a training run's folder: ``final``, ``checkpoints/step-50``), as paths
-    relative to it, at most ``depth`` levels down; none when ``path`` is no folder."""
+    """The gate checkpoints inside ``path`` (a training run's folder: its ``final``; its ``checkpoints/step-N`` hold
+    trainer state, not a loadable checkpoint), as paths relative to it, at most ``depth`` levels down; none when
+    ``path`` is no folder."""
     root = Path(path)
     if not root.is_dir():
         return []
