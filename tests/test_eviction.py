@@ -14,7 +14,7 @@ from retention.attach import attach_gates
 from retention.compat import cache_kwargs
 from retention.cache import PagedKVStore, RetentionCache
 from retention.cache.hf import CacheBudgetError
-from retention.policies import GlobalGatesPolicy, TrimKVPolicy, lookahead_log_score
+from retention.policies import EntryView, GlobalGatesPolicy, TrimKVPolicy, lookahead_log_score
 from tiny_models import tiny_llama
 
 L, H = 3, 2  # tiny model: 3 layers, 2 KV heads
@@ -246,3 +246,83 @@ def test_a_policy_may_be_named(model):
 
     with pytest.raises(TypeError, match=r"got the class SnapKVPolicy: pass SnapKVPolicy\(\)"):  # was "got ABCMeta"
         RetentionCache(model, policy=SnapKVPolicy, budget=60)
+
+
+def _value_cache(model, lb: torch.Tensor, values: torch.Tensor, **opts) -> RetentionCache:
+    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)`` and values ``(B, L, H, T, D)``;
+    key[0] encodes (layer, head, pos) as in :func:`_filled_cache`."""
+    B, _, _, T, D = values.shape
+    cache = RetentionCache(model, **opts)
+    cache.store = PagedKVStore(B, L, H, D, page_size=4)
+    pos = torch.arange(T).expand(B * H, T).clone()
+    for layer in range(L):
+        keys = torch.zeros(B, H, T, D)
+        keys[..., 0] = (layer * 100 + torch.arange(H)[:, None] * 10000 + torch.arange(T)).float()
+        cache.store.append(cache.store.streams(layer), keys.reshape(B * H, T, D),
+                           values[:, layer].reshape(B * H, T, D), lb[:, layer].reshape(B * H, T), pos)
+    cache._seen = [T] * L
+    cache._pad_entries = torch.zeros(B, dtype=torch.long)
+    cache._start = torch.zeros(B, dtype=torch.long)
+    return cache
+
+
+@pytest.mark.parametrize("scope", ["head", "global"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_value_weighted_gates_equal_brute_force(model, scope, seed):
+    """``value_weight``: score ``(T - i) log beta + w log ||v||_{W_O}``, the norm the root mean square of
+    ``v W_O^h`` over the KV head's query heads, each computed here by hand from ``o_proj``. ``head``: every
+    head keeps as many entries as the plain gates give it, the weighted score picks which; ``global``: the
+    weighted score's top-B over the whole model."""
+    B, T, w, budget = 2, 9, 1.5, 20
+    g = torch.Generator().manual_seed(seed)
+    lb = -torch.rand(B, L, H, T, generator=g) * 0.5
+    values = torch.randn(B, L, H, T, 16, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
+    policy = GlobalGatesPolicy(sink=0, value_weight=w, value_scope=scope)
+    assert policy.needs_values
+    cache = _value_cache(model, lb, values, budget=budget, policy=policy, slack=0)
+    cache.evict(torch.arange(B), torch.full((B,), budget))
+    cache.store.check()
+    reference = _value_cache(model, lb, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
+    reference.evict(torch.arange(B), torch.full((B,), budget))
+    Hq = model.config.num_attention_heads
+    G, D = Hq // H, 16
+    for b in range(B):
+        base, weighted = {}, {}
+        for layer in range(L):
+            w_o = model.model.layers[layer].self_attn.o_proj.weight  # (hidden, Hq * D)
+            for h in range(H):
+                for i in range(T):
+                    outs = [values[b, layer, h, i] @ w_o[:, (h * G + q) * D:(h * G + q + 1) * D].T for q in range(G)]
+                    norm = math.sqrt(sum(float(o.square().sum()) for o in outs) / G)
+                    base[layer, h, i] = (T - i) * float(lb[b, layer, h, i])
+                    weighted[layer, h, i] = base[layer, h, i] + w * math.log(norm)
+        if scope == "global":
+            want = set(sorted(weighted, key=weighted.get, reverse=True)[:budget])
+        else:
+            plain = sorted(base, key=base.get, reverse=True)[:budget]
+            want = set()
+            for layer in range(L):
+                for h in range(H):
+                    k = sum(1 for e in plain if e[:2] == (layer, h))
+                    mine = [e for e in weighted if e[:2] == (layer, h)]
+                    want |= set(sorted(mine, key=weighted.get, reverse=True)[:k])
+        got = _kept(cache, b)
+        assert got == want
+        if scope == "head":  # the plain gates' split: as many entries per head as the gates alone keep
+            count = lambda kept: sorted(e[:2] for e in kept)  # noqa: E731
+            assert count(got) == count(_kept(reference, b))
+    assert any(_kept(cache, b) != _kept(reference, b) for b in range(B)), "the value norms changed nothing"
+
+
+def test_value_weight_options_are_checked(model):
+    with pytest.raises(ValueError, match="value_weight must be >= 0"):
+        GlobalGatesPolicy(value_weight=-1.0)
+    with pytest.raises(ValueError, match="value_scope must be 'head'"):
+        GlobalGatesPolicy(value_weight=1.0, value_scope="layer")
+    assert not GlobalGatesPolicy().needs_values  # the plain gates gather no values at eviction
+    policy = GlobalGatesPolicy(value_weight=1.0)
+    policy.bind(model)
+    entries = EntryView(torch.zeros(1, 4), torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]),
+                        torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="needs the entries' values"):
+        policy.score(entries)

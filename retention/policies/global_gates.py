@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attach import text_config_of
 from .base import EntryView, EvictionPolicy, protect
-from .scoring import max_pool
+from .scoring import max_pool, output_projections
 from .window import recent_mask
 
 
@@ -55,12 +56,22 @@ class GlobalGatesPolicy(EvictionPolicy):
     that the tokenizer writes one digit per token); 1 (default) ranks every entry on its own score. With
     SmolLM2's shipped gates, 7 lost 4.7 points at 10% on untouched items: the neighbours of many peaks
     crowd out lone entries that matter.
+
+    ``value_weight``: adds ``value_weight * log ||v_i W_O||`` to each entry's log score (VATP's
+    value-norm weighting, on the gates' score instead of attention): an entry whose value barely moves
+    the output is worth less than its retention says. The norm is the root mean square over the KV
+    head's query heads of ``||v_i W_O^h||`` (``||v_i||`` for a model without ``o_proj``). 0 (default)
+    leaves the gates' score as it is. ``value_scope``: ``"head"`` (default) keeps the gates' split of
+    the budget (how many entries each head keeps) and lets the weighted score pick which ones;
+    ``"global"`` ranks the weighted score over the whole model, so value norms move the split too.
     """
 
     horizon: int = 1
     sink: int = 4
     recent: int = 0
     pool: int = 1
+    value_weight: float = 0.0
+    value_scope: str = "head"
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
@@ -76,6 +87,17 @@ class GlobalGatesPolicy(EvictionPolicy):
             raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pool must be odd and >= 1 (1: no pooling), got {self.pool}")
+        if self.value_weight < 0:
+            raise ValueError(f"value_weight must be >= 0 (0: the gates' score alone), got {self.value_weight}")
+        if self.value_scope not in ("head", "global"):
+            raise ValueError(f"value_scope must be 'head' (the gates' split, reordered within each head) or "
+                             f"'global' (value norms move the split too), got {self.value_scope!r}")
+        self.needs_values = self.value_weight > 0
+        self._value_metric = None
+
+    def bind(self, model) -> None:
+        if self.value_weight > 0:
+            self._value_metric = value_metrics(model)
 
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
@@ -84,4 +106,49 @@ class GlobalGatesPolicy(EvictionPolicy):
             pooled = max_pool(score.masked_fill(~entries.valid, -float("inf")), self.pool)
             score = torch.where(entries.valid, pooled, score)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
-        return protect(score, keep)
+        if self.value_weight == 0:
+            return protect(score, keep)
+        if entries.values is None:
+            raise ValueError("value_weight > 0 needs the entries' values: score through RetentionCache, which "
+                             "gathers them for policies with needs_values, or pass EntryView(values=...)")
+        weighted = protect(score + self.value_weight * self._log_value_norm(entries), keep)
+        if self.value_scope == "global":
+            return weighted
+        return reorder_within_rows(protect(score, keep), weighted, entries.valid)
+
+    def _log_value_norm(self, entries: EntryView) -> torch.Tensor:
+        """``(R, Lpad)`` float32: ``log`` of the RMS over each stream's query heads of ``||v_i W_O^h||``."""
+        v = entries.values.float()
+        if self._value_metric is None:
+            sq = v.square().sum(-1)
+        else:  # ||v W||^2 = v^T (W W^T) v: a (D, D) metric per KV head instead of (Lpad, hidden) outputs
+            m = self._value_metric.to(v.device)[entries.layer, entries.head]  # (R, D, D)
+            sq = torch.einsum("rld,rde,rle->rl", v, m, v)
+        return 0.5 * torch.log(sq.clamp_min(1e-30))
+
+
+def value_metrics(model) -> torch.Tensor | None:
+    """``(L, H_kv, D, D)``: the mean over each KV head's query heads of ``W_O^h W_O^h^T``, so that
+    ``v^T M v`` is the mean squared norm of ``v``'s output through those heads; ``None`` for a model
+    whose attention has no ``o_proj`` (value norms are then ``||v||``)."""
+    try:
+        w_o = output_projections(model)  # per layer (Hq, D, hidden)
+    except AttributeError:
+        return None
+    H = text_config_of(model).num_key_value_heads
+    out = []
+    for w in w_o:
+        Hq, D, _ = w.shape
+        g = w.reshape(H, Hq // H, D, -1)
+        out.append(torch.einsum("hgde,hgfe->hdf", g, g) / (Hq // H))
+    return torch.stack(out)
+
+
+def reorder_within_rows(base: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(R, Lpad)``: each row's multiset of ``base`` scores handed out in the order of ``order``
+    (the entry ranked j-th by ``order`` gets the row's j-th largest ``base``). A global top-B then keeps
+    exactly as many entries of each row as it would under ``base``, chosen by ``order``."""
+    neg = -float("inf")
+    ranked = base.masked_fill(~valid, neg).sort(dim=1, descending=True).values
+    idx = order.masked_fill(~valid, neg).argsort(dim=1, descending=True, stable=True)
+    return torch.empty_like(ranked).scatter_(1, idx, ranked)
