@@ -266,6 +266,10 @@ class RetentionChat:
                       max_new_tokens=(max_new_tokens, 1, "the longest reply in tokens"),
                       protected_window=(protected_window, 0, "newest tokens never evicted"),
                       page_size=(page_size, 1, "entries per KV page"))
+        # NumPy or one-element tensor counts (as RetentionCache takes them) become plain ints from here on
+        budget_tokens = None if budget_tokens is None else int(budget_tokens)
+        chunk_size, max_new_tokens, page_size = int(chunk_size), int(max_new_tokens), int(page_size)
+        protected_window = int(protected_window)
         if system is not None:
             _check_text("system", system, ChatSetupError)
         _check_generation_options(model, generation_kwargs, ChatSetupError)
@@ -977,12 +981,14 @@ def _chat_command(args: argparse.Namespace) -> int:
 
 
 def _check_counts(**given: tuple[Any, int, str]) -> None:
-    """ChatSetupError naming the argument unless each ``name=(value, least, meaning)`` is an integer >= least (a
-    ``budget_tokens`` of None is allowed: no budget)."""
+    """ChatSetupError naming the argument unless each ``name=(value, least, meaning)`` is an integer >= least, as
+    :func:`retention.cache.hf.is_count` reads one (a ``budget_tokens`` of None is allowed: no budget)."""
+    from .cache.hf import is_count
+
     for name, (value, least, meaning) in given.items():
         if name == "budget_tokens" and value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if not is_count(value) or value < least:
             raise ChatSetupError(f"{name} must be an integer >= {least} ({meaning}), got {value!r}")
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from retention import load_model
+from retention.cache import RetentionCache
 from retention.chat import ChatInputError, ChatSetupError, RetentionChat
 from retention.gates import GateConfig, RetentionGates
 from chat_templates import QWEN3_LIKE_TEMPLATE, THINKING_SWITCH_TEMPLATE
@@ -107,6 +108,24 @@ def test_counts_out_of_range_are_setup_errors_before_anything_attaches(smollm2, 
     with pytest.raises(ChatSetupError, match=message):
         RetentionChat(model, tok, **given)
     assert getattr(model, "retention", None) is None
+
+
+def test_numpy_and_tensor_counts_are_taken_as_the_cache_takes_them(smollm2):
+    """The chat read counts by ``isinstance(int)`` and refused ``numpy.int64(64)``, which RetentionCache and the
+    eval take: one definition of a count now, and the chat keeps plain ints."""
+    import numpy as np
+
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=np.int64(64), chunk_size=torch.tensor(32),
+                         max_new_tokens=np.int32(2))
+    try:
+        assert (chat.budget_tokens, chat.chunk_size, chat.max_new_tokens) == (64, 32, 2)
+        assert all(type(v) is int for v in (chat.budget_tokens, chat.chunk_size, chat.max_new_tokens))
+        assert chat.cache.budget == RetentionCache.budget_for(model, 64)
+    finally:
+        chat.model.retention.detach()
+    with pytest.raises(ChatSetupError, match="budget_tokens must be an integer >= 1"):
+        RetentionChat(model, tok, budget_tokens=torch.tensor(2.0))
 
 
 def test_a_budget_under_a_policy_that_never_evicts_is_named(smollm2):

@@ -38,7 +38,7 @@ class CacheBudgetError(ValueError):
     """The budget cannot hold what the options require (protected window, per-head minimum, a turn)."""
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """An integer (Python, NumPy or a one-element integer tensor), not a bool or a float."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool
@@ -176,7 +176,7 @@ class RetentionCache(Cache):
         for name, value, least in (("page_size", page_size, 1), ("protected_window", protected_window, 0),
                                    ("min_per_head", min_per_head, 0), ("slack", slack, 0),
                                    ("initial_pages", initial_pages, 1)):
-            if value is not None and (not _is_count(value) or value < least):
+            if value is not None and (not is_count(value) or value < least):
                 raise ValueError(f"RetentionCache {name} must be an integer >= {least}, got {value!r}")
         self.page_size, self.protected_window, self.min_per_head = page_size, protected_window, min_per_head
         self.streams_per_seq = self.num_layers * self.num_kv_heads
@@ -202,7 +202,7 @@ class RetentionCache(Cache):
     @staticmethod
     def budget_for(model: torch.nn.Module, tokens: int) -> int:
         """Entries that hold ``tokens`` tokens in every layer and KV head (``tokens * L * H_kv``)."""
-        if not _is_count(tokens) or tokens < 1:
+        if not is_count(tokens) or tokens < 1:
             raise CacheBudgetError(f"tokens must be a whole number of tokens >= 1 in every layer and KV head, got "
                                    f"{tokens!r}")
         cfg = text_config_of(model)
@@ -218,14 +218,14 @@ class RetentionCache(Cache):
         if budget is None:
             return None
         listed = isinstance(budget, (Sequence, torch.Tensor)) and not isinstance(budget, str)
-        values = [budget] if _is_count(budget) else list(budget) if listed else None
-        if values is None or not all(_is_count(b) for b in values):
+        values = [budget] if is_count(budget) else list(budget) if listed else None
+        if values is None or not all(is_count(b) for b in values):
             raise CacheBudgetError(
                 f"budget must be a number of entries (an int, or one int per sequence), got {budget!r}; "
                 "for a number of tokens in every layer and KV head use RetentionCache.budget_for(model, tokens=N)"
             )
         values = [int(b) for b in values]
-        budget = values[0] if _is_count(budget) else values
+        budget = values[0] if is_count(budget) else values
         if min(values, default=1) < 1:
             raise CacheBudgetError(f"budget must be at least 1 entry, got {budget!r}")
         n = self.streams_per_seq
