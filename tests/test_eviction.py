@@ -248,17 +248,14 @@ def test_a_policy_may_be_named(model):
         RetentionCache(model, policy=SnapKVPolicy, budget=60)
 
 
-def _value_cache(model, lb: torch.Tensor, values: torch.Tensor, **opts) -> RetentionCache:
-    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)`` and values ``(B, L, H, T, D)``;
-    key[0] encodes (layer, head, pos) as in :func:`_filled_cache`."""
+def _kv_cache(model, lb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **opts) -> RetentionCache:
+    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)``, keys and values ``(B, L, H, T, D)``."""
     B, _, _, T, D = values.shape
     cache = RetentionCache(model, **opts)
     cache.store = PagedKVStore(B, L, H, D, page_size=4)
     pos = torch.arange(T).expand(B * H, T).clone()
     for layer in range(L):
-        keys = torch.zeros(B, H, T, D)
-        keys[..., 0] = (layer * 100 + torch.arange(H)[:, None] * 10000 + torch.arange(T)).float()
-        cache.store.append(cache.store.streams(layer), keys.reshape(B * H, T, D),
+        cache.store.append(cache.store.streams(layer), keys[:, layer].reshape(B * H, T, D),
                            values[:, layer].reshape(B * H, T, D), lb[:, layer].reshape(B * H, T), pos)
     cache._seen = [T] * L
     cache._pad_entries = torch.zeros(B, dtype=torch.long)
@@ -266,36 +263,54 @@ def _value_cache(model, lb: torch.Tensor, values: torch.Tensor, **opts) -> Reten
     return cache
 
 
+def _kept_kv(cache: RetentionCache, b: int, keys: torch.Tensor, values: torch.Tensor) -> set[tuple[int, int, int]]:
+    """(layer, head, pos) of sequence ``b``'s kept entries, each checked to still carry its own key and value."""
+    out = set()
+    for layer in range(L):
+        v = cache.store.gather_layer(layer)
+        for h in range(H):
+            for j in range(int(v.valid[b, h].sum())):
+                pos = int(v.pos[b, h, j])
+                assert torch.equal(v.keys[b, h, j], keys[b, layer, h, pos]), "content and position separated"
+                assert torch.equal(v.values[b, h, j], values[b, layer, h, pos]), "content and position separated"
+                out.add((layer, h, pos))
+    return out
+
+
 @pytest.mark.parametrize("scope", ["head", "global"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_value_weighted_gates_equal_brute_force(model, scope, seed):
-    """``value_weight``: score ``(T - i) log beta + w log ||v||_{W_O}``, the norm the root mean square of
-    ``v W_O^h`` over the KV head's query heads, each computed here by hand from ``o_proj``. ``head``: every
-    head keeps as many entries as the plain gates give it, the weighted score picks which; ``global``: the
-    weighted score's top-B over the whole model."""
-    B, T, w, budget = 2, 9, 1.5, 20
+@pytest.mark.parametrize("wv, wk", [(1.5, 0.0), (0.0, 2.0), (1.0, 3.0)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed):
+    """``value_weight`` / ``key_weight``: score ``(T - i) log beta + wv log ||v||_{W_O} - wk log ||k||``, the value
+    norm the root mean square of ``v W_O^h`` over the KV head's query heads, each computed here by hand from
+    ``o_proj``. ``head``: every head keeps as many entries as the plain gates give it, the weighted score picks
+    which; ``global``: the weighted score's top-B over the whole model."""
+    B, T, budget, D = 2, 9, 20, 16
     g = torch.Generator().manual_seed(seed)
     lb = -torch.rand(B, L, H, T, generator=g) * 0.5
-    values = torch.randn(B, L, H, T, 16, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
-    policy = GlobalGatesPolicy(sink=0, value_weight=w, value_scope=scope)
-    assert policy.needs_values
-    cache = _value_cache(model, lb, values, budget=budget, policy=policy, slack=0)
+    values = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
+    keys = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
+    policy = GlobalGatesPolicy(sink=0, value_weight=wv, key_weight=wk, norm_scope=scope)
+    assert policy.needs_kv
+    cache = _kv_cache(model, lb, keys, values, budget=budget, policy=policy, slack=0)
     cache.evict(torch.arange(B), torch.full((B,), budget))
     cache.store.check()
-    reference = _value_cache(model, lb, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
+    reference = _kv_cache(model, lb, keys, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
     reference.evict(torch.arange(B), torch.full((B,), budget))
-    Hq = model.config.num_attention_heads
-    G, D = Hq // H, 16
+    G = model.config.num_attention_heads // H
+    changed = False
     for b in range(B):
         base, weighted = {}, {}
         for layer in range(L):
             w_o = model.model.layers[layer].self_attn.o_proj.weight  # (hidden, Hq * D)
             for h in range(H):
                 for i in range(T):
-                    outs = [values[b, layer, h, i] @ w_o[:, (h * G + q) * D:(h * G + q + 1) * D].T for q in range(G)]
-                    norm = math.sqrt(sum(float(o.square().sum()) for o in outs) / G)
+                    v = values[b, layer, h, i]
+                    outs = [v @ w_o[:, (h * G + q) * D:(h * G + q + 1) * D].T for q in range(G)]
+                    v_norm = math.sqrt(sum(float(o.square().sum()) for o in outs) / G)
+                    k_norm = float(keys[b, layer, h, i].norm())
                     base[layer, h, i] = (T - i) * float(lb[b, layer, h, i])
-                    weighted[layer, h, i] = base[layer, h, i] + w * math.log(norm)
+                    weighted[layer, h, i] = base[layer, h, i] + wv * math.log(v_norm) - wk * math.log(k_norm)
         if scope == "global":
             want = set(sorted(weighted, key=weighted.get, reverse=True)[:budget])
         else:
@@ -306,23 +321,26 @@ def test_value_weighted_gates_equal_brute_force(model, scope, seed):
                     k = sum(1 for e in plain if e[:2] == (layer, h))
                     mine = [e for e in weighted if e[:2] == (layer, h)]
                     want |= set(sorted(mine, key=weighted.get, reverse=True)[:k])
-        got = _kept(cache, b)
+        got, plain_kept = _kept_kv(cache, b, keys, values), _kept_kv(reference, b, keys, values)
         assert got == want
         if scope == "head":  # the plain gates' split: as many entries per head as the gates alone keep
-            count = lambda kept: sorted(e[:2] for e in kept)  # noqa: E731
-            assert count(got) == count(_kept(reference, b))
-    assert any(_kept(cache, b) != _kept(reference, b) for b in range(B)), "the value norms changed nothing"
+            assert sorted(e[:2] for e in got) == sorted(e[:2] for e in plain_kept)
+        changed |= got != plain_kept
+    assert changed, "the norms changed nothing"
 
 
-def test_value_weight_options_are_checked(model):
+def test_norm_weight_options_are_checked(model):
     with pytest.raises(ValueError, match="value_weight must be >= 0"):
         GlobalGatesPolicy(value_weight=-1.0)
-    with pytest.raises(ValueError, match="value_scope must be 'head'"):
-        GlobalGatesPolicy(value_weight=1.0, value_scope="layer")
-    assert not GlobalGatesPolicy().needs_values  # the plain gates gather no values at eviction
+    with pytest.raises(ValueError, match="key_weight must be >= 0"):
+        GlobalGatesPolicy(key_weight=-0.5)
+    with pytest.raises(ValueError, match="norm_scope must be 'head'"):
+        GlobalGatesPolicy(value_weight=1.0, norm_scope="layer")
+    assert not GlobalGatesPolicy().needs_kv  # the plain gates gather no keys or values at eviction
+    assert GlobalGatesPolicy(key_weight=1.0).needs_kv
     policy = GlobalGatesPolicy(value_weight=1.0)
     policy.bind(model)
     entries = EntryView(torch.zeros(1, 4), torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]),
                         torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="needs the entries' values"):
+    with pytest.raises(ValueError, match="needs the entries' keys and values"):
         policy.score(entries)

@@ -136,7 +136,8 @@ POLICY_CASES = [
     ("adakv", {"window": 4}), ("criticalkv", {"window": 4}), ("lava", {"window": 4}), ("cake", {"window": 4}),
     ("restkv", {"window": 4}), ("defensivekv", {"window": 4}), ("layer_defensivekv", {"window": 4}),
     ("gates_snapkv", {"window": 4, "share": 0.5}), ("global_gates", {"pool": 3}),
-    ("global_gates", {"value_weight": 1.0}), ("global_gates", {"value_weight": 1.0, "value_scope": "global"}),
+    ("global_gates", {"value_weight": 1.0}), ("global_gates", {"value_weight": 1.0, "norm_scope": "global"}),
+    ("global_gates", {"key_weight": 2.0}),
 ]
 
 

@@ -492,13 +492,13 @@ class RetentionCache(Cache):
         store, n, L, H = self.store, self.streams_per_seq, self.num_layers, self.num_kv_heads
         dev = store.lengths.device
         rows = (seqs[:, None] * n + torch.arange(n, device=dev)[None]).flatten()
-        view = store.gather(rows, with_kv=self.policy.needs_values)
+        view = store.gather(rows, with_kv=self.policy.needs_kv)
         local = torch.arange(len(seqs), device=dev).repeat_interleave(n)
         layer = torch.arange(L, device=dev).repeat_interleave(H).repeat(len(seqs))
         head = torch.arange(H, device=dev).repeat(L * len(seqs))
         step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
         entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head,
-                            self._start[seqs][local], view.values)
+                            self._start[seqs][local], view.keys, view.values)
         self.policy.set_budget(int(budgets[0]), L, H)
         score = self.policy.score(entries)
         valid = view.valid & (view.pos >= 0)  # padding tokens are dropped at the first eviction

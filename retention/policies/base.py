@@ -33,8 +33,8 @@ class EntryView:
     rows; -1 marks padding tokens of left-padded batches), ``valid`` ``(R, Lpad)`` bool, ``step``
     ``(R,)`` int64: position of the newest token of the stream's sequence; ``seq``, ``layer``, ``head``
     ``(R,)`` identify each stream; ``start`` ``(R,)`` int64: position of the sequence's first real
-    token (its left padding; ``None``: no padding); ``values`` ``(R, Lpad, D)``: the entries' value
-    vectors, given only to policies with ``needs_values`` (``None`` otherwise).
+    token (its left padding; ``None``: no padding); ``keys``, ``values`` ``(R, Lpad, D)``: the entries'
+    key (after RoPE) and value vectors, given only to policies with ``needs_kv`` (``None`` otherwise).
     """
 
     log_beta: torch.Tensor
@@ -45,6 +45,7 @@ class EntryView:
     layer: torch.Tensor
     head: torch.Tensor
     start: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
     def sinks(self, n: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ class EvictionPolicy(ABC):
     budget_scope: str = "global"
     mode: str = "streaming"
     needs_queries: bool = False
-    needs_values: bool = False  # True: the cache gathers each entry's value vector into EntryView.values
+    needs_kv: bool = False  # True: the cache gathers each entry's key and value into EntryView.keys / values
     evicts: bool = True  # False: the full cache (never evicts, whatever the budget)
     uses_gates: bool = False  # True: scores come from the attached retention gates (their beta)
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"

@@ -57,16 +57,18 @@ class GlobalGatesPolicy(EvictionPolicy):
     SmolLM2's shipped gates, 7 lost 4.7 points at 10% on untouched items: the neighbours of many peaks
     crowd out lone entries that matter.
 
-    ``value_weight``: adds ``value_weight * log ||v_i W_O||`` to each entry's log score (VATP's
-    value-norm weighting, on the gates' score instead of attention): an entry whose value barely moves
-    the output is worth less than its retention says. The norm is the root mean square over the KV
-    head's query heads of ``||v_i W_O^h||`` (``||v_i||`` for a model without ``o_proj``). 0 (default)
-    leaves the gates' score as it is. ``value_scope``: ``"head"`` (default) keeps the gates' split of
-    the budget (how many entries each head keeps) and lets the weighted score pick which ones;
-    ``"global"`` ranks the weighted score over the whole model, so value norms move the split too. On
-    SmolLM2 with its shipped gates it hurts: top-1 agreement at 10% of a 4k context fell 8.6 points at
-    weight 0.5 (``head``) and 28.4 at 1.0 (``global``), since within a head the entries the continuation
-    attends to most tend to have small value norms (``eval/results/experiments/smollm2-value-norm-*``).
+    ``value_weight`` and ``key_weight``: query-agnostic signals added to each entry's log score,
+    ``value_weight * log ||v_i W_O|| - key_weight * log ||k_i||``. The value norm (VATP's weighting, on
+    the gates' score instead of attention) is the root mean square over the KV head's query heads of
+    ``||v_i W_O^h||`` (``||v_i||`` for a model without ``o_proj``): an entry whose value barely moves the
+    output is worth less than its retention says. A key of small norm tends to draw attention (Devoto
+    et al., 2024, keep the lowest-norm keys). 0 (default) leaves the gates' score as it is.
+    ``norm_scope``: ``"head"`` (default) keeps the gates' split of the budget (how many entries each
+    head keeps) and lets the weighted score pick which ones; ``"global"`` ranks the weighted score over
+    the whole model, so the norms move the split too. On SmolLM2 with its shipped gates the value norm
+    hurts: top-1 agreement at 10% of a 4k context fell 8.6 points at weight 0.5 (``head``) and 28.4 at
+    1.0 (``global``), since within a head the entries the continuation attends to most tend to have
+    small value norms (``eval/results/experiments/smollm2-value-norm-*``).
     """
 
     horizon: int = 1
@@ -74,7 +76,8 @@ class GlobalGatesPolicy(EvictionPolicy):
     recent: int = 0
     pool: int = 1
     value_weight: float = 0.0
-    value_scope: str = "head"
+    key_weight: float = 0.0
+    norm_scope: str = "head"
     budget_scope: str = "global"
     mode: str = "streaming"
     name: str = "global_gates"
@@ -90,12 +93,13 @@ class GlobalGatesPolicy(EvictionPolicy):
             raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pool must be odd and >= 1 (1: no pooling), got {self.pool}")
-        if self.value_weight < 0:
-            raise ValueError(f"value_weight must be >= 0 (0: the gates' score alone), got {self.value_weight}")
-        if self.value_scope not in ("head", "global"):
-            raise ValueError(f"value_scope must be 'head' (the gates' split, reordered within each head) or "
-                             f"'global' (value norms move the split too), got {self.value_scope!r}")
-        self.needs_values = self.value_weight > 0
+        for name in ("value_weight", "key_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the gates' score alone), got {getattr(self, name)}")
+        if self.norm_scope not in ("head", "global"):
+            raise ValueError(f"norm_scope must be 'head' (the gates' split, reordered within each head) or "
+                             f"'global' (the norms move the split too), got {self.norm_scope!r}")
+        self.needs_kv = self.value_weight > 0 or self.key_weight > 0
         self._value_metric = None
 
     def bind(self, model) -> None:
@@ -109,13 +113,19 @@ class GlobalGatesPolicy(EvictionPolicy):
             pooled = max_pool(score.masked_fill(~entries.valid, -float("inf")), self.pool)
             score = torch.where(entries.valid, pooled, score)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
-        if self.value_weight == 0:
+        if not self.needs_kv:
             return protect(score, keep)
-        if entries.values is None:
-            raise ValueError("value_weight > 0 needs the entries' values: score through RetentionCache, which "
-                             "gathers them for policies with needs_values, or pass EntryView(values=...)")
-        weighted = protect(score + self.value_weight * self._log_value_norm(entries), keep)
-        if self.value_scope == "global":
+        if entries.keys is None or entries.values is None:
+            raise ValueError("value_weight or key_weight > 0 needs the entries' keys and values: score through "
+                             "RetentionCache, which gathers them for policies with needs_kv, or pass "
+                             "EntryView(keys=..., values=...)")
+        weighted = score
+        if self.value_weight > 0:
+            weighted = weighted + self.value_weight * self._log_value_norm(entries)
+        if self.key_weight > 0:
+            weighted = weighted - self.key_weight * torch.log(entries.keys.float().norm(dim=-1).clamp_min(1e-30))
+        weighted = protect(weighted, keep)
+        if self.norm_scope == "global":
             return weighted
         return reorder_within_rows(protect(score, keep), weighted, entries.valid)
 
