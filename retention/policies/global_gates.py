@@ -65,10 +65,12 @@ class GlobalGatesPolicy(EvictionPolicy):
     et al., 2024, keep the lowest-norm keys). 0 (default) leaves the gates' score as it is.
     ``norm_scope``: ``"head"`` (default) keeps the gates' split of the budget (how many entries each
     head keeps) and lets the weighted score pick which ones; ``"global"`` ranks the weighted score over
-    the whole model, so the norms move the split too. On SmolLM2 with its shipped gates the value norm
-    hurts: top-1 agreement at 10% of a 4k context fell 8.6 points at weight 0.5 (``head``) and 28.4 at
-    1.0 (``global``), since within a head the entries the continuation attends to most tend to have
-    small value norms (``eval/results/experiments/smollm2-value-norm-*``).
+    the whole model, so the norms move the split too. On SmolLM2 with its shipped gates both hurt:
+    top-1 agreement at 10% of a 4k context fell 8.6 points at ``value_weight=0.5`` (``head``), 28.4 at
+    1.0 (``global``), and 1.2 / 3.8 at ``key_weight=1`` / ``2`` (``head``); within a head the entries
+    the continuation attends to most tend to have small value norms
+    (``eval/results/experiments/smollm2-value-norm-*``, ``smollm2-key-norm-*``). Scoring then gathers
+    every entry's key and value at each eviction, which the gates alone do not.
     """
 
     horizon: int = 1
