@@ -1,4 +1,4 @@
-"""Probe behind smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md: within each KV head of
+"""Probe behind eval/results/experiments/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md: within each KV head of
 SmolLM2-135M, how do an entry's log value norm (``log ||v W_O||``, as ``GlobalGatesPolicy(value_weight=...)``
 computes it) and its negative log key norm rank against the attention the continuation pays it (the oracle's
 score, ``eval/oracle.py``) and against the shipped gates' score? Spearman's rho per (layer, KV head) over the
@@ -7,27 +7,28 @@ among the value-norm quartiles; and the share of the per-head oracle's picks kep
 gates' own number of entries (their global top-B at 10%, sinks included), ranked by
 ``log beta^age - w log ||k||``.
 
-    .venv/bin/python eval/results/experiments/smollm2-norm-probe.py 8   # fidelity items of seed 31, ~3 min
+    python -m eval.norm_probe 8   # fidelity items of seed 31, ~3 min on 2 CPU cores
+    (output kept in eval/results/experiments/smollm2-norm-probe.txt)
 """
+
+from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
+from retention import attach_gates, load_gates
+from retention.cache import RetentionCache
+from retention.cache.select import select_keep
+from retention.models import shipped_gates
+from retention.policies.base import EntryView
+from retention.policies.global_gates import value_metrics
 
-from eval.methods import prefill  # noqa: E402
-from eval.models import load_eval_model  # noqa: E402
-from eval.oracle import FutureAttention  # noqa: E402
-from eval.tasks.fidelity import fidelity  # noqa: E402
-from retention import attach_gates, load_gates  # noqa: E402
-from retention.cache import RetentionCache  # noqa: E402
-from retention.cache.select import select_keep  # noqa: E402
-from retention.policies.base import EntryView  # noqa: E402
-from retention.policies.global_gates import value_metrics  # noqa: E402
+from .methods import prefill
+from .models import load_eval_model
+from .oracle import FutureAttention
+from .tasks.fidelity import fidelity
 
 SINKS, FRACTION = 4, 0.1
 KEY_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 8.0)
@@ -44,9 +45,9 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((ra * rb).sum(-1) / (ra.norm(dim=-1) * rb.norm(dim=-1))).mean())
 
 
-def main(n_items: int) -> None:
+def main(n_items: int = 8) -> None:
     model, tok = load_eval_model("smollm2-135m")
-    att = attach_gates(model, load_gates(ROOT / "checkpoints" / "smollm2-135m-global"), mode="score")
+    att = attach_gates(model, load_gates(shipped_gates("smollm2-135m")), mode="score")  # as the eval's `gates: null`
     metric = value_metrics(model)
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
     R = L * H
