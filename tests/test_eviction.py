@@ -248,18 +248,21 @@ def test_a_policy_may_be_named(model):
         RetentionCache(model, policy=SnapKVPolicy, budget=60)
 
 
-def _kv_cache(model, lb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **opts) -> RetentionCache:
-    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)``, keys and values ``(B, L, H, T, D)``."""
+def _kv_cache(model, lb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: int = 0,
+              **opts) -> RetentionCache:
+    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)``, keys and values ``(B, L, H, T, D)``; the first
+    ``pads`` tokens of every sequence are left padding (position -1)."""
     B, _, _, T, D = values.shape
     cache = RetentionCache(model, **opts)
     cache.store = PagedKVStore(B, L, H, D, page_size=4)
     pos = torch.arange(T).expand(B * H, T).clone()
+    pos[:, :pads] = -1
     for layer in range(L):
         cache.store.append(cache.store.streams(layer), keys[:, layer].reshape(B * H, T, D),
                            values[:, layer].reshape(B * H, T, D), lb[:, layer].reshape(B * H, T), pos)
     cache._seen = [T] * L
     cache._pad_entries = torch.zeros(B, dtype=torch.long)
-    cache._start = torch.zeros(B, dtype=torch.long)
+    cache._start = torch.full((B,), pads, dtype=torch.long)
     return cache
 
 
@@ -271,6 +274,7 @@ def _kept_kv(cache: RetentionCache, b: int, keys: torch.Tensor, values: torch.Te
         for h in range(H):
             for j in range(int(v.valid[b, h].sum())):
                 pos = int(v.pos[b, h, j])
+                assert pos >= 0, "a padding entry was kept"
                 assert torch.equal(v.keys[b, h, j], keys[b, layer, h, pos]), "content and position separated"
                 assert torch.equal(v.values[b, h, j], values[b, layer, h, pos]), "content and position separated"
                 out.add((layer, h, pos))
@@ -279,23 +283,25 @@ def _kept_kv(cache: RetentionCache, b: int, keys: torch.Tensor, values: torch.Te
 
 @pytest.mark.parametrize("scope", ["head", "global"])
 @pytest.mark.parametrize("wv, wk", [(1.5, 0.0), (0.0, 2.0), (1.0, 3.0)])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed):
+@pytest.mark.parametrize("seed, pads", [(0, 0), (1, 0), (2, 3)])
+def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed, pads):
     """``value_weight`` / ``key_weight``: score ``(T - i) log beta + wv log ||v||_{W_O} - wk log ||k||``, the value
     norm the root mean square of ``v W_O^h`` over the KV head's query heads, each computed here by hand from
     ``o_proj``. ``head``: every head keeps as many entries as the plain gates give it, the weighted score picks
-    which; ``global``: the weighted score's top-B over the whole model."""
+    which; ``global``: the weighted score's top-B over the whole model. Left padding (``pads`` tokens, given the
+    highest log beta) is dropped and lends no head a share."""
     B, T, budget, D = 2, 9, 20, 16
     g = torch.Generator().manual_seed(seed)
     lb = -torch.rand(B, L, H, T, generator=g) * 0.5
+    lb[..., :pads] = 0.0
     values = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
     keys = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
     policy = GlobalGatesPolicy(sink=0, value_weight=wv, key_weight=wk, norm_scope=scope)
     assert policy.needs_kv
-    cache = _kv_cache(model, lb, keys, values, budget=budget, policy=policy, slack=0)
+    cache = _kv_cache(model, lb, keys, values, pads, budget=budget, policy=policy, slack=0)
     cache.evict(torch.arange(B), torch.full((B,), budget))
     cache.store.check()
-    reference = _kv_cache(model, lb, keys, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
+    reference = _kv_cache(model, lb, keys, values, pads, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
     reference.evict(torch.arange(B), torch.full((B,), budget))
     G = model.config.num_attention_heads // H
     changed = False
@@ -304,7 +310,7 @@ def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed):
         for layer in range(L):
             w_o = model.model.layers[layer].self_attn.o_proj.weight  # (hidden, Hq * D)
             for h in range(H):
-                for i in range(T):
+                for i in range(pads, T):
                     v = values[b, layer, h, i]
                     outs = [v @ w_o[:, (h * G + q) * D:(h * G + q + 1) * D].T for q in range(G)]
                     v_norm = math.sqrt(sum(float(o.square().sum()) for o in outs) / G)

@@ -129,7 +129,8 @@ class GlobalGatesPolicy(EvictionPolicy):
         weighted = protect(weighted, keep)
         if self.norm_scope == "global":
             return weighted
-        return reorder_within_rows(protect(score, keep), weighted, entries.valid)
+        real = entries.valid & (entries.pos >= 0)  # left padding is dropped at eviction: it must not hold a score
+        return reorder_within_rows(protect(score, keep), weighted, real)
 
     def _log_value_norm(self, entries: EntryView) -> torch.Tensor:
         """``(R, Lpad)`` float32: ``log`` of the RMS over each stream's query heads of ``||v_i W_O^h||``."""
