@@ -23,7 +23,7 @@ from retention.cache import RetentionCache
 from retention.cache.select import select_keep
 from retention.models import shipped_gates
 from retention.policies.base import EntryView
-from retention.policies.global_gates import value_metrics
+from retention.policies.scoring import value_metrics
 
 from .methods import prefill
 from .models import load_eval_model

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attach import text_config_of
 from .base import EntryView, EvictionPolicy, protect
-from .scoring import max_pool, output_projections
+from .scoring import max_pool, value_metrics
 from .window import recent_mask
 
 
@@ -133,7 +132,8 @@ class GlobalGatesPolicy(EvictionPolicy):
         return reorder_within_rows(protect(score, keep), weighted, real)
 
     def _log_value_norm(self, entries: EntryView) -> torch.Tensor:
-        """``(R, Lpad)`` float32: ``log`` of the RMS over each stream's query heads of ``||v_i W_O^h||``."""
+        """``(R, Lpad)`` float32: ``log`` of the RMS over each stream's query heads of ``||v_i W_O^h||``
+        (``||v_i||`` until :meth:`bind` has read ``W_O``)."""
         v = entries.values.float()
         if self._value_metric is None:
             sq = v.square().sum(-1)
@@ -141,23 +141,6 @@ class GlobalGatesPolicy(EvictionPolicy):
             m = self._value_metric.to(v.device)[entries.layer, entries.head]  # (R, D, D)
             sq = torch.einsum("rld,rde,rle->rl", v, m, v)
         return 0.5 * torch.log(sq.clamp_min(1e-30))
-
-
-def value_metrics(model) -> torch.Tensor | None:
-    """``(L, H_kv, D, D)``: the mean over each KV head's query heads of ``W_O^h W_O^h^T``, so that
-    ``v^T M v`` is the mean squared norm of ``v``'s output through those heads; ``None`` for a model
-    whose attention has no ``o_proj`` (value norms are then ``||v||``)."""
-    try:
-        w_o = output_projections(model)  # per layer (Hq, D, hidden)
-    except AttributeError:
-        return None
-    H = text_config_of(model).num_key_value_heads
-    out = []
-    for w in w_o:
-        Hq, D, _ = w.shape
-        g = w.reshape(H, Hq // H, D, -1)
-        out.append(torch.einsum("hgde,hgfe->hdf", g, g) / (Hq // H))
-    return torch.stack(out)
 
 
 def reorder_within_rows(base: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
