@@ -27,33 +27,46 @@ def model():
     return m
 
 
-def _filled_cache(model, lb: torch.Tensor, pads: int = 0, **opts) -> RetentionCache:
-    """A cache whose store holds ``lb`` ``(B, L, H, T)`` log-betas; key[0] encodes (layer, head, pos)."""
+def _filled_cache(model, lb: torch.Tensor, pads: int = 0, keys: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None, **opts) -> RetentionCache:
+    """A cache whose store holds ``lb`` ``(B, L, H, T)`` log-betas, and ``keys`` / ``values`` ``(B, L, H, T, D)``
+    when given (else key[0] = value[0] encodes (layer, head, pos)); the first ``pads`` tokens of every sequence are
+    left padding (position -1)."""
     B, _, _, T = lb.shape
+    if keys is None:
+        keys = torch.zeros(B, L, H, T, 4)
+        keys[..., 0] = (torch.arange(L)[:, None, None] * 100 + torch.arange(H)[:, None] * 10000 + torch.arange(T)).float()
+        values = keys
+    D = keys.shape[-1]
     cache = RetentionCache(model, **opts)
-    cache.store = PagedKVStore(B, L, H, 4, page_size=3)
-    pos = torch.arange(T).expand(B, T).clone()
+    cache.store = PagedKVStore(B, L, H, D, page_size=3)
+    pos = torch.arange(T).expand(B * H, T).clone()
     pos[:, :pads] = -1
     for layer in range(L):
-        keys = torch.zeros(B, H, T, 4)
-        keys[..., 0] = (layer * 100 + torch.arange(H)[:, None] * 10000 + torch.arange(T)).float()
-        cache.store.append(cache.store.streams(layer), keys.reshape(B * H, T, 4), keys.reshape(B * H, T, 4),
-                           lb[:, layer].reshape(B * H, T), pos[:, None].expand(B, H, T).reshape(B * H, T))
+        cache.store.append(cache.store.streams(layer), keys[:, layer].reshape(B * H, T, D),
+                           values[:, layer].reshape(B * H, T, D), lb[:, layer].reshape(B * H, T), pos)
     cache._seen = [T] * L
     cache._pad_entries = torch.zeros(B, dtype=torch.long)
     cache._start = torch.full((B,), pads, dtype=torch.long)
     return cache
 
 
-def _kept(cache: RetentionCache, b: int) -> set[tuple[int, int, int]]:
+def _kept(cache: RetentionCache, b: int, keys: torch.Tensor | None = None,
+          values: torch.Tensor | None = None) -> set[tuple[int, int, int]]:
+    """(layer, head, pos) of sequence ``b``'s kept entries, each checked to still carry its own key and value
+    (``keys`` / ``values`` as given to :func:`_filled_cache`, or its (layer, head, pos) code)."""
     out = set()
     for layer in range(L):
         v = cache.store.gather_layer(layer)
         for h in range(H):
-            n = int(v.valid[b, h].sum())
-            for j in range(n):
+            for j in range(int(v.valid[b, h].sum())):
                 pos = int(v.pos[b, h, j])
-                assert int(v.keys[b, h, j, 0]) == layer * 100 + h * 10000 + pos, "content and position separated"
+                assert pos >= 0, "a padding entry was kept"
+                if keys is None:
+                    assert int(v.keys[b, h, j, 0]) == layer * 100 + h * 10000 + pos, "content and position separated"
+                else:
+                    assert torch.equal(v.keys[b, h, j], keys[b, layer, h, pos]), "content and position separated"
+                    assert torch.equal(v.values[b, h, j], values[b, layer, h, pos]), "content and position separated"
                 out.add((layer, h, pos))
     return out
 
@@ -248,39 +261,6 @@ def test_a_policy_may_be_named(model):
         RetentionCache(model, policy=SnapKVPolicy, budget=60)
 
 
-def _kv_cache(model, lb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: int = 0,
-              **opts) -> RetentionCache:
-    """A cache whose store holds log-betas ``lb`` ``(B, L, H, T)``, keys and values ``(B, L, H, T, D)``; the first
-    ``pads`` tokens of every sequence are left padding (position -1)."""
-    B, _, _, T, D = values.shape
-    cache = RetentionCache(model, **opts)
-    cache.store = PagedKVStore(B, L, H, D, page_size=4)
-    pos = torch.arange(T).expand(B * H, T).clone()
-    pos[:, :pads] = -1
-    for layer in range(L):
-        cache.store.append(cache.store.streams(layer), keys[:, layer].reshape(B * H, T, D),
-                           values[:, layer].reshape(B * H, T, D), lb[:, layer].reshape(B * H, T), pos)
-    cache._seen = [T] * L
-    cache._pad_entries = torch.zeros(B, dtype=torch.long)
-    cache._start = torch.full((B,), pads, dtype=torch.long)
-    return cache
-
-
-def _kept_kv(cache: RetentionCache, b: int, keys: torch.Tensor, values: torch.Tensor) -> set[tuple[int, int, int]]:
-    """(layer, head, pos) of sequence ``b``'s kept entries, each checked to still carry its own key and value."""
-    out = set()
-    for layer in range(L):
-        v = cache.store.gather_layer(layer)
-        for h in range(H):
-            for j in range(int(v.valid[b, h].sum())):
-                pos = int(v.pos[b, h, j])
-                assert pos >= 0, "a padding entry was kept"
-                assert torch.equal(v.keys[b, h, j], keys[b, layer, h, pos]), "content and position separated"
-                assert torch.equal(v.values[b, h, j], values[b, layer, h, pos]), "content and position separated"
-                out.add((layer, h, pos))
-    return out
-
-
 @pytest.mark.parametrize("scope", ["head", "global"])
 @pytest.mark.parametrize("wv, wk", [(1.5, 0.0), (0.0, 2.0), (1.0, 3.0)])
 @pytest.mark.parametrize("seed, pads", [(0, 0), (1, 0), (2, 3)])
@@ -298,10 +278,10 @@ def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed, pads)
     keys = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
     policy = GlobalGatesPolicy(sink=0, value_weight=wv, key_weight=wk, norm_scope=scope)
     assert policy.needs_kv
-    cache = _kv_cache(model, lb, keys, values, pads, budget=budget, policy=policy, slack=0)
+    cache = _filled_cache(model, lb, pads, keys, values, budget=budget, policy=policy, slack=0)
     cache.evict(torch.arange(B), torch.full((B,), budget))
     cache.store.check()
-    reference = _kv_cache(model, lb, keys, values, pads, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
+    reference = _filled_cache(model, lb, pads, keys, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
     reference.evict(torch.arange(B), torch.full((B,), budget))
     G = model.config.num_attention_heads // H
     changed = False
@@ -327,7 +307,7 @@ def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed, pads)
                     k = sum(1 for e in plain if e[:2] == (layer, h))
                     mine = [e for e in weighted if e[:2] == (layer, h)]
                     want |= set(sorted(mine, key=weighted.get, reverse=True)[:k])
-        got, plain_kept = _kept_kv(cache, b, keys, values), _kept_kv(reference, b, keys, values)
+        got, plain_kept = _kept(cache, b, keys, values), _kept(reference, b, keys, values)
         assert got == want
         if scope == "head":  # the plain gates' split: as many entries per head as the gates alone keep
             assert sorted(e[:2] for e in got) == sorted(e[:2] for e in plain_kept)
