@@ -2,7 +2,7 @@
 
 import sys
 
-from train import main
+from retention.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

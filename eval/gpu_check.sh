@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, as eval/results/gpu-h100/ was made: the compiled-kernel tests, then the three
 # benchmarks (and the CUDA-graph ceiling of a decode step), each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
-# randomly initialised copy of the model (eval/random_copy.py) where the weights cannot be brought along; a
+# randomly initialised copy of the model (retention/eval/random_copy.py) where the weights cannot be brought along; a
 # MODEL folder is also the model of the GPU chat tests (RETENTION_GPU_MODEL), which otherwise need the embedded one.
 #
 #   eval/gpu_check.sh [OUT_DIR]                       # default OUT_DIR runs/gpu-check
 #   PY=python3 MODEL=/path/to/model PYTEST_ARGS="-n 8" eval/gpu_check.sh out
 #
-# Without the GGUF there: `python eval/random_copy.py smollm2-135m shape --no-weights` here (3 MB), carry `shape`,
-# then `python3 eval/random_copy.py shape /tmp/smol-random && MODEL=/tmp/smol-random eval/gpu_check.sh` there.
+# Without the GGUF there: `python -m retention.eval.random_copy smollm2-135m shape --no-weights` here (3 MB), carry `shape`,
+# then `python3 -m retention.eval.random_copy shape /tmp/smol-random && MODEL=/tmp/smol-random eval/gpu_check.sh` there.
 # Budget about 10 minutes: the fp32 attention tests at d = 128 each take 200-215 s to compile on an H100.
 set -u -o pipefail
 OUT=${1:-runs/gpu-check}
@@ -20,12 +20,12 @@ if [ -d "$MODEL" ]; then export RETENTION_GPU_MODEL=$MODEL; fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: these checks need a GPU'" || exit 1
 # a process of its own: interpreter-mode test modules set TRITON_INTERPRET=1 for theirs
 $PY -m pytest -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -v --durations=8 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
-$PY eval/bench_kernels.py --seq 4096 16384 32768 --dims 64 128 2>&1 | tee "$OUT/bench_kernels.txt"
+$PY -m retention.eval.bench_kernels --seq 4096 16384 32768 --dims 64 128 2>&1 | tee "$OUT/bench_kernels.txt"
 for dtype in float32 bfloat16; do
-  $PY eval/bench_train.py --model "$MODEL" --seq-len 4096 --reps 5 --dtype $dtype 2>&1
+  $PY -m retention.eval.bench_train --model "$MODEL" --seq-len 4096 --reps 5 --dtype $dtype 2>&1
 done | tee "$OUT/bench_train.txt"
-$PY eval/bench_decode.py --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 --repeats 3 \
+$PY -m retention.eval.bench_decode --model "$MODEL" --contexts 2048 4096 8192 --budget 512 --new 32 --dtype bfloat16 --repeats 3 \
   --profile "$OUT/decode_profile.txt" 2>&1 \
   | tee "$OUT/bench_decode.txt"
-$PY eval/bench_graph_ceiling.py --model "$MODEL" --context 4096 --budget 512 --new 32 --repeats 4 --dtype bfloat16 2>&1 \
+$PY -m retention.eval.bench_graph_ceiling --model "$MODEL" --context 4096 --budget 512 --new 32 --repeats 4 --dtype bfloat16 2>&1 \
   | tee "$OUT/bench_graph_ceiling.txt"

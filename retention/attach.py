@@ -10,7 +10,7 @@ No modeling file is copied. Two public hooks carry the method:
 * ``"score"`` mode (inference): the pre-hook computes ``log_beta`` of the new tokens and hands it to a
   retention cache (:class:`retention.cache.RetentionCache`), whose kept entries the attention function
   then attends over with standard attention.
-* ``"bias"`` mode (eviction-aware training, :mod:`train.evict`): new tokens attend over a cache of past
+* ``"bias"`` mode (eviction-aware training, :mod:`retention.train.evict`): new tokens attend over a cache of past
   keys with an additive per-(KV head, key) bias on the past keys (``log`` of a soft keep weight) and
   causally among themselves; the gates are not run.
 

@@ -86,20 +86,14 @@ def build_demo_parser(sub) -> None:
 
 
 # Modules that add subcommands: each defines ``register(subparsers)`` and sets ``func`` on its parsers.
-COMMAND_MODULES = ("retention.chat", "retention.hub", "retention.average", "eval.cli")
+COMMAND_MODULES = ("retention.chat", "retention.hub", "retention.average", "retention.eval.cli")
 
 
 def _command_modules():
     import importlib
-    import importlib.util
 
     for name in COMMAND_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # parent package absent
-            found = False
-        if found:
-            yield importlib.import_module(name)
+        yield importlib.import_module(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,12 +164,10 @@ def user_errors() -> tuple[type[Exception], ...]:
 
     errors = (CacheBudgetError, ChatInputError, ChatSetupError, FolderBusyError, GateCheckpointError, HubError,
               ModelNotAvailableError, UnsupportedModelError)
-    try:  # `retention eval`: a Hub set (or its images) that cannot be read here, a config its model cannot run (the
-        # eval package may be absent)
-        from eval.config import EvalConfigError
-        from eval.loaders import DatasetUnavailableError
-    except ImportError:
-        return errors
+    # `retention eval`: a Hub set (or its images) that cannot be read here, a config its model cannot run
+    from .eval.config import EvalConfigError
+    from .eval.loaders import DatasetUnavailableError
+
     return (*errors, DatasetUnavailableError, EvalConfigError)
 
 

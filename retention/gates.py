@@ -183,7 +183,7 @@ class RetentionGates(nn.Module):
 
     def fingerprint(self) -> str:
         """12 hex digits of a SHA-256 over every parameter (name, dtype, shape, bytes): which gates scored a
-        result, so results of other gates are never mixed in (see ``eval.runner``)."""
+        result, so results of other gates are never mixed in (see ``retention.eval.runner``)."""
         import hashlib
 
         h = hashlib.sha256()

@@ -212,7 +212,7 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     absent = [f for f in figures if not (path / f).is_file()]
     if absent:
         raise HubError(f"the model card in {path} shows {absent}, which the folder lacks: publish the results again "
-                       "(python -m eval report RESULTS --card FOLDER) or remove the image links from README.md")
+                       "(python -m retention.eval report RESULTS --card FOLDER) or remove the image links from README.md")
     api = HfApi(token=token or os.environ.get("HF_TOKEN"))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

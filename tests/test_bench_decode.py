@@ -1,19 +1,14 @@
-"""``eval/bench_decode.py`` end to end on the embedded model with tiny settings: the table has every
+"""``retention/eval/bench_decode.py`` end to end on the embedded model with tiny settings: the table has every
 setting, the budget keeps fewer bytes than the full cache, and ``--profile`` writes an op table per
 setting (what the next GPU session reads to find where the plain rows' time goes)."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 
 
 @pytest.mark.slow  # about 30 s: nine prefills and profiled decodes of the embedded model
 @pytest.mark.smollm2
 def test_bench_decode_table_and_profile(tmp_path, capsys):
-    import bench_decode
+    from retention.eval import bench_decode
 
     out = tmp_path / "profile.txt"
     assert bench_decode.main(["--contexts", "64", "--budget", "8", "--new", "3", "--chunk", "32", "--profile", str(out)]) == 0
@@ -35,7 +30,7 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
     warm-up round is the 'cold' column."""
     import itertools
 
-    import bench_decode
+    from retention.eval import bench_decode
     from tiny_models import tiny_llama
 
     import retention
@@ -82,18 +77,18 @@ def test_benchmark_arguments_are_checked_before_anything_loads(script, args, wor
     if "cuda" in " ".join(args) and __import__("torch").cuda.is_available():
         pytest.skip("this machine has the GPU the argument names")
     monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    main = importlib.import_module(f"eval.{script}").main
+    main = importlib.import_module(f"retention.eval.{script}").main
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_the_graph_ceiling_bench_decodes_the_same_tokens_from_a_static_cache():
-    """eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache, fed with
+    """retention/eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache, fed with
     explicit cache positions, decodes the eager DynamicCache's greedy tokens, and every setting is timed."""
     import torch
 
-    import bench_graph_ceiling
+    from retention.eval import bench_graph_ceiling
     from retention import attach_gates
     from tiny_models import tiny_llama
 

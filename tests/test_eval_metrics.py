@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from eval.budgets import Budget, parse_budget
-from eval.metrics import choice, edit_sim, extract_choice, f1, kl_and_top1, recall, rouge_l, score_reply
+from retention.eval.budgets import Budget, parse_budget
+from retention.eval.metrics import choice, edit_sim, extract_choice, f1, kl_and_top1, recall, rouge_l, score_reply
 
 
 def test_recall():

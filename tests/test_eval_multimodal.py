@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 
-from eval.config import EvalConfigError, load_eval_config
-from eval.loaders import load_mmdu
-from eval.methods import make_method
-from eval.multimodal import kept_image_entries, run_chat_item_budgets
-from eval.budgets import parse_budget
-from eval.runner import read_results, run_sweep
+from retention.eval.config import EvalConfigError, load_eval_config
+from retention.eval.loaders import load_mmdu
+from retention.eval.methods import make_method
+from retention.eval.multimodal import kept_image_entries, run_chat_item_budgets
+from retention.eval.budgets import parse_budget
+from retention.eval.runner import read_results, run_sweep
 from tiny_vl import mmdu_benchmark as _benchmark, tiny_qwen3_vl_for, tiny_qwen3_vl_processor, vl_dialogue_rows_on
 
 
@@ -114,7 +114,7 @@ def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
         if r["method"] != "full":
             assert r["kept_entries"] <= r["budget_entries"] and r["kept_image_entries"] < full[r["item"]]["kept_image_entries"]
     assert run_sweep(cfg, (model, proc), progress=False) == path and len(read_results(path)) == len(rows)
-    from eval.report import markdown_table
+    from retention.eval.report import markdown_table
 
     table = markdown_table(rows).splitlines()
     assert "| image share |" in table[0]
@@ -125,14 +125,14 @@ def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
 
 
 def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monkeypatch):
-    import eval.models
+    import retention.eval.models
 
     data = _benchmark(tmp_path)
     (tmp_path / "second.png").unlink()
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"),
                            tasks=[{"name": "mmdu", "params": {"data_files": str(data)}}], methods=[{"name": "full"}])
-    from eval.loaders import DatasetUnavailableError
+    from retention.eval.loaders import DatasetUnavailableError
 
     with pytest.raises(DatasetUnavailableError, match="image .*second.png not found.*image_root"):
         run_sweep(cfg, progress=False)
@@ -146,12 +146,12 @@ def test_mmdu_inputs_that_cannot_run_fail_before_the_model_loads(tmp_path, monke
                                          ("smollm2-135m", "image_memory")])
 def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, model, task):
     """Read from the model's config (the embedded model's, a tiny one's name, or the model given), not its weights."""
-    import eval.models
-    from eval.models import load_eval_model
+    import retention.eval.models
+    from retention.eval.models import load_eval_model
 
     data = _benchmark(tmp_path)
     given = load_eval_model("tiny-llama-random") if model == "given" else None
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-llama-random" if given else model,
                            tasks=[{"name": "mmdu", "params": {"data_files": str(data)}} if task == "mmdu" else task],
                            methods=[{"name": "full"}])
@@ -165,9 +165,9 @@ def test_a_text_only_model_is_refused_before_it_loads(tmp_path, monkeypatch, mod
 def test_image_memory_items_are_reproducible_and_their_photos_differ(tmp_path, monkeypatch):
     """Generated from the seed: the same items (and photo files, by name and bytes) in a fresh cache folder; each photo
     of an item carries another number, the answer is one of them, and the text before the question fits ``length``."""
-    from eval.models import tiny_tokenizer
-    from eval.tasks import generate
-    from eval.tasks.base import count_tokens, render_chat
+    from retention.eval.models import tiny_tokenizer
+    from retention.eval.tasks import generate
+    from retention.eval.tasks.base import count_tokens, render_chat
 
     tok = tiny_tokenizer()
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "a"))
@@ -209,7 +209,7 @@ def test_methods_that_share_one_fed_history_score_as_if_each_fed_its_own(vl, tmp
     """The sweep feeds a dialogue's history once for the full cache and every policy that reads no queries: each
     then scores as it does from a history of its own (same kept entries, image entries and reply). A policy that reads
     the queries as they are fed (SnapKV) feeds its own."""
-    from eval.multimodal import shared_history, shares_history
+    from retention.eval.multimodal import shared_history, shares_history
 
     model, proc = vl
     item = load_mmdu(_benchmark(tmp_path), limit=1, max_new_tokens=4)[0]

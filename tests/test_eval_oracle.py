@@ -1,16 +1,16 @@
-"""The fidelity oracle (eval/oracle.py): its scores are the continuation's attention, computed here by
+"""The fidelity oracle (retention/eval/oracle.py): its scores are the continuation's attention, computed here by
 brute force from the model's eager attention maps; it keeps each head's top entries by them; with the
 whole budget it matches the full cache; configs that cannot run it fail before any model loads."""
 
 import pytest
 import torch
 
-from eval.budgets import parse_budget
-from eval.config import EvalConfigError, load_eval_config
-from eval.methods import make_method
-from eval.models import load_eval_model
-from eval.protocol import reference_logits, run_item_budgets
-from eval.tasks import generate
+from retention.eval.budgets import parse_budget
+from retention.eval.config import EvalConfigError, load_eval_config
+from retention.eval.methods import make_method
+from retention.eval.models import load_eval_model
+from retention.eval.protocol import reference_logits, run_item_budgets
+from retention.eval.tasks import generate
 from retention.compat import cache_kwargs
 
 

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from eval.report import paired_gap_interval, summary_table
+from retention.eval.report import paired_gap_interval, summary_table
 
 
 def _rows(method: str, budget: str, task: str, scores, length: int = 4096) -> list[dict]:
@@ -93,8 +93,8 @@ def test_summary_table_shows_the_intervals_and_says_what_they_are():
 
 
 def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
-    from eval.cli import main
-    from eval.report import publish
+    from retention.eval.cli import main
+    from retention.eval.report import publish
 
     sweep = _write_rows(tmp_path / "sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
                         + _rows("global_gates", "fraction=0.2", "t", [80.0]))
@@ -127,8 +127,8 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
 def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path):
     import json
 
-    from eval.cli import main
-    from eval.report import publish
+    from retention.eval.cli import main
+    from retention.eval.report import publish
 
     rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5))
     card = _blank_card(tmp_path / "card")
@@ -173,7 +173,7 @@ def _seed_rows(seed: int, methods: dict[str, list[float]]) -> list[dict]:
 
 
 def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
-    from eval.pool import pool_results, pool_rows
+    from retention.eval.pool import pool_results, pool_rows
 
     s0 = _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5, "snapkv": [10.0] * 5})
     s1 = _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})
@@ -203,7 +203,7 @@ def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
 def test_pool_command_publishes_a_summary(tmp_path, capsys):
     import json
 
-    from eval.cli import main
+    from retention.eval.cli import main
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
@@ -211,8 +211,8 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     page = tmp_path / "pooled.md"
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page), "--title", "All"]) == 0
     assert page.read_text().startswith("# All") and "| global_gates | 10% | 70.0 | -10.0 [" in page.read_text()
-    # the page says it was pooled, and from which files (not "Produced by `python -m eval run`")
-    assert f"Pooled by `python -m eval pool` ({tmp_path / 'p.jsonl'}) from the `python -m eval run` results {a}, {b}." in page.read_text()
+    # the page says it was pooled, and from which files (not "Produced by `python -m retention.eval run`")
+    assert f"Pooled by `python -m retention.eval pool` ({tmp_path / 'p.jsonl'}) from the `python -m retention.eval run` results {a}, {b}." in page.read_text()
     assert "Produced by" not in page.read_text()
     assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
@@ -229,7 +229,7 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
         (tmp_path / name / "results.jsonl").write_text(src.read_text())
     capsys.readouterr()
     assert main(["pool", str(tmp_path / "sweep_a"), str(tmp_path / "sweep_b"), "--out", str(tmp_path / "s.jsonl")]) == 0
-    from eval.runner import read_results
+    from retention.eval.runner import read_results
 
     scores = lambda f: [(r["item"], r["method"], r["score"]) for r in read_results(tmp_path / f)]
     assert scores("s.jsonl") == scores("p.jsonl")
@@ -242,7 +242,7 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
 
 
 def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
-    from eval.report import pair_table, parse_pairs
+    from retention.eval.report import pair_table, parse_pairs
 
     B = ("gates_old", "fraction=0.1")
     # per task: new - old = +10 on every item of t, 0 on u; the full cache is far above both
@@ -266,7 +266,7 @@ def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
 def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page(tmp_path, capsys):
     import json
 
-    from eval.cli import main
+    from retention.eval.cli import main
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
@@ -298,17 +298,17 @@ def test_an_oracle_is_never_the_best_training_free_baseline():
 
 
 def test_a_run_seeded_with_pooled_rows_says_it_was_run_not_pooled(tmp_path):
-    from eval.report import _summary_text
+    from retention.eval.report import _summary_text
 
     pooled = [{**r, "pooled_from": "runs/a/results.jsonl"} for r in _rows(*FULL, "t", [100.0] * 5)]
     text = _summary_text(pooled + _rows(*A, "t", [80.0] * 5), tmp_path / "r.jsonl")
     assert "Pooled by" not in text
-    assert (f"Produced by `python -m eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
+    assert (f"Produced by `python -m retention.eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
             "pooled earlier (runs/a/results.jsonl)") in text
 
 
 def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
-    from eval.report import gap_plot, gap_points, write_summary
+    from retention.eval.report import gap_plot, gap_points, write_summary
 
     g = np.random.default_rng(3)
     full_t, full_u = g.integers(0, 101, 6).astype(float), g.integers(0, 101, 6).astype(float)
@@ -337,7 +337,7 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
     page = tmp_path / "page.md"
     written = write_summary(_write_rows(tmp_path / "results.jsonl", rows), page)
     assert page.with_suffix(".png") in written and "](page.png)" in page.read_text()
-    from eval.report import write_report
+    from retention.eval.report import write_report
 
     assert "](gaps.png)" in write_report(tmp_path / "results.jsonl", tmp_path / "report").read_text()
     assert (tmp_path / "report" / "gaps.png").is_file()
@@ -345,7 +345,7 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
 
 def test_a_card_only_takes_rows_its_own_gates_scored(tmp_path):
     """`--card DIR` put any sweep's numbers into DIR's model card; now some row must carry DIR's gates_id."""
-    from eval.report import publish
+    from retention.eval.report import publish
     from retention import GateConfig, RetentionGates
 
     card = _blank_card(tmp_path / "card")
@@ -369,7 +369,7 @@ def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys)
     """A stray JSON lines file was a KeyError traceback, and a missing one "no results"."""
     import json
 
-    from eval.cli import main
+    from retention.eval.cli import main
 
     good = tmp_path / "good.jsonl"
     row = {"task": "niah_single", "length": 128, "item": "i0", "method": "full", "budget": "full", "score": 1.0}
@@ -391,14 +391,14 @@ def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys)
         assert main(argv) == 2
         assert words in capsys.readouterr().err
     assert not (tmp_path / "p.jsonl").exists()
-    from eval.runner import load_result_file
+    from retention.eval.runner import load_result_file
 
     assert [r["item"] for r in load_result_file(good)] == ["i0", "i1"]  # a torn last line is left out
 
 
 def test_eval_without_a_subcommand_names_the_subcommands(capsys):
     """It said "the following arguments are required: eval_command", the parser's internal name."""
-    from eval.cli import main
+    from retention.eval.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main([])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.config import EvalConfigError, load_eval_config
-from eval.report import markdown_table, write_report
-from eval.runner import read_results, run_sweep
+from retention.eval.config import EvalConfigError, load_eval_config
+from retention.eval.report import markdown_table, write_report
+from retention.eval.runner import read_results, run_sweep
 
 
 def test_config_errors_before_any_model_loads(tmp_path):
@@ -74,7 +74,7 @@ def test_a_sweep_leaves_no_cache_for_the_cyclic_gc(tmp_path):
     when dropped: left to Python's cyclic GC they piled up and a long sweep reached 24 GB RSS."""
     import gc
 
-    from eval.models import load_eval_model
+    from retention.eval.models import load_eval_model
 
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), prefill="one_shot")
     model_and_tokenizer = load_eval_model(cfg.model, seed=cfg.seed)  # loaded outside: its imports leave cycles
@@ -114,7 +114,7 @@ def test_report_from_a_fixed_results_file(tmp_path):
 
 
 def test_hub_loaders_on_local_files(tmp_path, monkeypatch):
-    from eval.loaders import DatasetUnavailableError, load_longbench, load_longbench_v2, load_mmdu, load_ruler
+    from retention.eval.loaders import DatasetUnavailableError, load_longbench, load_longbench_v2, load_mmdu, load_ruler
 
     def write(name, rows):
         p = tmp_path / name
@@ -172,10 +172,10 @@ def _hub_copies(tmp_path):
 def test_hub_sets_run_as_sweep_tasks(tmp_path):
     """RULER and LongBench v1/v2 named in a config (`items` records; LongBench cut to each length by its middle),
     scored with their own metrics, one row per item, method and budget."""
-    from eval.config import load_eval_config
-    from eval.loaders import hub_task_items
-    from eval.models import load_eval_model
-    from eval.runner import read_results, run_sweep
+    from retention.eval.config import load_eval_config
+    from retention.eval.loaders import hub_task_items
+    from retention.eval.models import load_eval_model
+    from retention.eval.runner import read_results, run_sweep
 
     files = _hub_copies(tmp_path)
     cfg_file = tmp_path / "hub.yaml"
@@ -218,7 +218,7 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
     ("ruller", "from the Hub: ['longbench', 'longbench_v2', 'mmdu', 'ruler']"),
 ])
 def test_hub_task_config_errors(tmp_path, task, message):
-    from eval.config import EvalConfigError, load_eval_config
+    from retention.eval.config import EvalConfigError, load_eval_config
 
     p = tmp_path / "c.yaml"
     p.write_text(f"model: tiny-llama-random\ntasks: [{task}]\nmethods: [full]\n")
@@ -227,24 +227,24 @@ def test_hub_task_config_errors(tmp_path, task, message):
 
 
 def test_an_unreachable_hub_set_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import eval.models
-    from eval.cli import main
+    import retention.eval.models
+    from retention.eval.cli import main
 
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     _offline(monkeypatch, tmp_path)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [ruler]\nmethods: [full]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m eval run: error: cannot load 'simonjegou/ruler' from the Hub") and "data_files=" in err
+    assert err.startswith("python -m retention.eval run: error: cannot load 'simonjegou/ruler' from the Hub") and "data_files=" in err
 
 
 @pytest.mark.smollm2
 def test_smollm2_full_cache_solves_easy_needles():
-    from eval.methods import FullCache
-    from eval.models import load_eval_model
-    from eval.protocol import run_item
-    from eval.tasks import generate
+    from retention.eval.methods import FullCache
+    from retention.eval.models import load_eval_model
+    from retention.eval.protocol import run_item
+    from retention.eval.tasks import generate
 
     model, tok = load_eval_model("smollm2-135m")
     items = generate("niah_single", tok, 1024, 5, seed=0)
@@ -256,9 +256,9 @@ def test_a_method_scores_with_its_own_gates(tmp_path):
     """``{name: trimkv, gates: DIR}``: that method's forwards use DIR's gates; the others the sweep's."""
     import torch
 
-    from eval.config import load_eval_config
-    from eval.models import load_eval_model
-    from eval.runner import prepare_model
+    from retention.eval.config import load_eval_config
+    from retention.eval.models import load_eval_model
+    from retention.eval.runner import prepare_model
     from retention import GateConfig, RetentionGates
     from retention.hub import export_gates
 
@@ -300,11 +300,11 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
 @pytest.mark.parametrize("policy", ["global_gates", "snapkv", "h2o", "pyramidkv", "cake", "streamingllm", "trimkv"])
 def test_one_shared_prefill_equals_one_prefill_per_budget(policy):
     """Several budgets compress copies of one prefilled cache: the same rows as separate runs."""
-    from eval.budgets import parse_budget
-    from eval.methods import make_method
-    from eval.models import load_eval_model
-    from eval.protocol import run_item, run_item_budgets
-    from eval.tasks import generate
+    from retention.eval.budgets import parse_budget
+    from retention.eval.methods import make_method
+    from retention.eval.models import load_eval_model
+    from retention.eval.protocol import run_item, run_item_budgets
+    from retention.eval.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -329,11 +329,11 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
     """SharedPrefill replays the recorded queries into each policy: the same rows as prefilling anew."""
     import torch
 
-    from eval.budgets import parse_budget
-    from eval.methods import make_method
-    from eval.models import load_eval_model
-    from eval.protocol import SharedPrefill, context_and_prompt, run_item_budgets
-    from eval.tasks import generate
+    from retention.eval.budgets import parse_budget
+    from retention.eval.methods import make_method
+    from retention.eval.models import load_eval_model
+    from retention.eval.protocol import SharedPrefill, context_and_prompt, run_item_budgets
+    from retention.eval.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -353,7 +353,7 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
 
 
 def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
-    from eval.report import publish, summary_table
+    from retention.eval.report import publish, summary_table
     from retention import GateConfig, RetentionGates
     from retention.hub import export_gates
 
@@ -401,20 +401,20 @@ def test_every_shipped_eval_config_loads(path):
 
 
 def test_cli_usage_names_the_command_users_type(capsys):
-    from eval.cli import main
+    from retention.eval.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--help"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.startswith("usage: python -m eval run ")
+    assert capsys.readouterr().out.startswith("usage: python -m retention.eval run ")
 
 
 @pytest.mark.parametrize("where", ["sweep", "method"])
 def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where):
-    import eval.models
-    from eval.cli import main
+    import retention.eval.models
+    from retention.eval.cli import main
 
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = tmp_path / "no-such-gates"
     sweep_gates, method = (f"gates: {missing}\n", "global_gates") if where == "sweep" else ("", f"{{name: trimkv, gates: {missing}}}")
@@ -426,10 +426,10 @@ def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
 
 
 def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
-    import eval.models
-    from eval.cli import main
-    from eval.config import load_eval_config
-    from eval.report import check_sweep_scores_card
+    import retention.eval.models
+    from retention.eval.cli import main
+    from retention.eval.config import load_eval_config
+    from retention.eval.report import check_sweep_scores_card
     from retention import GateConfig, RetentionGates
     from retention.hub import export_gates
 
@@ -442,17 +442,17 @@ def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, mon
     cfg.write_text(f"model: tiny-llama-random\ngates: {tmp_path / 'a'}\noutput: {tmp_path / 'out'}\n"
                    "tasks: [niah_single]\nmethods: [full, global_gates]\n")
     check_sweep_scores_card(load_eval_config(cfg), tmp_path / "a")  # its own gates: fine
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert main(["run", "--config", str(cfg), "--card", str(tmp_path / "b"), "--quiet"]) == 2
     assert "this sweep scores with other gates" in capsys.readouterr().err
 
 
 def test_a_second_sweep_into_the_same_output_is_refused(tmp_path, capsys, monkeypatch):
-    import eval.models
-    from eval.cli import main
+    import retention.eval.models
+    from retention.eval.cli import main
     from retention.io import exclusive_use
 
-    monkeypatch.setattr(eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nmethods: [full]\n")
     with exclusive_use(tmp_path / "out", "a sweep"):
@@ -461,17 +461,17 @@ def test_a_second_sweep_into_the_same_output_is_refused(tmp_path, capsys, monkey
 
 
 def test_a_model_that_cannot_load_is_an_error_not_a_traceback(tmp_path, capsys):
-    from eval.cli import main
+    from retention.eval.cli import main
 
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"model: {tmp_path}\ntasks: [niah_single]\nmethods: [full]\nbudgets: [0.1]\nlengths: [256]\nitems: 1\n")
     assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m eval run: error: cannot load model") and "no config.json" in err
+    assert err.startswith("python -m retention.eval run: error: cannot load model") and "no config.json" in err
 
 
 def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
-    from eval.cli import main
+    from retention.eval.cli import main
 
     def row(task, method, budget, score, kv=0.1):
         return {"task": task, "length": 4096, "item": "a", "method": method, "budget": budget, "score": score,
@@ -493,10 +493,10 @@ def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
 
 
 def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, monkeypatch):
-    import eval.cli as cli
-    import eval.runner
+    import retention.eval.cli as cli
+    import retention.eval.runner
 
-    monkeypatch.setattr(eval.runner, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    monkeypatch.setattr(retention.eval.runner, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
     cfg = sorted((Path(__file__).parents[1] / "eval" / "configs").glob("tiny*.yaml"))[0]
     readme = tmp_path / "README.md"
     readme.write_text("no markers")
@@ -522,7 +522,7 @@ def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
             p.data = torch.randn(p.shape, generator=gen)
         return g
 
-    from eval.models import load_eval_model
+    from retention.eval.models import load_eval_model
 
     model, tok = load_eval_model("tiny-llama-random")
     first, second = gates(0), gates(1)
@@ -596,8 +596,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     variables scores them again, and the tokenizer handed to the sweep stays as it was."""
     from chat_templates import THINKING_SWITCH_TEMPLATE
 
-    import eval.protocol
-    from eval.models import load_eval_model
+    import retention.eval.protocol
+    from retention.eval.models import load_eval_model
     from retention.templates import with_template_variables
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -610,8 +610,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     assert tok.chat_template == THINKING_SWITCH_TEMPLATE
 
     prompts = []
-    render = eval.protocol.render_chat
-    monkeypatch.setattr(eval.protocol, "render_chat", lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
+    render = retention.eval.protocol.render_chat
+    monkeypatch.setattr(retention.eval.protocol, "render_chat", lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
 
     def sweep(extra: str) -> list[dict]:
         p = tmp_path / "c.yaml"
@@ -638,7 +638,7 @@ def test_a_generated_task_listed_twice_is_refused(tmp_path):
 
 
 def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, capsys):
-    from eval.cli import main
+    from retention.eval.cli import main
 
     p = tmp_path / "c.yaml"
     p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [fidelity]\nlengths: [96]\n"
@@ -650,10 +650,10 @@ def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, caps
 
 
 def test_eval_list_names_everything_a_config_can_use(capsys):
-    from eval.cli import main
-    from eval.loaders import HUB_TASKS
-    from eval.methods import available_methods
-    from eval.tasks import TASKS
+    from retention.eval.cli import main
+    from retention.eval.loaders import HUB_TASKS
+    from retention.eval.methods import available_methods
+    from retention.eval.tasks import TASKS
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out
@@ -666,15 +666,15 @@ def test_eval_list_names_everything_a_config_can_use(capsys):
 
 
 def test_an_interrupted_sweep_says_how_to_go_on(tmp_path, capsys, monkeypatch):
-    import eval.runner
-    from eval.cli import main
+    import retention.eval.runner
+    from retention.eval.cli import main
 
     def interrupted(cfg, *a, **k):
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "results.jsonl").write_text('{"task": "t"}\n{"task": "u"}\n')
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eval.runner, "run_sweep", interrupted)
+    monkeypatch.setattr(retention.eval.runner, "run_sweep", interrupted)
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nmethods: [full]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 130

@@ -3,9 +3,9 @@ tokenizer, and is reproducible from (split, seed); training and evaluation pools
 
 import pytest
 
-from eval.haystack import documents, sentences, split_of
-from eval.tasks import TASKS, generate
-from eval.tasks.base import count_tokens, render_chat
+from retention.eval.haystack import documents, sentences, split_of
+from retention.eval.tasks import TASKS, generate
+from retention.eval.tasks.base import count_tokens, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_a_dialogue_under_a_template_that_rerenders_answered_turns(tok):
     import copy
 
     from chat_templates import QWEN3_LIKE_TEMPLATE
-    from eval.protocol import prompt_ids
+    from retention.eval.protocol import prompt_ids
 
     qwen3_like = copy.deepcopy(tok)
     qwen3_like.chat_template = QWEN3_LIKE_TEMPLATE

@@ -45,9 +45,11 @@ def test_the_wheel_holds_every_module_and_the_shipped_gates(wheel):
     assert wheel.name.startswith(f"retention-{retention.__version__}-")  # one version: retention.__version__
     names = set(zipfile.ZipFile(wheel).namelist())
     # pyproject.toml lists the packages by hand: a new subpackage missing from that list fails here
-    for root in ("retention", "train", "eval"):
-        missing = _sources(root) - names
-        assert not missing, f"modules left out of the wheel (add their package to pyproject.toml): {sorted(missing)}"
+    missing = _sources("retention") - names
+    assert not missing, f"modules left out of the wheel (add their package to pyproject.toml): {sorted(missing)}"
+    # one top-level package: `train` or `eval` in site-packages would clash with other projects' and a user's own
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"retention"}, f"top-level names in the wheel besides retention: {sorted(tops - {'retention'})}"
     for spec in EMBEDDED_MODELS.values():
         shipped = ROOT / "checkpoints" / spec.gates
         files = {f"retention/checkpoints/{spec.gates}/{p.name}" for p in shipped.iterdir() if p.is_file()}
@@ -56,13 +58,20 @@ def test_the_wheel_holds_every_module_and_the_shipped_gates(wheel):
     assert not any(n.startswith("checkpoints/") for n in names)  # no stray top-level folder in site-packages
 
 
-def test_an_installed_wheel_finds_its_shipped_gates(wheel, tmp_path):
-    target = tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel installed into a folder of its own (put it on PYTHONPATH to import from it)."""
+    target = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return target
+
+
+def test_an_installed_wheel_finds_its_shipped_gates(installed, tmp_path):
+    target = installed
     probe = (
         "import retention, retention.models as m\n"
         "from retention.hub import load_gates\n"
@@ -79,3 +88,20 @@ def test_an_installed_wheel_finds_its_shipped_gates(wheel, tmp_path):
     from retention.hub import load_gates
 
     assert fingerprint == load_gates(ROOT / "checkpoints" / "smollm2-135m-global").fingerprint()
+
+
+def test_a_users_own_eval_and_train_modules_are_never_imported(installed, tmp_path):
+    """Run from a project folder with its own ``eval.py`` and ``train/`` (common names in ML projects), the installed
+    command must neither execute them nor lose its ``eval`` command: the harness lives in ``retention.eval``."""
+    (tmp_path / "eval.py").write_text("raise SystemExit(\"the user's eval.py ran\")\n")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "__init__.py").write_text("raise SystemExit(\"the user's train package ran\")\n")
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    for args in (["--help"], ["eval", "list"]):
+        done = subprocess.run([sys.executable, "-m", "retention", *args], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)  # `-m` puts the working folder first on sys.path
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "niah_single" in done.stdout  # `retention eval list` ran the installed harness
+    done = subprocess.run([sys.executable, "-c", "import retention.train.loop, retention.eval.runner"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]

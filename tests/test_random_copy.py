@@ -1,4 +1,4 @@
-"""``eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot travel.
+"""``retention/eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot travel.
 Config and tokenizer are the source's; the weights are fresh, seeded, and the copy loads like any model folder."""
 
 import torch
@@ -12,7 +12,7 @@ def test_a_random_copy_keeps_config_and_tokenizer_and_draws_seeded_weights(tmp_p
     from tiny_models import tiny_llama
     from transformers import AutoTokenizer
 
-    from eval.random_copy import main
+    from retention.eval.random_copy import main
 
     src = tiny_llama(seed=7)  # not the copy's default seed (0), which would draw the same weights
     src.save_pretrained(tmp_path / "src")

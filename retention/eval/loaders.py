@@ -1,4 +1,4 @@
-"""Standard long-context sets from the Hub as :class:`~eval.tasks.Item` lists (for GPU users).
+"""Standard long-context sets from the Hub as :class:`~retention.eval.tasks.Item` lists (for GPU users).
 
 =============  ==========================  ===========================================================
 set            Hub source                  fields used
@@ -178,10 +178,10 @@ def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "la
 
     Image markers become ``<image k>`` text in ``messages`` and the paths go to ``meta["images"]``, in
     order, relative to ``image_root`` (default: the data file's folder) as ``meta["image_root"]``; a sweep runs them
-    through :mod:`eval.multimodal` with a vision-language model (``tasks: [mmdu]``). The default metric is
+    through :mod:`retention.eval.multimodal` with a vision-language model (``tasks: [mmdu]``). The default metric is
     ROUGE-L against the reference answer, after a reply of at most ``max_new_tokens`` tokens (MMDU's answers are
     long; a sweep's own ``max_new_tokens`` does not cut them); MMDU's judged score plugs in with
-    :func:`eval.metrics.register_metric` (see :func:`mmdu_judge`).
+    :func:`retention.eval.metrics.register_metric` (see :func:`mmdu_judge`).
     """
     if turns not in ("last", "all"):
         raise ValueError(f"turns must be 'last' or 'all', got {turns!r}")
@@ -232,7 +232,7 @@ def mmdu_judge(complete: Callable[[str], str]) -> Callable[[str, list[str]], flo
 # ``tasks: [{name: longbench, params: {subset: hotpotqa}}]`` in an eval config: ``items`` is the number of
 # records taken (of each RULER task), and each entry of ``lengths`` is RULER's context-length config, or for LongBench the most
 # context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU's dialogues are multimodal and
-# run whole through :mod:`eval.multimodal` (a vision-language model; ``lengths`` do not cut them: their rows carry the
+# run whole through :mod:`retention.eval.multimodal` (a vision-language model; ``lengths`` do not cut them: their rows carry the
 # first length).
 HUB_TASKS: dict[str, Callable[..., list[Item]]] = {
     "ruler": load_ruler, "longbench": load_longbench, "longbench_v2": load_longbench_v2, "mmdu": load_mmdu,
@@ -281,7 +281,7 @@ def hub_task_items(name: str, tokenizer, length: int, n: int, **params: Any) -> 
                 items.append(it)
         return items
     items = HUB_TASKS[name](limit=n, **params)
-    if tokenizer is None or name == "mmdu":  # dialogues with images run whole (eval.multimodal)
+    if tokenizer is None or name == "mmdu":  # dialogues with images run whole (retention.eval.multimodal)
         return items
     # the id names the length: an item cut to two lengths is two items (a shared prefill must tell them apart)
     return [replace(it, id=f"{it.id}@{length}", context=truncate_middle(tokenizer, it.context, length)) for it in items]

@@ -7,7 +7,7 @@ them, in every layer) summed over the continuation and averaged over the KV head
 SnapKV's score with the true future as its observation window, no pooling, nothing protected. Then the
 context alone is prefilled and compressed to the budget by those scores, per KV head (``scope: head``,
 ``B / (L * H)`` entries each) or over one global top-B (``scope: global``), and the continuation is
-scored as for every other method (:mod:`eval.protocol`).
+scored as for every other method (:mod:`retention.eval.protocol`).
 
 It reads the future, so it is no method to serve; it shows what ranking single entries by the attention
 they will receive keeps at a budget, a reference to read a fidelity gap against. In an eval config:

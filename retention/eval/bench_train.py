@@ -10,7 +10,7 @@ Timings alternate between the two (median of ``--reps``); peak memory is each va
 (resident-set growth sampled during the step on CPU, ``torch.cuda.max_memory_allocated`` above the
 weights on GPU). Prints the ratios.
 
-    python eval/bench_train.py --seq-len 512 --reps 3
+    python -m retention.eval.bench_train --seq-len 512 --reps 3
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def build(model_name: str, device: str, dtype: str = "float32"):
@@ -71,8 +68,8 @@ def inputs(model, seq_len: int, batch: int, device: str):
 
 def peak_memory(args, which: str) -> float:
     """Peak memory (MiB) of one step of ``which`` in a fresh process."""
-    cmd = [sys.executable, __file__, "--measure-peak", which, "--model", args.model, "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]
+    cmd = [sys.executable, "-m", "retention.eval.bench_train", "--measure-peak", which, "--model", args.model,
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"]
 

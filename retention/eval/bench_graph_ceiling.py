@@ -13,7 +13,7 @@ between ``budget`` and ``bare`` is what our cache machinery costs now.
   static         StaticCache sized N + new tokens, gates bypassed, eager
   static+graph   the same step captured once with torch.cuda.graphs and replayed (GPU only)
 
-    python eval/bench_graph_ceiling.py --model /tmp/smol-random --context 4096 --new 32 --dtype bfloat16
+    python -m retention.eval.bench_graph_ceiling --model /tmp/smol-random --context 4096 --new 32 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _timed(step, new_tokens: int, sync) -> float:

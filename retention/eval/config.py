@@ -19,7 +19,7 @@ from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task
 from .tasks import TASKS
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "eval" / "configs"  # the checkout's eval/configs
 
 
 class EvalConfigError(ValueError):
@@ -36,7 +36,7 @@ class TaskSpec:
 class EvalConfig:
     """One sweep: ``methods x budgets x lengths x tasks``, ``items`` per (task, length).
 
-    ``budgets`` apply to every method but ``full`` (see :mod:`eval.budgets`); ``lengths`` are context
+    ``budgets`` apply to every method but ``full`` (see :mod:`retention.eval.budgets`); ``lengths`` are context
     sizes in tokens; ``split``/``seed``/``source`` pick the haystack pool and make items reproducible.
     """
 
@@ -162,7 +162,7 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         except ValueError as e:
             _fail("budgets", str(e))
     shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
-    if shown:  # dialogues with images run through eval.multimodal
+    if shown:  # dialogues with images run through retention.eval.multimodal
         if cfg.protocol != "query_agnostic":
             _fail("protocol", f"{shown}: dialogues with images run query-agnostic only (the history is compressed "
                               "before the question arrives); set protocol: query_agnostic or leave them out")

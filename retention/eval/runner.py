@@ -82,7 +82,7 @@ def load_result_file(path: str | Path) -> list[dict[str, Any]]:
         missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{p}, line {i}: a row without {', '.join(missing)}; is this the results.jsonl of an "
-                             "eval sweep (python -m eval run)?")
+                             "eval sweep (python -m retention.eval run)?")
         rows.append(row)
     return rows
 
@@ -170,7 +170,7 @@ def _sweep_items(cfg: EvalConfig, tokenizer) -> list[tuple[str, int, Any]]:
 
 def _jobs(cfg: EvalConfig, items: list[tuple[str, int, Any]], done: set) -> Iterator[tuple]:
     """``(item, method, budgets, rows)`` still to run: the budgets of one (item, method) go together,
-    so a one-shot prefill is shared by all of them (see :func:`eval.protocol.run_item_budgets`)."""
+    so a one-shot prefill is shared by all of them (see :func:`retention.eval.protocol.run_item_budgets`)."""
     methods, budgets = cfg.method_list(), cfg.budget_list()
     for task, length, item in items:
         for m in methods:
@@ -282,7 +282,7 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
 
 
 def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
-    """EvalConfigError when the config's image tasks (:data:`eval.multimodal.IMAGE_TASKS`) meet a text-only model:
+    """EvalConfigError when the config's image tasks (:data:`retention.eval.multimodal.IMAGE_TASKS`) meet a text-only model:
     read from the model's config (``config``, or the one :func:`retention.models.load_config` reads without the
     weights), before the model loads."""
     shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})

@@ -1,6 +1,6 @@
 """The protocol for dialogue items with images (MMDU, image_memory): each runs through :class:`retention.chat.RetentionChat`.
 
-A vision-language item's images belong to its turns, so the text protocol (:mod:`eval.protocol`: token ids in one
+A vision-language item's images belong to its turns, so the text protocol (:mod:`retention.eval.protocol`: token ids in one
 prefill) cannot feed it. Here the history's turns go through a chat with :meth:`RetentionChat.add_turn` (each turn's
 images first, then its text, at M-RoPE positions continued from the cache; the references' replies as the assistant's),
 the cache is compressed to the budget (query-agnostic: the question has not arrived), and the question is sent.
@@ -11,7 +11,7 @@ Text and image entries compete for one budget; each row records how many of the 
 * ``streaming``: each budget feeds the history on its own, evicting whenever the cache passes budget + slack. The
   budget must be known before the history's length is: ``{tokens: N}`` or ``{entries: N}``, not a fraction.
 
-Items: :class:`~eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as :func:`eval.loaders.load_mmdu`
+Items: :class:`~retention.eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as :func:`retention.eval.loaders.load_mmdu`
 writes them) and ``meta["images"]``, the image files in marker order.
 """
 
@@ -58,7 +58,7 @@ def image_files(item: Item) -> list[Path]:
 
 
 def check_images(items: list[Item]) -> None:
-    """:class:`~eval.loaders.DatasetUnavailableError` naming the first missing image and where it was looked for
+    """:class:`~retention.eval.loaders.DatasetUnavailableError` naming the first missing image and where it was looked for
     (before any model loads)."""
     from .loaders import DatasetUnavailableError
 
@@ -156,7 +156,7 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
                           prefill_mode: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32,
                           history: History | None = None) -> list[dict[str, Any]]:
     """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
-    :func:`eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's),
+    :func:`retention.eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's),
     ``kept_image_entries`` and, for a dialogue that ran past the model's positions, ``past_positions``. ``history``: the item's history fed once for every method that
     :func:`shares_history` (from :func:`shared_history`)."""
     from retention.attach import unwrap
@@ -168,7 +168,7 @@ def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets:
     streaming = prefill_mode == "streaming"
     policy = None if isinstance(method, FullCache) else method.policy(streaming)
     if history is not None and not shares_history(method, prefill_mode):
-        raise ValueError(f"method {method.label} cannot start from a shared history (see eval.multimodal.shares_history)")
+        raise ValueError(f"method {method.label} cannot start from a shared history (see retention.eval.multimodal.shares_history)")
     new_tokens = item.max_new_tokens or max_new_tokens
 
     with method.active(model):

@@ -1,13 +1,13 @@
 """Probe behind eval/results/experiments/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md: within each KV head of
 SmolLM2-135M, how do an entry's log value norm (``log ||v W_O||``, as ``GlobalGatesPolicy(value_weight=...)``
 computes it) and its negative log key norm rank against the attention the continuation pays it (the oracle's
-score, ``eval/oracle.py``) and against the shipped gates' score? Spearman's rho per (layer, KV head) over the
+score, ``retention/eval/oracle.py``) and against the shipped gates' score? Spearman's rho per (layer, KV head) over the
 context's entries past the 4 sinks, averaged over heads and items; where the oracle's per-head top 10% falls
 among the value-norm quartiles; and the share of the per-head oracle's picks kept when each head keeps the
 gates' own number of entries (their global top-B at 10%, sinks included), ranked by
 ``log beta^age - w log ||k||``.
 
-    python -m eval.norm_probe 8   # fidelity items of seed 31, ~3 min on 2 CPU cores
+    python -m retention.eval.norm_probe 8   # fidelity items of seed 31, ~3 min on 2 CPU cores
     (output kept in eval/results/experiments/smollm2-norm-probe.txt)
 """
 

@@ -1,5 +1,5 @@
-"""``python -m eval run --config ...`` / ``python -m eval report RESULTS`` / ``python -m eval pool A B ... --out P``
-(also ``retention eval ...``)."""
+"""``python -m retention.eval run --config ...`` / ``python -m retention.eval report RESULTS`` /
+``python -m retention.eval pool A B ... --out P`` (also ``retention eval ...``)."""
 
 from __future__ import annotations
 
@@ -177,8 +177,12 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add ``eval run`` and ``eval report`` to a parent parser's subcommands."""
-    p = subparsers.add_parser("eval", help="run an evaluation sweep or render its report")
+    """Add ``eval`` and its commands to a parent parser's subcommands (``retention eval ...``)."""
+    add_commands(subparsers.add_parser("eval", help="run an evaluation sweep or render its report"))
+
+
+def add_commands(p: argparse.ArgumentParser) -> None:
+    """Add ``run``, ``report``, ``pool`` and ``list`` to ``p``."""
     sub = p.add_subparsers(dest="eval_command", required=True, metavar="{run,report,pool,list}")  # the error names them
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
@@ -205,15 +209,13 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # "eval" is prepended below, so the subcommand parser prints as "python -m eval ..."
-    parser = argparse.ArgumentParser(prog="python -m", description="evaluation sweeps and reports")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="python -m retention.eval", description="evaluation sweeps and reports")
+    add_commands(parser)
+    args = parser.parse_args(argv)
     from retention.cli import user_errors
 
     try:
         return args.func(args)
     except user_errors() as e:  # a model that cannot load, gates that do not fit: the message names the fix
-        print(f"python -m eval {args.eval_command}: error: {e}", file=sys.stderr)
+        print(f"python -m retention.eval {args.eval_command}: error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[Group, dict[str, Any]]:
             "kv_bytes": mean("kv_bytes"),
             "kv_fraction": statistics.mean(r["kv_bytes"] / r["full_cache_bytes"] if r["full_cache_bytes"] else 1.0
                                            for r in ok) if ok else float("nan"),
-            # multimodal items (eval.multimodal): the share of the kept entries that are image tokens
+            # multimodal items (retention.eval.multimodal): the share of the kept entries that are image tokens
             "image_share": statistics.mean(r["kept_image_entries"] / r["kept_entries"] if r["kept_entries"] else 0.0
                                            for r in ok) if ok and all("kept_image_entries" in r for r in ok) else None,
             "metric": rs[0].get("metric", "recall"),
@@ -161,7 +161,7 @@ _STATS = ("__kv__", "__bytes__")
 LEARNED_POLICIES = tuple(n for n, cls in POLICIES.items() if getattr(cls, "uses_gates", False))  # scored by gates
 
 
-REFERENCE_POLICIES = ("oracle",)  # read the future (eval/oracle.py): ceilings to read a gap against, no baselines
+REFERENCE_POLICIES = ("oracle",)  # read the future (retention/eval/oracle.py): ceilings to read a gap against, no baselines
 
 
 def _methods_running(rows: list[dict[str, Any]], policies: tuple[str, ...]) -> set[str]:
@@ -272,7 +272,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                       "resampled for both methods within each task, 4,000 draws). With few items per task one item "
                       "moves a task's score a lot: read the interval before the point."]
         if references:
-            lines += ["", f"{', '.join(references)}: references that read the continuation (`eval/oracle.py`), so "
+            lines += ["", f"{', '.join(references)}: references that read the continuation (`retention/eval/oracle.py`), so "
                       "not counted as the best training-free method."]
     return "\n".join(lines)
 
@@ -450,9 +450,9 @@ def _summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, 
     sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
     carried = sum(1 for r in rows if r.get("pooled_from"))
     if sources and carried == len(rows):
-        made = f"Pooled by `python -m eval pool` ({src}) from the `python -m eval run` results {', '.join(sources)}"
+        made = f"Pooled by `python -m retention.eval pool` ({src}) from the `python -m retention.eval run` results {', '.join(sources)}"
     else:
-        made = f"Produced by `python -m eval run` ({src})"
+        made = f"Produced by `python -m retention.eval run` ({src})"
         if sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
             made += f"; {carried} of its {len(rows)} rows were copied in from runs pooled earlier ({', '.join(sources)})"
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "

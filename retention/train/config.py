@@ -18,7 +18,7 @@ import yaml
 from retention.models import MODEL_DTYPES
 from retention.templates import template_variables_problem
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/
 
 
 class ConfigError(ValueError):
@@ -63,11 +63,11 @@ class LossConfig:
     capacity_form: str = "global"  # global | per_head (TRIM-KV)
     ce_weight: float = 0.0
     # distill: soft decay beta^(t-i) inside attention + capacity loss (the paper's objective); evict: the
-    # continuation of a compressed context read over a relaxed global top-B (train/evict.py)
+    # continuation of a compressed context read over a relaxed global top-B (retention/train/evict.py)
     objective: str = "distill"
     evict_tau: float = 0.5  # softness of the relaxed top-B, in log units of the eviction score
     evict_fractions: list[float] = field(default_factory=lambda: [0.1])  # budgets, fractions of each context
-    # objective evict: weight of the future-attention ranking loss (train/evict.future_rank_loss: the gates'
+    # objective evict: weight of the future-attention ranking loss (retention.train.evict.future_rank_loss: the gates'
     # keep decisions against the attention oracle's global top-B); 0 trains on the KL alone
     rank_weight: float = 0.0
     rank_tau: float = 0.25  # softness of those keep decisions, in log units of the eviction score
@@ -366,7 +366,7 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         if src.kind == "multimodal" and src.weight != 1:
             raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to text, chat and "
                               "synthetic sources (packed rows); multimodal conversations all weigh 1, so remove it")
-    from eval.multimodal import IMAGE_TASKS
+    from retention.eval.multimodal import IMAGE_TASKS
 
     imaged = [i for i, s in enumerate(cfg.data.sources) if s.kind == "synthetic" and s.path in IMAGE_TASKS]
     if imaged:  # image tasks train as multimodal conversations: beside multimodal sources only, distilled
@@ -418,7 +418,7 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
 def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,
                      evicting: bool = False) -> None:
     """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
-    from eval.tasks import TASKS  # light: generators only, no model
+    from retention.eval.tasks import TASKS  # light: generators only, no model
 
     # fidelity is plain text (use a text source) except for objective evict, which needs its context/continuation split
     usable = sorted(t for t in TASKS if t != "fidelity" or evicting)
@@ -485,7 +485,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         lines[key] = f"--set {assignment}"  # type: ignore[assignment]
     if isinstance(data, dict) and {"tasks", "methods", "budgets"} & set(data) and not {"train", "data"} & set(data):
         raise ConfigError(f"{source} is an evaluation sweep config (tasks, methods, budgets): "
-                          f"run it with python -m eval run --config {source}")
+                          f"run it with python -m retention.eval run --config {source}")
     cfg = _build(Config, data, "", lines, source)
     # "~/runs/x" is the user's home, not a folder named "~" beside the working directory
     cfg.train.output_dir = str(Path(cfg.train.output_dir).expanduser())

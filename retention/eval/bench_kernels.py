@@ -13,8 +13,8 @@ installed, else to sdpa. Goal: ours fwd+bwd within 1.3x of fa2.
 CPU (no CUDA): the blocked PyTorch reference against the Triton kernel in interpreter mode at small
 sizes (fp32), so the script itself is exercised in tests; GPU numbers cannot be measured there.
 
-    python eval/bench_kernels.py                      # GPU sweep, or the CPU check without a GPU
-    python eval/bench_kernels.py --seq 2048 4096 --dims 128 --reps 20
+    python -m retention.eval.bench_kernels              # GPU sweep, or the CPU check without a GPU
+    python -m retention.eval.bench_kernels --seq 2048 4096 --dims 128 --reps 20
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _inputs(B: int, T: int, Hq: int, Hkv: int, D: int, dtype, device: str):

@@ -1,7 +1,7 @@
 """KV methods a sweep compares, behind one small interface.
 
 A :class:`Method` makes a fresh cache for one item, says whether it needs a budget, compresses after
-the prefill and reports the KV memory kept. :mod:`eval.protocol` drives prefill / generate / scoring
+the prefill and reports the KV memory kept. :mod:`retention.eval.protocol` drives prefill / generate / scoring
 through that interface only, so every method runs the same protocol.
 
 * :class:`FullCache`: plain transformers ``DynamicCache`` (the reference: nothing evicted, retention
@@ -154,7 +154,7 @@ class PolicyCache(Method):
 
 
 def available_methods() -> list[str]:
-    """``full``, ``oracle`` (:mod:`eval.oracle`, fidelity only) and every registered eviction policy."""
+    """``full``, ``oracle`` (:mod:`retention.eval.oracle`, fidelity only) and every registered eviction policy."""
     try:
         from retention.policies import POLICIES
     except ImportError:

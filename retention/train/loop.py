@@ -346,14 +346,14 @@ def run_facts(cfg: Config) -> dict[str, str]:
         facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each source's positions by its "
                                  "data weight; held_out_kl is the plain mean over the held-out rows")
     if cfg.loss.objective == "evict":
-        facts["objective"] = (f"eviction-aware distillation (train/evict.py): each item's continuation read over a relaxed global "
+        facts["objective"] = (f"eviction-aware distillation (retention/train/evict.py): each item's continuation read over a relaxed global "
                               f"top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, budgets "
                               f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B "
                               f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
         if cfg.loss.rank_weight:
             scope = "global " if cfg.loss.rank_scope == "global" else ""  # layer / head: the gates' split, described below
             facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
-                                   f"{scope}top-B (train/evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
+                                   f"{scope}top-B (retention.train.evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
                                    + (", ranked by the attention of the distilled positions only" if cfg.loss.rank_queries == "targets" else "")
                                    + (f", within each {cfg.loss.rank_scope} at the gates' own split of the budget"
                                       if cfg.loss.rank_scope != "global" else "")
