@@ -1,4 +1,5 @@
-"""Training package: config, data, losses and the loop behind ``train.py``."""
+"""Training: config, data, the eviction-aware objective and the loop behind ``train.py``
+(also ``python -m retention.train``)."""
 
 from .config import Config, ConfigError, load_config
 
