@@ -390,12 +390,14 @@ def attach_gates(
     *,
     freeze_base: bool = True,
     mode: str = "student",
+    seed: int | None = None,
     **gate_options: Any,
 ) -> RetentionAttachment:
     """Attach retention gates to ``model`` (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-VL; no sliding-window layers) in place.
 
     ``gates`` may be built gates, a :class:`GateConfig`, or ``None`` (built from the model with
-    ``gate_options``, e.g. ``variant="trimkv"``). The gates become the submodule ``retention_gates`` of
+    ``gate_options``, e.g. ``variant="trimkv"``); ``seed`` draws new gates' initial weights from a generator of
+    its own (``None``: torch's global RNG). The gates become the submodule ``retention_gates`` of
     the transformers model so optimizers, DDP and DeepSpeed see them; with ``freeze_base`` every other
     parameter stops requiring grad. Returns the handle, also stored as ``model.retention``.
     """
@@ -405,9 +407,9 @@ def attach_gates(
         raise RuntimeError("this model already has retention gates attached; call model.retention.detach() first")
     if gates is None or isinstance(gates, GateConfig):
         config = gates if isinstance(gates, GateConfig) else GateConfig.for_model(model, **gate_options)
-        gates = RetentionGates(config)
-    elif gate_options:
-        raise ValueError("gate options are only used when building new gates; got built gates too")
+        gates = RetentionGates(config, seed=seed)
+    elif gate_options or seed is not None:
+        raise ValueError("gate options and seed are only used when building new gates; got built gates too")
     check_gates_match(model, gates.config)
 
     param = next(base.parameters())

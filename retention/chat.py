@@ -21,7 +21,7 @@ from torch import nn
 
 from .attach import attach_gates, check_gates_match, model_stem, text_config_of, unwrap
 from .compat import cache_kwargs
-from .gates import RetentionGates
+from .gates import UNTRAINED_SEED, RetentionGates
 from .models import is_multimodal, text_mrope_positions
 from .policies.base import EvictionPolicy
 from .templates import template_variables_problem
@@ -297,10 +297,10 @@ class RetentionChat:
             if gates is None and not asked_untrained:
                 warnings.warn(
                     "no gates given: using untrained retention gates (beta ~ 1 everywhere, so eviction is "
-                    "by recency only); pass trained gates for learned eviction",
+                    "nearly by recency only); pass trained gates for learned eviction",
                     stacklevel=2,
                 )
-            attachment = attach_gates(model, gates)
+            attachment = attach_gates(model, gates, seed=None if gates is not None else UNTRAINED_SEED)
         attachment.set_mode("score")
         self.attachment = attachment
         self.budget_tokens = budget_tokens

@@ -30,6 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .attach import check_gates_match
     from .cache import RetentionCache
     from .compat import cache_kwargs
+    from .gates import UNTRAINED_SEED
     from .hub import load_gates
     from .models import shipped_gates
 
@@ -43,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"gates: {args.gates} ({gates.config.variant})")
     else:
         print("gates: untrained (beta = 1 everywhere); pass --gates DIR for trained ones")
-    attachment = attach_gates(model, gates, mode="score")
+    attachment = attach_gates(model, gates, mode="score", seed=None if gates is not None else UNTRAINED_SEED)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True).to(model.device)
@@ -67,6 +68,10 @@ def _demo(args: argparse.Namespace) -> int:
         report = cache.memory_report()
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"{name:<22} {report['kept_entries']:>16,} {report['kv_bytes'] / 2**20:>8.2f}  {answer!r}")
+    # counted after the reply: a budgeted cache evicts in batches, so it may hold up to B + slack (a reader who sees
+    # more than B kept should not take it for a broken budget)
+    print(f"(entries kept after the reply: eviction cuts back to B once the cache holds more than B + {cache.slack:,}, "
+          "one page per layer and KV head)")
     if shipped is not None and not same:
         print(f"(shipped gates: {shipped})")
     return 0

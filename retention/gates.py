@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VARIANTS = ("global", "seed", "trimkv")
+UNTRAINED_SEED = 0  # the initial weights of untrained gates at inference (demo, chat, eval): one set everywhere
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
 
 
@@ -111,9 +112,14 @@ class RetentionGates(nn.Module):
     ``W1``: ``(L, E, D, r)`` with ``E = num_kv_heads`` (per-head MLP) or ``1`` (per-layer MLP);
     ``b1``: ``(L, E, r)``; readout ``w``: ``(R, r)`` and ``b``: ``(R,)`` with ``R`` = 1 (global),
     ``H`` (seed) or ``L * H`` (trimkv).
+
+    ``seed``: draw the initial weights from a generator of this seed (``None``: torch's global RNG, which a
+    training run seeds). Untrained gates used for inference take :data:`UNTRAINED_SEED`: their betas differ from 1
+    by a little noise, and without a seed each process would draw another ranking (another reply, another
+    fingerprint, so a resumed sweep would score its gated rows again).
     """
 
-    def __init__(self, config: GateConfig) -> None:
+    def __init__(self, config: GateConfig, seed: int | None = None) -> None:
         super().__init__()
         self.config = config
         L, H, D, r = config.num_layers, config.num_kv_heads, config.hidden_size, config.gate_hidden
@@ -124,14 +130,14 @@ class RetentionGates(nn.Module):
         self.w = nn.Parameter(torch.empty(R, r))
         self.b = nn.Parameter(torch.empty(R))
         self._act = ACTIVATIONS[config.activation]
-        self.reset_parameters()
+        self.reset_parameters(None if seed is None else torch.Generator().manual_seed(seed))
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         D, r = self.config.hidden_size, self.config.gate_hidden
         with torch.no_grad():
-            nn.init.normal_(self.W1, std=D**-0.5)
+            nn.init.normal_(self.W1, std=D**-0.5, generator=generator)
             self.b1.zero_()
-            nn.init.normal_(self.w, std=r**-0.5)
+            nn.init.normal_(self.w, std=r**-0.5, generator=generator)
             self.b.fill_(self.config.bias_init)
 
     def readout(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -346,3 +346,19 @@ def test_an_unknown_gate_option_or_a_bias_that_is_no_number_is_named():
             attach_gates(model, None, bias_init=bias)
     assert getattr(model, "retention", None) is None
     attach_gates(model, None, gate_hidden=8, bias_init=5).detach()  # an int bias is a number
+
+
+def test_a_seed_builds_the_same_new_gates_and_is_refused_with_built_ones():
+    from retention.gates import RetentionGates
+
+    model = tiny_llama().eval()
+    torch.manual_seed(1)
+    a = attach_gates(model, None, seed=0).gates
+    model.retention.detach()
+    torch.manual_seed(2)
+    assert attach_gates(model, None, seed=0).gates.fingerprint() == a.fingerprint()
+    model.retention.detach()
+    built = RetentionGates(GateConfig.for_model(model))
+    with pytest.raises(ValueError, match="seed are only used when building new gates"):
+        attach_gates(model, built, seed=0)
+    assert getattr(model, "retention", None) is None

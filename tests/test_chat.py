@@ -1,5 +1,6 @@
 """RetentionChat on the real SmolLM2: one cache across turns, bounded memory, clear errors."""
 
+import re
 import warnings
 
 import pytest
@@ -146,6 +147,8 @@ def test_untrained_gates_on_request(smollm2):
     chat = RetentionChat(model, tok, "untrained", budget_tokens=64, max_new_tokens=4)
     b = chat.attachment.gates.state_dict()["b"]
     assert torch.equal(b, torch.full_like(b, GateConfig.for_model(model).bias_init))  # untrained: the initial bias
+    # the same untrained gates in every process (seeded), whatever the global RNG: the same replies run to run
+    assert chat.attachment.gates.fingerprint() == RetentionGates(GateConfig.for_model(model), seed=0).fingerprint()
     chat.model.retention.detach()
 
 
@@ -161,6 +164,11 @@ def test_demo_compares_with_the_shipped_gates(capsys):
     assert "4512" in rows["full"] and "4512" in rows["with shipped gates"]
     kept = {k: int(v[22:39].replace(",", "")) for k, v in rows.items()}  # fixed-width columns
     assert kept["with shipped gates"] < kept["full"] / 2
+    budget = int(next(k for k in rows if k.startswith("global top-B")).split("B=")[1])
+    note = re.search(r"more than B \+ ([\d,]+), one page", out)
+    assert note, out
+    slack = int(note.group(1).replace(",", ""))
+    assert 0 < slack and all(budget <= kept[k] <= budget + slack for k in kept if k != "full")  # what the note says
     assert "shipped gates: " in out and "smollm2-135m-global" in out
 
 

@@ -286,6 +286,26 @@ def test_a_method_scores_with_its_own_gates(tmp_path):
         prepare_model(load_eval_config(p), model, tok)
 
 
+def test_untrained_gates_are_the_same_in_every_run():
+    """``gates: untrained``: the gates are drawn with one seed, so a resumed sweep (a new process, another global RNG
+    state) keeps its gated rows; they were set aside as scored by other gates and run again."""
+    import torch
+
+    from retention.eval.config import EvalConfig
+    from retention.eval.models import load_eval_model
+    from retention.eval.runner import prepare_model
+    from retention.gates import UNTRAINED_SEED, RetentionGates
+
+    cfg = EvalConfig(model="tiny-llama-random", gates="untrained", methods=[{"name": "global_gates"}])
+    ids = []
+    for seed in (1, 2):
+        model, tok = load_eval_model("tiny-llama-random")
+        torch.manual_seed(seed)  # what another process would start from
+        prepare_model(cfg, model, tok)
+        ids.append(cfg.method_list()[0].gates_id(model))
+    assert ids[0] == ids[1] == RetentionGates(model.retention.gates.config, seed=UNTRAINED_SEED).fingerprint()
+
+
 def test_the_embedded_model_defaults_to_its_shipped_gates():
     from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 

@@ -51,6 +51,24 @@ def test_shapes_range_and_init_near_one(variant):
 
 
 @pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
+def test_a_seed_draws_the_same_initial_gates_in_every_process_and_leaves_the_global_rng_alone(variant):
+    """Untrained gates at inference are seeded: without it each process drew another ranking (``retention demo``
+    replied differently run to run, and a resumed ``gates: untrained`` sweep scored its gated rows again)."""
+    cfg = GateConfig(num_layers=L, num_kv_heads=H, hidden_size=D, variant=variant, gate_hidden=8)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    a = RetentionGates(cfg, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # a training run's seeded stream is not consumed
+    torch.manual_seed(2)
+    assert RetentionGates(cfg, seed=0).fingerprint() == a.fingerprint()
+    assert RetentionGates(cfg, seed=1).fingerprint() != a.fingerprint()
+    torch.manual_seed(3)
+    b = RetentionGates(cfg)  # no seed: torch's global RNG, as training seeds it
+    torch.manual_seed(3)
+    assert RetentionGates(cfg).fingerprint() == b.fingerprint() != a.fingerprint()
+
+
+@pytest.mark.parametrize("variant", ["global", "seed", "trimkv"])
 def test_batched_heads_equal_a_loop_over_heads(variant):
     gates = make(variant, bias_init=0.5)
     x = torch.randn(2, 5, D, dtype=torch.float64).float()

@@ -188,13 +188,14 @@ def prepare_model(cfg: EvalConfig, model, tokenizer):
     """Attach gates (score mode) when a policy method needs them; a model given already attached is kept."""
     if any(isinstance(m, PolicyCache) for m in cfg.method_list()) and getattr(model, "retention", None) is None:
         from retention import attach_gates
+        from retention.gates import UNTRAINED_SEED
         from retention.hub import load_gates
         from retention.models import shipped_gates
 
         source = shipped_gates(model) if cfg.gates is None else None if cfg.gates == "untrained" else cfg.gates
         gates = None if source is None else load_gates(source, model=model)
-        attach_gates(model, gates, mode="score")
-        print(f"[eval] gates: {source or 'untrained (beta ~ 1: recency only)'}")
+        attach_gates(model, gates, mode="score", seed=None if gates is not None else UNTRAINED_SEED)
+        print(f"[eval] gates: {source or 'untrained (beta ~ 1 with a little seeded noise: nearly recency only)'}")
     for m in cfg.method_list():  # a method's own gates: fail now, not hours into the sweep
         if getattr(m, "gates", None):
             try:
