@@ -165,20 +165,39 @@ def extra_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad and "retention_gates." not in n}
 
 
+DEEPSPEED_STATE = "deepspeed"  # a checkpoint's folder of DeepSpeed's own state: optimizer shards, one file per rank
+
+
+def save_deepspeed_state(engine, folder: Path) -> None:
+    """DeepSpeed's optimizer state (fp32 master weights and Adam moments, sharded over the ranks) and the trainable
+    weights, written by every rank into ``folder`` (collective); never the frozen base."""
+    engine.save_checkpoint(str(folder), tag="state", exclude_frozen_parameters=True, save_latest=False)
+
+
+def load_deepspeed_state(engine, folder: Path) -> None:
+    """What :func:`save_deepspeed_state` wrote, into every rank's shard (collective; the same number of ranks)."""
+    path, _ = engine.load_checkpoint(str(folder), tag="state", load_module_strict=False, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise SystemExit(f"--resume: DeepSpeed could not read its optimizer state in {folder}")
+
+
 def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
                     extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
-                    sharded_optimizer: bool = False, settings: dict[str, Any] | None = None) -> None:
-    """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base."""
+                    deepspeed_state: Path | None = None, settings: dict[str, Any] | None = None) -> None:
+    """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base.
+    ``deepspeed_state``: a folder :func:`save_deepspeed_state` wrote (the optimizer, sharded): moved in."""
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors")
         if extra:
             save_state(extra, tmp / "trainable.safetensors")
         torch.save(
-            # under DeepSpeed the optimizer state is sharded over ranks and not written here
-            {"optimizer": None if sharded_optimizer else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            {"optimizer": None if deepspeed_state else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": _rng_state()},
             tmp / "trainer_state.pt",
         )
+        if deepspeed_state is not None:
+            os.rename(deepspeed_state, tmp / DEEPSPEED_STATE)
         meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict(),
                 "before": before, **({"config": settings} if settings is not None else {})}
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
@@ -449,7 +468,7 @@ def check_positions(cfg: Config, model_config: Any) -> None:
 
 def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_and_processor: tuple | None) -> dict[str, Any]:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     out_dir = Path(cfg.train.output_dir)
     repo = push_to_hub_repo or cfg.export.push_to_hub
@@ -495,17 +514,23 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    deepspeed_cpu = use_deepspeed and os.environ.get("DS_ACCELERATOR") == "cpu"  # DeepSpeed's CPU accelerator (gloo)
+    if use_deepspeed and not torch.cuda.is_available() and not deepspeed_cpu:
         raise SystemExit("DeepSpeed runs need GPUs; without them launch DDP over gloo instead: "
-                         "accelerate launch --multi_gpu --num_processes N train.py ...")
+                         "accelerate launch --multi_gpu --num_processes N train.py ..., or set DS_ACCELERATOR=cpu "
+                         "for DeepSpeed's CPU accelerator (gloo; slow, for checks)")
     tracker, tracker_note = _make_tracker(cfg)
     accelerator = Accelerator(
         mixed_precision=mp,
-        cpu=not torch.cuda.is_available(),  # without GPUs, multi-process runs use DDP over gloo
+        # without GPUs, multi-process runs use DDP over gloo (cpu=True would turn DeepSpeed off on its CPU accelerator)
+        cpu=not torch.cuda.is_available() and not deepspeed_cpu,
         gradient_accumulation_steps=cfg.train.grad_accum,
         log_with=tracker,
         project_dir=str(out_dir),
         step_scheduler_with_optimizer=False,  # one schedule step per optimizer step, whatever the world size
+        # accelerate finds no backend for DeepSpeed's CPU accelerator and would count one process per rank
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_cpu else None,
     )
     set_seed(cfg.train.seed)
     main = accelerator.is_main_process
@@ -576,15 +601,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             train_batch_size=cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes,
             gradient_clipping=cfg.train.clip,
         )
-    distiller, optimizer = accelerator.prepare(distiller, optimizer)
-    if _zero3(accelerator):  # ZeRO-3 partitions the LM head; the chunked KL needs it whole (frozen: one copy)
-        with gathered(accelerator, lm_head.parameters()):
-            lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None,
-                                device=accelerator.device, dtype=lm_head.weight.dtype).requires_grad_(False)
-            lm_head.load_state_dict(unwrap(model).get_output_embeddings().state_dict())
-
-    step, history, before = 0, [], None
-    if ckpt is not None:
+    if ckpt is not None:  # the weights before prepare: DeepSpeed copies them into its own fp32 master weights there
         from safetensors.torch import load_file
 
         try:
@@ -597,11 +614,23 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             with torch.no_grad():
                 for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
                     named[n].copy_(t)
+    distiller, optimizer = accelerator.prepare(distiller, optimizer)
+    if _zero3(accelerator):  # ZeRO-3 partitions the LM head; the chunked KL needs it whole (frozen: one copy)
+        with gathered(accelerator, lm_head.parameters()):
+            lm_head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None,
+                                device=accelerator.device, dtype=lm_head.weight.dtype).requires_grad_(False)
+            lm_head.load_state_dict(unwrap(model).get_output_embeddings().state_dict())
+
+    step, history, before = 0, [], None
+    if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         if state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
+        elif plugin is not None and (ckpt / DEEPSPEED_STATE).is_dir():  # its sharded optimizer, one file per rank
+            load_deepspeed_state(distiller, ckpt / DEEPSPEED_STATE)
         elif main:
-            print("[retention] warning: this checkpoint has no optimizer state (a DeepSpeed run); the Adam moments restart")
+            print("[retention] warning: this checkpoint has no optimizer state for this run (written by a run of "
+                  "another kind); the Adam moments restart")
         scheduler.load_state_dict(state["scheduler"])
         meta = json.loads((ckpt / "state.json").read_text())
         step, history, before = meta["step"], meta["history"], meta.get("before")
@@ -612,7 +641,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     if tracker:
         accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
     if main:
-        n = sum(p.numel() for p in params)
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves each rank a shard (numel 0)
         world = f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})" if accelerator.num_processes > 1 else "1 process"
         data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, budget {budget_text}" if evicting else
                      f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
@@ -766,10 +795,15 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                 asked = bool(accelerator.reduce(torch.tensor(float(asked), device=accelerator.device), "sum") > 0)
             stopping = asked or (cfg.train.stop_after is not None and step >= cfg.train.stop_after)
             saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
+            shards = None
+            if saving and plugin is not None:  # every rank writes its optimizer shard (collective), then main moves them in
+                shards = out_dir / "checkpoints" / f".step-{step}.{DEEPSPEED_STATE}"
+                save_deepspeed_state(distiller, shards)
+                accelerator.wait_for_everyone()
             with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
                 if main and saving:
                     save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
-                                    history, extra_trainable(model), before=before, sharded_optimizer=plugin is not None,
+                                    history, extra_trainable(model), before=before, deepspeed_state=shards,
                                     settings=run_settings(cfg))
                 if main and saving:
                     old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
