@@ -392,18 +392,25 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     losses and gates. Before, a resumed DeepSpeed run loaded its gates after DeepSpeed had copied the weights into
     its fp32 master weights, so the first optimizer step went back to the start (ZeRO-2: step 5 loss 0.42 against
     0.19), and its optimizer state was not saved."""
+    from safetensors.torch import load_file
+
     cfg_file, over = config_for(tiny_setup, tmp_path / "one")
-    train(load_config(cfg_file, over + ["train.steps=4", "train.batch_size=2"]))
+    lora = ["lora.enabled=true", "lora.r=2"]  # LoRA co-training: its adapters are sharded and written too
+    train(load_config(cfg_file, over + ["train.steps=4", "train.batch_size=2", *lora]))
     cfg_ds = tmp_path / "ds.yaml"
     cfg_ds.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "ds")))
+    ds_config = json.loads((REPO / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
+    # ZeRO-3 keeps parameters under 1e5 elements whole; 0 shards these tiny gates and adapters as a real model's are
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     outs = []
     for extra in (["--set", "train.stop_after=2"], ["--resume"]):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
-               str(REPO / "configs" / "deepspeed" / f"zero{stage}.json"), "--num_processes", "2", "--num_machines", "1",
+               str(tmp_path / "ds.json"), "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
                str(REPO / "train.py"), "--config", str(cfg_ds), "--set", "train.steps=4", "--set", "train.batch_size=1",
-               *extra]
+               *[a for kv in lora for a in ("--set", kv)], *extra]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "2 processes (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
@@ -414,11 +421,16 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in h1], rel=1e-5)
     one, ds = load_gates(tmp_path / "one" / "final"), load_gates(tmp_path / "ds" / "final")
-    # the count of every gate weight, not of this rank's ZeRO-3 shard (0)
-    assert all(f"{sum(v.numel() for v in one.state_dict().values()):,} trainable parameters" in out for out in outs)
     assert (one.W1 - tiny_gates_init(one)).abs().max() > 1e-3
     for k, v in one.state_dict().items():
         torch.testing.assert_close(ds.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    adapters = [load_file(str(tmp_path / run / "final" / "lora" / "adapter_model.safetensors")) for run in ("one", "ds")]
+    assert adapters[0] and adapters[0].keys() == adapters[1].keys()
+    for k, v in adapters[0].items():  # whole weights, not a rank's empty shard
+        torch.testing.assert_close(adapters[1][k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    # the run line counts every trainable weight, not this rank's ZeRO-3 shard (0)
+    n = sum(v.numel() for v in one.state_dict().values()) + sum(v.numel() for v in adapters[0].values())
+    assert all(f"{n:,} trainable parameters" in out for out in outs), outs[0][:500]
 
 
 def _free_port() -> int:

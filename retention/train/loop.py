@@ -800,7 +800,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                 shards = out_dir / "checkpoints" / f".step-{step}.{DEEPSPEED_STATE}"
                 save_deepspeed_state(distiller, shards)
                 accelerator.wait_for_everyone()
-            with gathered(accelerator, attachment.gates.parameters()) if saving else contextlib.nullcontext():
+            with gathered(accelerator, params) if saving else contextlib.nullcontext():  # the gates and any LoRA
                 if main and saving:
                     save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
                                     history, extra_trainable(model), before=before, deepspeed_state=shards,
@@ -838,7 +838,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             summary["held_out_oracle_recall_before"] = before["rank_recall"]
     summary.update(run_facts(cfg))
     export_dir = cfg.export_dir()
-    with gathered(accelerator, attachment.gates.parameters()):
+    with gathered(accelerator, params):  # ZeRO-3: whole gates and LoRA weights to write
         if main:
             base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
             export_gates(
