@@ -399,22 +399,9 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     train(load_config(cfg_file, over + ["train.steps=4", "train.batch_size=2", *lora]))
     cfg_ds = tmp_path / "ds.yaml"
     cfg_ds.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "ds")))
-    ds_config = json.loads((REPO / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
-    # ZeRO-3 keeps parameters under 1e5 elements whole; 0 shards these tiny gates and adapters as a real model's are
-    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    outs = []
-    for extra in (["--set", "train.stop_after=2"], ["--resume"]):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
-               str(tmp_path / "ds.json"), "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               str(REPO / "train.py"), "--config", str(cfg_ds), "--set", "train.steps=4", "--set", "train.batch_size=1",
-               *[a for kv in lora for a in ("--set", kv)], *extra]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "2 processes (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
-        outs.append(proc.stdout)
+    common = [str(REPO / "train.py"), "--config", str(cfg_ds), "--set", "train.steps=4", "--set", "train.batch_size=1",
+              *[a for kv in lora for a in ("--set", kv)]]
+    outs = _deepspeed_runs(tmp_path, stage, [[*common, "--set", "train.stop_after=2"], [*common, "--resume"]])
     assert "resumed from" in outs[1] and "Adam moments restart" not in outs[1]
     assert (tmp_path / "ds" / "checkpoints" / "step-2" / "deepspeed").is_dir()  # the optimizer shards, per rank
     h = json.loads((tmp_path / "ds" / "history.json").read_text())
@@ -431,6 +418,81 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     # the run line counts every trainable weight, not this rank's ZeRO-3 shard (0)
     n = sum(v.numel() for v in one.state_dict().values()) + sum(v.numel() for v in adapters[0].values())
     assert all(f"{n:,} trainable parameters" in out for out in outs), outs[0][:500]
+
+
+def _deepspeed_runs(tmp_path: Path, stage: int, runs: list[list[str]], pythonpath: str = str(REPO)) -> list[str]:
+    """Launch each of ``runs`` (a script and its arguments) as two DeepSpeed processes on DeepSpeed's CPU accelerator,
+    with the shipped ZeRO-``stage`` config; returns their outputs. Its ``stage3_param_persistence_threshold`` is 0
+    here: ZeRO-3 keeps parameters under 1e5 elements whole, and 0 shards tiny gates and adapters as a real model's."""
+    ds_config = json.loads((REPO / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    outs = []
+    for args in runs:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
+               str(tmp_path / "ds.json"), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "2 processes (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
+        outs.append(proc.stdout)
+    return outs
+
+
+VL_RUNNER = """import sys
+from tiny_vl import tiny_qwen3_vl_for, tiny_qwen3_vl_processor
+from retention.train.config import load_config
+from retention.train.loop import train
+
+proc = tiny_qwen3_vl_processor()
+model = tiny_qwen3_vl_for(proc)  # seeded: the same weights on every rank
+train(load_config(sys.argv[1], sys.argv[3:]), resume="latest" if sys.argv[2] == "resume" else None,
+      model_and_processor=(model, proc))
+"""
+
+
+@pytest.mark.slow  # about 70 s: six two-process DeepSpeed launches
+@pytest.mark.parametrize("kind", ["evict", "multimodal"])
+def test_deepspeed_zero3_resumes_the_eviction_objective_and_a_vision_language_model_exactly(tiny_setup, tmp_path, kind):
+    """ZeRO-3 with every weight sharded, for the two other kinds of run: the eviction-aware objective (stage 4 of the
+    shipped gates) and a Qwen3-VL on conversations with photos (the qwen3vl recipe, on a tiny random copy). A run
+    stopped at step 2 and resumed ends on the uninterrupted run's losses and gates."""
+    out = {name: tmp_path / name for name in ("full", "part")}
+    if kind == "evict":
+        body = (f"model: {{name: {tiny_setup / 'model'}}}\n"
+                "gates: {variant: global, gate_hidden: 8, bias_init: 3.0, sink: 2}\n"
+                "loss: {objective: evict, evict_tau: 0.5, evict_fractions: [0.1], kl_chunk: 16}\n"
+                "data: {seq_len: 256, eval_fraction: 0.5, sources: [{kind: synthetic, path: niah_single, max_docs: 2, "
+                "length: 200}]}\n")
+        script, pythonpath = [str(REPO / "train.py"), "--config"], str(REPO)
+    else:
+        from test_train_multimodal import conversations
+
+        conversations(tmp_path / "convs.jsonl")
+        body = ("model: {name: tiny-qwen3-vl}\ngates: {variant: global, gate_hidden: 8, bias_init: 3.0}\n"
+                "budget: {tokens_per_head: 8}\n"
+                f"data: {{seq_len: 256, eval_fraction: 0.2, sources: [{{kind: multimodal, path: {tmp_path / 'convs.jsonl'}}}]}}\n")
+        (tmp_path / "vl_runner.py").write_text(VL_RUNNER)
+        script, pythonpath = [str(tmp_path / "vl_runner.py")], f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    for name, folder in out.items():
+        (tmp_path / f"{name}.yaml").write_text(body + f"train: {{output_dir: {folder}, steps: 4, lr: 0.05, warmup_steps: 1, "
+                                                      "log_every: 100, save_every: 2, tracker: none}\n")
+
+    def run(name: str, *extra: str) -> list[str]:
+        if kind == "evict":
+            return [*script, str(tmp_path / f"{name}.yaml"), *extra]
+        return [*script, str(tmp_path / f"{name}.yaml"), "resume" if "--resume" in extra else "fresh",
+                *[e for e in extra if "=" in e]]
+
+    outs = _deepspeed_runs(tmp_path, 3, [run("full"), run("part", "--set", "train.stop_after=2"),
+                                         run("part", "--resume")], pythonpath)
+    assert "resumed from" in outs[2] and "Adam moments restart" not in outs[2]
+    h = {name: [r["loss"] for r in json.loads((folder / "history.json").read_text())] for name, folder in out.items()}
+    assert len(h["full"]) == 4 and h["part"] == pytest.approx(h["full"], rel=1e-6)
+    full, part = load_gates(out["full"] / "final"), load_gates(out["part"] / "final")
+    for k, v in full.state_dict().items():
+        torch.testing.assert_close(part.state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
 
 
 def _free_port() -> int:
