@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -385,7 +386,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tmp_path, stage):
+def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tmp_path, stage, capsys):
     """The README's GPU recipe (``accelerate launch --config_file configs/accelerate/zero{2,3}.yaml``) with the shipped
     DeepSpeed configs, run here on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo) with two processes: the
     gates equal one process's with the same global batch, and a run stopped at step 2 and resumed ends on the same
@@ -401,7 +402,9 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     cfg_ds.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "ds")))
     common = [str(REPO / "train.py"), "--config", str(cfg_ds), "--set", "train.steps=4", "--set", "train.batch_size=1",
               *[a for kv in lora for a in ("--set", kv)]]
-    outs = _deepspeed_runs(tmp_path, stage, [[*common, "--set", "train.stop_after=2"], [*common, "--resume"]])
+    outs = _deepspeed_runs(tmp_path, stage, [[*common, "--set", "train.stop_after=2"]])
+    shutil.copytree(tmp_path / "ds", tmp_path / "plain")  # the stopped run, to go on without DeepSpeed below
+    outs += _deepspeed_runs(tmp_path, stage, [[*common, "--resume"]])
     assert "resumed from" in outs[1] and "Adam moments restart" not in outs[1]
     assert (tmp_path / "ds" / "checkpoints" / "step-2" / "deepspeed").is_dir()  # the optimizer shards, per rank
     h = json.loads((tmp_path / "ds" / "history.json").read_text())
@@ -418,6 +421,12 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     # the run line counts every trainable weight, not this rank's ZeRO-3 shard (0)
     n = sum(v.numel() for v in one.state_dict().values()) + sum(v.numel() for v in adapters[0].values())
     assert all(f"{n:,} trainable parameters" in out for out in outs), outs[0][:500]
+    # one process without DeepSpeed goes on from the DeepSpeed checkpoint: its weights, new Adam moments (said)
+    capsys.readouterr()
+    plain = train(load_config(cfg_ds, [f"train.output_dir={tmp_path / 'plain'}", "train.steps=3", "train.batch_size=1",
+                                       *lora]), resume="latest")
+    assert "written by a DeepSpeed run of 2 processes and this run has no DeepSpeed" in capsys.readouterr().out
+    assert [r["step"] for r in plain["history"]] == [1, 2, 3]
 
 
 def _deepspeed_runs(tmp_path: Path, stage: int, runs: list[list[str]], pythonpath: str = str(REPO)) -> list[str]:

@@ -182,6 +182,11 @@ def load_deepspeed_state(engine, folder: Path) -> None:
         raise SystemExit(f"--resume: DeepSpeed could not read its optimizer state in {folder}")
 
 
+def deepspeed_processes(checkpoint: Path) -> int:
+    """How many ranks wrote the DeepSpeed optimizer shards of ``checkpoint`` (0: none, a run without DeepSpeed)."""
+    return len(list((checkpoint / DEEPSPEED_STATE).glob("state/*optim_states.pt")))
+
+
 def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
                     extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
                     deepspeed_state: Path | None = None, settings: dict[str, Any] | None = None) -> None:
@@ -624,13 +629,16 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     step, history, before = 0, [], None
     if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        if state.get("optimizer") is not None:
+        shards = deepspeed_processes(ckpt)
+        if plugin is None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
-        elif plugin is not None and (ckpt / DEEPSPEED_STATE).is_dir():  # its sharded optimizer, one file per rank
+        elif plugin is not None and shards == accelerator.num_processes:  # its sharded optimizer, one file per rank
             load_deepspeed_state(distiller, ckpt / DEEPSPEED_STATE)
-        elif main:
-            print("[retention] warning: this checkpoint has no optimizer state for this run (written by a run of "
-                  "another kind); the Adam moments restart")
+        elif main:  # the weights are loaded either way
+            then = f"a DeepSpeed run of {shards} processes" if shards else "a run without DeepSpeed"
+            now = f"DeepSpeed with {accelerator.num_processes}" if plugin is not None else "no DeepSpeed"
+            print(f"[retention] warning: {ckpt.name}'s optimizer state was written by {then} and this run has {now}: "
+                  "the Adam moments restart (resume with the run's own launch settings to continue it exactly)")
         scheduler.load_state_dict(state["scheduler"])
         meta = json.loads((ckpt / "state.json").read_text())
         step, history, before = meta["step"], meta["history"], meta.get("before")
