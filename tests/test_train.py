@@ -367,13 +367,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path
     train(load_config(cfg_file, over + ["train.steps=3", "train.batch_size=2"]))
     cfg2 = tmp_path / "two.yaml"
     cfg2.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "two")))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(REPO / "train.py"), "--config", str(cfg2), "--set", "train.steps=3", "--set", "train.batch_size=1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 processes (MULTI_CPU)" in proc.stdout, proc.stdout[-2000:]
+    _two_processes(tmp_path, ["--multi_gpu"], "MULTI_CPU", [[str(REPO / "train.py"), "--config", str(cfg2), "--set",
+                                                             "train.steps=3", "--set", "train.batch_size=1"]])
     h = json.loads((tmp_path / "two" / "history.json").read_text())
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in h1], rel=1e-5)
@@ -436,15 +431,22 @@ def _deepspeed_runs(tmp_path: Path, stage: int, runs: list[list[str]], pythonpat
     ds_config = json.loads((REPO / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
     ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return _two_processes(tmp_path, ["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")],
+                          "DEEPSPEED", runs, pythonpath, DS_ACCELERATOR="cpu")
+
+
+def _two_processes(tmp_path: Path, launcher: list[str], kind: str, runs: list[list[str]], pythonpath: str = str(REPO),
+                   **env: str) -> list[str]:
+    """Launch each of ``runs`` (a script and its arguments) as two CPU processes, as users launch them (``accelerate
+    launch`` with ``launcher``'s flags); each must finish and say it ran as two processes of ``kind``. Their outputs."""
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **env}
     outs = []
     for args in runs:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
-               str(tmp_path / "ds.json"), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2", "--num_machines",
+               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "2 processes (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
+        assert f"2 processes ({kind})" in proc.stdout, proc.stdout[-2000:]
         outs.append(proc.stdout)
     return outs
 
