@@ -105,3 +105,20 @@ def test_a_users_own_eval_and_train_modules_are_never_imported(installed, tmp_pa
         outputs.append(done.stdout)
     assert "niah_single" in outputs[1]  # `retention eval list` ran the installed harness
     assert "--config" in outputs[2]  # `python -m retention.train` (accelerate launch -m retention.train) installed
+
+
+def test_an_installed_copy_asks_for_a_configs_path_instead_of_a_bare_name(installed, tmp_path):
+    """The recipes stay in the repository: a bare config name given to an installed copy stops with a message that
+    asks for a path, not one naming a folder inside site-packages that never existed."""
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    for args, prog in ((["retention.train", "--config", "smollm2.yaml"], "python -m retention.train"),
+                       (["retention", "eval", "run", "--config", "smollm2-goal.yaml"], None)):
+        done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=env)
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "this installed copy has none: pass the YAML file's path" in done.stderr, done.stderr[-3000:]
+        assert "site-packages" not in done.stderr and str(installed) not in done.stderr
+        if prog:
+            usage = subprocess.run([sys.executable, "-m", *args[:1], "--help"], capture_output=True, text=True,
+                                   timeout=300, cwd=tmp_path, env=env).stdout
+            assert usage.startswith(f"usage: {prog} "), usage[:200]

@@ -204,7 +204,7 @@ def test_a_tracker_that_is_not_installed_stops_the_run_before_the_model_loads(ti
 def test_a_second_ctrl_c_quits_at_once(default_signals):
     import signal
 
-    from retention.train.loop import StopRequests
+    from retention.train.checkpoint import StopRequests
 
     with StopRequests(announce=False) as stop:
         os.kill(os.getpid(), signal.SIGINT)

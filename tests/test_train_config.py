@@ -128,7 +128,7 @@ def test_chat_template_kwargs_are_checked_with_their_line(tmp_path):
     # they change every chat row, so a resume with others is refused as any data change is
     import json
 
-    from retention.train.loop import check_resume_fits, run_settings
+    from retention.train.checkpoint import check_resume_fits, run_settings
 
     (tmp_path / "state.json").write_text(json.dumps({"config": run_settings(cfg)}))
     check_resume_fits(over, tmp_path)  # the same variables, by --set

@@ -179,6 +179,9 @@ def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
     p = Path(path)
     if not p.is_file():
         alt = CONFIG_DIR / p.name
+        if not CONFIG_DIR.is_dir():  # an installed wheel: the configs stay in the repository
+            raise EvalConfigError(f"config: {str(path)!r} not found; a bare name is looked up in a checkout's "
+                                  "eval/configs, and this installed copy has none: pass the YAML file's path")
         if not alt.is_file():
             raise EvalConfigError(f"config: {str(path)!r} not found (also looked in {CONFIG_DIR})")
         p = alt

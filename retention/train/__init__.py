@@ -6,12 +6,13 @@ from .config import Config, ConfigError, load_config
 __all__ = ["Config", "ConfigError", "load_config", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    """The training command line; ``prog``: how usage lines and errors name it."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train retention gates: accelerate launch train.py --config configs/<name>.yaml",
+        prog=prog,
+        description=f"Train retention gates: accelerate launch {prog.removeprefix('python ')} --config <name>.yaml",
     )
     parser.add_argument("--config", required=True, help="YAML file, or a bare name resolved against configs/")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
     except (*user_errors(), DataError) as e:  # a model that cannot load, unreadable data: the message names the fix
-        parser.exit(2, f"train.py: error: {e}\n")
+        parser.exit(2, f"{prog}: error: {e}\n")
     except KeyboardInterrupt:  # Ctrl-C twice (once stops after the step with a checkpoint), or before training
-        parser.exit(130, "\ntrain.py: interrupted; --resume continues from the latest checkpoint, if one was written\n")
+        parser.exit(130, f"\n{prog}: interrupted; --resume continues from the latest checkpoint, if one was written\n")
     return 0

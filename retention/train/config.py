@@ -446,6 +446,9 @@ def resolve_config_path(path: str | Path) -> Path:
     for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
         if candidate.is_file():
             return candidate
+    if not CONFIG_DIR.is_dir():  # an installed wheel: the recipes stay in the repository
+        raise ConfigError(f"config {str(path)!r} not found; a bare name is looked up in a checkout's configs/, and "
+                          "this installed copy has none: pass the YAML file's path")
     available = sorted(x.name for x in CONFIG_DIR.glob("*.yaml"))
     raise ConfigError(f"config {str(path)!r} not found (also looked in {CONFIG_DIR}); available: {available}")
 

@@ -1,0 +1,212 @@
+"""Training checkpoints: atomic, resumable, never the frozen base.
+
+A checkpoint ``step-N/`` holds the gates (and LoRA weights) as safetensors, the optimizer, scheduler and RNG
+states, the data position and the run's config; under DeepSpeed also DeepSpeed's own sharded optimizer state in
+``deepspeed/``. ``--resume`` finds the latest and refuses one whose config changed in a way that changes the loss
+curve. :class:`StopRequests` turns Ctrl-C / SIGTERM into "stop after this step with a checkpoint".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from retention.io import atomic_directory, save_state
+
+from .config import Config
+from .data import PackedStream
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    # plain types and tensors only, so the state loads with torch.load(weights_only=True)
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+DEEPSPEED_STATE = "deepspeed"  # a checkpoint's folder of DeepSpeed's own state: optimizer shards, one file per rank
+
+
+def save_deepspeed_state(engine, folder: Path) -> None:
+    """DeepSpeed's optimizer state (fp32 master weights and Adam moments, sharded over the ranks) and the trainable
+    weights, written by every rank into ``folder`` (collective); never the frozen base."""
+    engine.save_checkpoint(str(folder), tag="state", exclude_frozen_parameters=True, save_latest=False)
+
+
+def load_deepspeed_state(engine, folder: Path) -> None:
+    """What :func:`save_deepspeed_state` wrote, into every rank's shard (collective; the same number of ranks)."""
+    path, _ = engine.load_checkpoint(str(folder), tag="state", load_module_strict=False, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise SystemExit(f"--resume: DeepSpeed could not read its optimizer state in {folder}")
+
+
+def deepspeed_processes(checkpoint: Path) -> int:
+    """How many ranks wrote the DeepSpeed optimizer shards of ``checkpoint`` (0: none, a run without DeepSpeed)."""
+    return len(list((checkpoint / DEEPSPEED_STATE).glob("state/*optim_states.pt")))
+
+
+def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
+                    extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
+                    deepspeed_state: Path | None = None, settings: dict[str, Any] | None = None) -> None:
+    """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base.
+    ``deepspeed_state``: a folder :func:`save_deepspeed_state` wrote (the optimizer, sharded): moved in."""
+    with atomic_directory(path) as tmp:
+        save_state(gates.state_dict(), tmp / "gates.safetensors")
+        if extra:
+            save_state(extra, tmp / "trainable.safetensors")
+        torch.save(
+            {"optimizer": None if deepspeed_state else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng_state()},
+            tmp / "trainer_state.pt",
+        )
+        if deepspeed_state is not None:
+            os.rename(deepspeed_state, tmp / DEEPSPEED_STATE)
+        meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict(),
+                "before": before, **({"config": settings} if settings is not None else {})}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+
+
+def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
+    """A fresh run into a folder holding another run's checkpoints moves them to ``checkpoints-before-<time>``:
+    mixed in with the new run's, ``--resume latest`` could continue the other run's last step and the rotation
+    could delete them. Nothing is lost; returns where they went (``None``: nothing to move)."""
+    old = output_dir / "checkpoints"
+    if not any(old.glob("step-*")):
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    dest = output_dir / f"checkpoints-before-{stamp}"
+    while dest.exists():  # two fresh runs within a second
+        n += 1
+        dest = output_dir / f"checkpoints-before-{stamp}-{n}"
+    os.rename(old, dest)
+    print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} (use --resume to continue a run)")
+    return dest
+
+
+class StopRequests:
+    """Ctrl-C (SIGINT) or SIGTERM (a preempted machine, a scheduler's time limit) during training asks the run to
+    stop after the step it is in, with a checkpoint, instead of losing every step since the last one; a second
+    Ctrl-C quits at once. Handlers are only installed from the main thread, and restored on exit."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    REPEAT_S = 1.0  # launchers (torchrun) forward the terminal's Ctrl-C to workers that got it too: one request
+
+    def __init__(self, announce: bool) -> None:
+        self.asked, self.announce, self._old, self._first = False, announce, {}, 0.0
+
+    def __enter__(self) -> "StopRequests":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): leave it so
+                    self._old[sig] = signal.signal(sig, self._ask)
+        return self
+
+    def _ask(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if self.asked:
+            if signum == signal.SIGINT and time.monotonic() - self._first > self.REPEAT_S:
+                raise KeyboardInterrupt  # asked twice: quit now (the last checkpoint stays)
+            return
+        self.asked, self._first = True, time.monotonic()
+        if self.announce:
+            tqdm.write(f"[retention] {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                       "(Ctrl-C again to quit at once)")
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+# what --resume may change: how long the run goes, how it logs, saves and exports; every other key shapes the loss curve
+RESUME_MAY_CHANGE = frozenset({
+    "train.steps", "train.stop_after", "train.save_every", "train.keep_checkpoints", "train.log_every",
+    "train.eval_every", "train.tracker", "train.report_before", "train.output_dir", "export.dir", "export.push_to_hub",
+    "model.gradient_checkpointing",
+})
+
+
+def run_settings(cfg: Config) -> dict[str, Any]:
+    """The config as dotted keys (``data.seq_len``; lists such as ``data.sources`` whole), as JSON stores it."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", cfg.to_dict())
+    return json.loads(json.dumps(flat, default=str))
+
+
+def check_resume_fits(cfg: Config, ckpt: Path) -> None:
+    """SystemExit naming the difference when the config changed since the run started in a way that changes its loss
+    curve (``data.seq_len``, ``train.lr``...; anything but :data:`RESUME_MAY_CHANGE`), or, for checkpoints from
+    before the config was saved with them, when ``ckpt`` holds gates of another variant, width or activation."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError):
+        return  # the load reports a damaged checkpoint
+    if "config" in state:
+        now = run_settings(cfg)
+        changed = sorted(k for k in set(state["config"]) | set(now)
+                         if k not in RESUME_MAY_CHANGE and state["config"].get(k) != now.get(k))
+        if changed:
+            diff = "; ".join(f"{k} {state['config'].get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
+                             "settings the run started with, or start a fresh run (only train.steps, stop_after, "
+                             "save_every, logging, trackers and export settings may change on --resume)")
+        return
+    if cfg.gates.init_from:
+        return
+    saved = state.get("gate_config")
+    if saved is None:
+        return  # an older checkpoint without it: the state-dict load still checks the shapes
+    wanted = {"variant": cfg.gates.variant, "gate_hidden": cfg.gates.gate_hidden, "activation": cfg.gates.activation}
+    changed = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+    if changed:
+        diff = ", ".join(f"gates.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
+                         f"settings the run started with (--set gates.<key>=<its value>), or start a fresh run")
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> Path:
+    if resume != "latest":
+        p = Path(resume)
+        if not (p / "state.json").is_file():
+            raise FileNotFoundError(f"--resume {resume}: no checkpoint there (state.json missing)")
+        return p
+    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not ckpts:
+        raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir / 'checkpoints'}")
+    return ckpts[-1]
