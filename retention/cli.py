@@ -91,7 +91,7 @@ def build_demo_parser(sub) -> None:
 
 
 # Modules that add subcommands: each defines ``register(subparsers)`` and sets ``func`` on its parsers.
-COMMAND_MODULES = ("retention.chat", "retention.hub", "retention.average", "retention.eval.cli")
+COMMAND_MODULES = ("retention.chat_cli", "retention.hub", "retention.average", "retention.eval.cli")
 
 
 def _command_modules():

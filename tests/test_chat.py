@@ -298,7 +298,7 @@ def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
     model only to refuse the next message (which was then lost)."""
     from PIL import Image
 
-    from retention.chat import chat_loop
+    from retention.chat_cli import chat_loop
 
     photo = tmp_path / "photo.png"
     Image.new("RGB", (8, 8)).save(photo)
@@ -362,7 +362,7 @@ def test_a_reply_stopped_early_is_kept_and_the_chat_goes_on(smollm2, how):
 
 
 def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
-    from retention.chat import chat_loop
+    from retention.chat_cli import chat_loop
 
     class Interrupted(_ScriptedChat):
         def stream(self, text, images):
@@ -378,7 +378,7 @@ def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
 
 
 def test_typed_lines_prompt_until_ctrl_d(monkeypatch, capsys):
-    from retention import chat as chat_module
+    from retention import chat_cli as chat_module
 
     typed = iter(["hello", "/quit"])
 
@@ -473,7 +473,7 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
     model reads RoPE positions it never saw. Warned once per conversation, again after a reset."""
     import warnings
 
-    from retention.chat import chat_loop
+    from retention.chat_cli import chat_loop
 
     model, tok = smollm2
     chat = RetentionChat(model, tok, budget_tokens=64, max_new_tokens=4)
@@ -517,7 +517,7 @@ def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs
 def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
     """`retention chat --policy streamingllm` compares a baseline in the same chat; the gates' own options are
     refused with another policy, before the model loads."""
-    import retention.chat as chat_module
+    import retention.chat_cli as chat_module
     import retention.models
     from retention.cli import main
 
@@ -543,7 +543,7 @@ def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
 def test_chat_command_samples_only_when_asked(smollm2, capsys, monkeypatch):
     """`retention chat --sample --temperature 0.7 --seed 3`: the chat samples with those settings and the seed makes
     its replies repeat; a sampling flag without --sample, or a value out of range, is refused before the model loads."""
-    import retention.chat as chat_module
+    import retention.chat_cli as chat_module
     import retention.models
     from retention.cli import main
 
@@ -686,7 +686,7 @@ def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkey
     """/save in the chat loop, then `retention chat --resume FILE`; a file that is no transcript fails before the
     model loads."""
     import retention.models
-    from retention.chat import chat_loop
+    from retention.chat_cli import chat_loop
     from retention.cli import main
 
     model, tok = smollm2
@@ -702,7 +702,7 @@ def test_save_and_resume_from_the_command_line(smollm2, tmp_path, capsys, monkey
     (tmp_path / "x.json").write_text("{}")
     assert main(["chat", "--resume", str(tmp_path / "x.json")]) == 2
     assert "is not a saved conversation" in capsys.readouterr().err
-    import retention.chat as chat_module
+    import retention.chat_cli as chat_module
 
     resumed = {}
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
@@ -805,7 +805,7 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
 
     from PIL import Image
 
-    import retention.chat as chat_module
+    import retention.chat_cli as chat_module
     import retention.models
     from retention.chat import read_history
     from retention.cli import main

@@ -148,7 +148,7 @@ def test_the_memory_report_counts_the_image_entries_kept():
     fewer under one (images compete with text), as a count over every kept entry's token finds."""
     import warnings
 
-    from retention.chat import _memory_line
+    from retention.chat_cli import _memory_line
 
     imgs = photos(2)
     plan = [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])]
