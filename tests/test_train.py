@@ -32,9 +32,9 @@ def tiny_setup(tmp_path_factory):
     tok.save_pretrained(root / "model")
     text = root / "text"
     text.mkdir()
-    from retention.train.data import _sotu_texts
+    from retention.train.sources import sotu_texts
 
-    for i, speech in zip(range(6), _sotu_texts()):
+    for i, speech in zip(range(6), sotu_texts()):
         (text / f"{i}.txt").write_text(speech)
     return root
 
@@ -684,7 +684,7 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
     from huggingface_hub.errors import RepositoryNotFoundError
 
     import retention.train.loop as loop
-    from retention.train.data import DataError
+    from retention.train.sources import DataError
 
     def missing(self, repo_id, **kwargs):
         e = RepositoryNotFoundError.__new__(RepositoryNotFoundError)

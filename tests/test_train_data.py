@@ -8,7 +8,8 @@ from transformers import AutoTokenizer
 
 from retention.models import embedded_model_dir
 from retention.train.config import DataConfig, SourceConfig
-from retention.train.data import PackedStream, build_data, collate, iter_source, pack, tokenize_chat
+from retention.train.data import PackedStream, build_data, collate, pack, tokenize_chat
+from retention.train.sources import iter_source
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,7 @@ def test_local_json_in_every_common_layout(tmp_path):
     was read line by line, so a pretty-printed export died with a JSONDecodeError traceback."""
     import json
 
-    from retention.train.data import DataError
+    from retention.train.sources import DataError
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     (tmp_path / "list.json").write_text(json.dumps([{"messages": chat}, {"messages": chat[:1]}], indent=2))
@@ -200,7 +201,7 @@ def test_local_json_in_every_common_layout(tmp_path):
     (None, "missing/chats.jsonl", "does not exist here"),  # a local path, not a Hub id: said before the model loads
 ])
 def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message):
-    from retention.train.data import DataError, check_local_source
+    from retention.train.sources import DataError, check_local_source
 
     if content is None:  # never written
         with pytest.raises(DataError, match=re.escape(message)):
@@ -265,7 +266,7 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    from retention.train.data import DataError, check_hub_source
+    from retention.train.sources import DataError, check_hub_source
 
     def answer(error):
         def dataset_info(self, repo_id, **kwargs):

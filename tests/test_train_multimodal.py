@@ -7,7 +7,7 @@ import torch
 from retention.hub import load_gates
 from tiny_vl import photo_paths, tiny_qwen3_vl_for, tiny_qwen3_vl_processor
 from retention.train.config import load_config
-from retention.train.data import encode_multimodal
+from retention.train.multimodal_data import encode_multimodal
 from retention.train.loop import train
 
 QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is this indoors or outdoors?"]
@@ -52,7 +52,7 @@ def test_packed_conversations_equal_separate_ones():
     same teacher and student hidden states as each conversation alone; lengths are estimated exactly."""
     from retention import attach_gates
     from retention.attach import unwrap
-    from retention.train.data import concat_encoded, conversation_length, pack_lengths
+    from retention.train.multimodal_data import concat_encoded, conversation_length, pack_lengths
     from retention.train.loop import mrope_positions
 
     proc = tiny_qwen3_vl_processor()
@@ -121,7 +121,8 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
 
 
 def test_llava_and_mmdu_layout_becomes_messages():
-    from retention.train.data import DataError, to_messages
+    from retention.train.multimodal_data import to_messages
+    from retention.train.sources import DataError
 
     rec = {"image": ["a.jpg", "b.jpg"], "conversations": [
         {"from": "human", "value": "<image>\nWhat is here? And <image> here?"},
@@ -142,7 +143,7 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     import pytest
 
     from retention.train.config import ConfigError, DataConfig, SourceConfig
-    from retention.train.data import build_multimodal
+    from retention.train.multimodal_data import build_multimodal
 
     proc = tiny_qwen3_vl_processor()  # before the cache moves: its tokenizer is the embedded model's, cached
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))

