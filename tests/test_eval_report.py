@@ -94,7 +94,7 @@ def test_summary_table_shows_the_intervals_and_says_what_they_are():
 
 def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
     from retention.eval.cli import main
-    from retention.eval.report import publish
+    from retention.eval.publish import publish
 
     sweep = _write_rows(tmp_path / "sweep.jsonl", _rows(*FULL, "t", [90.0]) + _rows(*A, "t", [70.0])
                         + _rows("global_gates", "fraction=0.2", "t", [80.0]))
@@ -128,7 +128,7 @@ def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path)
     import json
 
     from retention.eval.cli import main
-    from retention.eval.report import publish
+    from retention.eval.publish import publish
 
     rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5))
     card = _blank_card(tmp_path / "card")
@@ -298,17 +298,18 @@ def test_an_oracle_is_never_the_best_training_free_baseline():
 
 
 def test_a_run_seeded_with_pooled_rows_says_it_was_run_not_pooled(tmp_path):
-    from retention.eval.report import _summary_text
+    from retention.eval.publish import summary_text
 
     pooled = [{**r, "pooled_from": "runs/a/results.jsonl"} for r in _rows(*FULL, "t", [100.0] * 5)]
-    text = _summary_text(pooled + _rows(*A, "t", [80.0] * 5), tmp_path / "r.jsonl")
+    text = summary_text(pooled + _rows(*A, "t", [80.0] * 5), tmp_path / "r.jsonl")
     assert "Pooled by" not in text
     assert (f"Produced by `python -m retention.eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
             "pooled earlier (runs/a/results.jsonl)") in text
 
 
 def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
-    from retention.eval.report import gap_plot, gap_points, write_summary
+    from retention.eval.publish import write_summary
+    from retention.eval.report import gap_plot, gap_points
 
     g = np.random.default_rng(3)
     full_t, full_u = g.integers(0, 101, 6).astype(float), g.integers(0, 101, 6).astype(float)
@@ -345,7 +346,7 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
 
 def test_a_card_only_takes_rows_its_own_gates_scored(tmp_path):
     """`--card DIR` put any sweep's numbers into DIR's model card; now some row must carry DIR's gates_id."""
-    from retention.eval.report import publish
+    from retention.eval.publish import publish
     from retention import GateConfig, RetentionGates
 
     card = _blank_card(tmp_path / "card")

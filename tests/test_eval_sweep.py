@@ -373,7 +373,8 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
 
 
 def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
-    from retention.eval.report import publish, summary_table
+    from retention.eval.publish import publish
+    from retention.eval.report import summary_table
     from retention import GateConfig, RetentionGates
     from retention.hub import export_gates
 
@@ -449,7 +450,7 @@ def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, mon
     import retention.eval.models
     from retention.eval.cli import main
     from retention.eval.config import load_eval_config
-    from retention.eval.report import check_sweep_scores_card
+    from retention.eval.publish import check_sweep_scores_card
     from retention import GateConfig, RetentionGates
     from retention.hub import export_gates
 

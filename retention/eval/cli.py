@@ -19,7 +19,8 @@ def _run(args: argparse.Namespace) -> int:
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from .report import check_pairs, check_publish_targets, check_sweep_scores_card, parse_pairs
+    from .publish import check_publish_targets, check_sweep_scores_card
+    from .report import check_pairs, parse_pairs
 
     try:  # before the sweep: a typo here should not cost an hour of evaluation
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
@@ -44,7 +45,8 @@ def _run(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace, results) -> int:
     """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
     those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
-    from .report import check_publish_targets, pair_table, parse_pairs, publish, summary_table, write_summary
+    from .publish import check_publish_targets, publish, write_summary
+    from .report import pair_table, parse_pairs, summary_table
     from .runner import read_results
 
     try:
