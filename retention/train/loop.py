@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -374,10 +375,13 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
-        model = get_peft_model(
-            model,
-            PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules),
-        )
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(
+                model,
+                PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                               target_modules=cfg.lora.target_modules),
+            )
     if start_gates is not None:
         check_gates_match(model, start_gates.config)
         gates = start_gates
