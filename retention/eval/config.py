@@ -178,10 +178,10 @@ def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
     """Read and validate a YAML config (a bare file name is also looked up in ``eval/configs``)."""
     p = Path(path)
     if not p.is_file():
-        alt = CONFIG_DIR / p.name
         if not CONFIG_DIR.is_dir():  # an installed wheel: the configs stay in the repository
             raise EvalConfigError(f"config: {str(path)!r} not found; a bare name is looked up in a checkout's "
                                   "eval/configs, and this installed copy has none: pass the YAML file's path")
+        alt = CONFIG_DIR / p.name
         if not alt.is_file():
             raise EvalConfigError(f"config: {str(path)!r} not found (also looked in {CONFIG_DIR})")
         p = alt

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         return 0
     from retention.cli import user_errors
 
-    from .sources import DataError
     from .loop import train
+    from .sources import DataError
 
     try:
         train(cfg, resume=args.resume, push_to_hub_repo=args.push_to_hub)
