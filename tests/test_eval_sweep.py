@@ -111,6 +111,33 @@ def test_report_from_a_fixed_results_file(tmp_path):
     md = write_report(path)
     assert (tmp_path / "niah_single.png").stat().st_size > 1000 and "niah_single.png" in md.read_text()
     assert "gaps.png" not in md.read_text()  # 2 items and one budget: no intervals to draw
+    # the summary (mean over tasks per method and budget) first, then the table per row group
+    text = md.read_text()
+    assert text.index("## Summary") < text.index("| snapkv | 25.0 (10%, 102 KiB) |") < text.index("## Per task") < text.index(
+        "| niah_single | 1024 | snapkv | 10% |")
+
+
+def test_report_command_prints_the_summary_and_points_to_the_full_table(tmp_path, capsys):
+    """A sweep's command prints the mean per method and budget (a few lines, whatever the number of tasks); the table
+    per task, length, method and budget is in report.md. Rows of the full cache alone have no summary: their table."""
+    from retention.eval.cli import main
+
+    base = {"task": "niah_single", "length": 1024, "full_cache_bytes": 2**20, "metric": "recall", "item": "a"}
+    full = {**base, "method": "full", "budget": "full", "score": 100.0, "kept_entries": 1000, "kv_bytes": 2**20}
+    snap = {**base, "method": "snapkv", "budget": "fraction=0.1", "score": 0.0, "kept_entries": 100, "kv_bytes": 2**20 / 10}
+    for name, rows in (("both", [full, snap]), ("full", [full])):
+        path = tmp_path / name / "results.jsonl"
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(["report", str(path)]) == 0
+        out = capsys.readouterr().out
+        per_row = "| niah_single | 1024 | full | full | 100.0 |"
+        if name == "both":
+            assert "| full cache | 100.0 (100%, 1.0 MiB) |" in out and "| snapkv | 0.0 (10%, 102 KiB) |" in out
+            assert per_row not in out and per_row in (path.parent / "report.md").read_text()
+        else:
+            assert per_row in out and "Mean score" not in out
+        assert f"report (per task, length, method and budget; plots): {path.parent / 'report.md'}" in out
 
 
 def test_hub_loaders_on_local_files(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 def _run(args: argparse.Namespace) -> int:
     from .config import EvalConfigError, load_eval_config
-    from .report import markdown_table, write_report
+    from .report import overview, write_report
     from .runner import read_results, run_sweep
 
     overrides = {k: v for k, v in (("output", args.output), ("seed", args.seed)) if v is not None}
@@ -37,8 +37,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: {done} rows are in {Path(cfg.output) / 'results.jsonl'}; run the same command to go on "
               "from there", file=sys.stderr)
         return 130
-    print(markdown_table(read_results(results)))
-    print(f"\nresults: {results}\nreport: {write_report(results)}")
+    print(overview(read_results(results)))
+    print(f"\nresults: {results}\nreport (per task, length, method and budget; plots): {write_report(results)}")
     return _publish(args, results)
 
 
@@ -46,7 +46,7 @@ def _publish(args: argparse.Namespace, results) -> int:
     """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
     those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
     from .publish import check_publish_targets, publish, write_summary
-    from .report import pair_table, parse_pairs, summary_table
+    from .report import pair_table, parse_pairs
     from .runner import read_results
 
     try:
@@ -65,12 +65,11 @@ def _publish(args: argparse.Namespace, results) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary_table(read_results(results)))
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import check_pairs, markdown_table, parse_pairs, write_report
+    from .report import check_pairs, overview, parse_pairs, write_report
     from .runner import load_result_file, results_file
 
     args.results = str(results_file(args.results))  # a sweep's output folder names its results.jsonl
@@ -88,14 +87,14 @@ def _report(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = write_report(args.results, args.out)
-    print(markdown_table(rows))
-    print(f"\nreport: {path}")
+    print(overview(rows))
+    print(f"\nreport (per task, length, method and budget; plots): {path}")
     return _publish(args, args.results)
 
 
 def _pool(args: argparse.Namespace) -> int:
     from .pool import pool_results
-    from .report import check_pairs, markdown_table, parse_pairs
+    from .report import check_pairs, overview, parse_pairs
     from .runner import read_results, results_file
 
     args.results = [str(results_file(p)) for p in args.results]
@@ -114,8 +113,8 @@ def _pool(args: argparse.Namespace) -> int:
         return 2
     if dropped:
         print(f"left out (not in every file, or not in --methods): {', '.join(dropped)}")
-    print(markdown_table(read_results(out)))
-    print(f"\npooled: {out}")
+    print(overview(read_results(out)))
+    print(f"\npooled: {out} (python -m retention.eval report {out}: the table per task, length, method and budget)")
     return _publish(args, out)
 
 

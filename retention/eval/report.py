@@ -140,8 +140,21 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path
             "score: the task's metric in % (fidelity: top-1 agreement with the full cache); "
             "KV kept: entries (token x KV head x layer) when the question arrives.\n\n")
     md = out / "report.md"
-    md.write_text(head + markdown_table(rows) + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
+    overview = f"## Summary\n\n{summary_table(rows)}\n\n" if has_budgets(rows) else ""
+    md.write_text(head + overview + "## Per task, length, method and budget\n\n" + markdown_table(rows) + "\n\n"
+                  + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
     return md
+
+
+def has_budgets(rows: list[dict[str, Any]]) -> bool:
+    """Whether any row ran under a KV budget (else :func:`summary_table` has no column to show)."""
+    return any(r["budget"] != "full" for r in rows)
+
+
+def overview(rows: list[dict[str, Any]]) -> str:
+    """What a command prints when a sweep's rows are in: :func:`summary_table` (the mean over tasks per method and
+    budget, with the gaps) where budgets ran, else the per-row :func:`markdown_table` (full-cache rows only)."""
+    return summary_table(rows) if has_budgets(rows) else markdown_table(rows)
 
 
 # -- the summary published with a gate checkpoint ------------------------------------------------------
