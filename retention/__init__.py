@@ -8,15 +8,36 @@ from .ops.retention_attention import retention_attention
 
 __version__ = "0.1.0"
 
+# inference classes, imported on first use: they bring in transformers, which `import retention` alone does not
+_LAZY = {"RetentionCache": "retention.cache", "GraphDecoder": "retention.cache", "RetentionChat": "retention.chat",
+         "get_policy": "retention.policies", "GlobalGatesPolicy": "retention.policies"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'retention' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 __all__ = [
     "DEFAULT_MODEL",
     "GateConfig",
+    "GlobalGatesPolicy",
+    "GraphDecoder",
+    "RetentionCache",
+    "RetentionChat",
     "RetentionAttachment",
     "RetentionGates",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
     "attach_gates",
     "export_gates",
+    "get_policy",
     "load_gates",
     "load_model",
     "push_to_hub",

@@ -122,3 +122,20 @@ def test_an_installed_copy_asks_for_a_configs_path_instead_of_a_bare_name(instal
             usage = subprocess.run([sys.executable, "-m", *args[:1], "--help"], capture_output=True, text=True,
                                    timeout=300, cwd=tmp_path, env=env).stdout
             assert usage.startswith(f"usage: {prog} "), usage[:200]
+
+
+def test_the_inference_classes_import_from_the_top_level_without_slowing_import_retention():
+    """``from retention import RetentionChat, RetentionCache, ...`` gives the classes the README imports from their
+    modules; ``import retention`` alone still does not import transformers (they load on first use)."""
+    probe = ("import sys, retention\n"
+             "assert 'transformers' not in sys.modules and 'retention.chat' not in sys.modules\n"
+             "from retention import GlobalGatesPolicy, GraphDecoder, RetentionCache, RetentionChat, get_policy\n"
+             "from retention.cache import GraphDecoder as G, RetentionCache as C\n"
+             "from retention.chat import RetentionChat as R\n"
+             "from retention.policies import GlobalGatesPolicy as P, get_policy as g\n"
+             "assert (GraphDecoder, RetentionCache, RetentionChat, GlobalGatesPolicy, get_policy) == (G, C, R, P, g)\n"
+             "assert set(retention.__all__) <= set(dir(retention))\n"
+             "try:\n    retention.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+             "else:\n    raise SystemExit('an unknown name did not raise')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
