@@ -1,4 +1,4 @@
-"""The ``retention`` command line: ``demo``, ``chat``, ``push``, ``average`` and ``eval`` (``retention CMD --help``)."""
+"""The ``retention`` command line: ``demo``, ``train``, ``chat``, ``push``, ``average`` and ``eval`` (``retention CMD --help``)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"retention {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     build_demo_parser(sub)
+    # listed here for --help; main() hands `retention train ...` to retention.train.main whole (its own parser)
+    sub.add_parser("train", add_help=False, help="train gates from a YAML config: the command of train.py "
+                   "(retention train --help)")
     for module in _command_modules():
         module.register(sub)
     return parser
@@ -189,6 +192,11 @@ def check_gates_source(gates: str | None) -> RetentionGates | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # also `accelerate launch -m retention train ...`
+        from .train import main as train_main
+
+        return train_main(argv[1:], prog="retention train")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

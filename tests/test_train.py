@@ -347,6 +347,26 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     with pytest.raises(SystemExit) as stop:  # --to a folder of other files: refused, nothing deleted
         main(["--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to", str(tmp_path / "work")])
     assert stop.value.code == 2 and (tmp_path / "work" / "notes.txt").read_text() == "keep me"
+    # `retention train` is the same command (what `accelerate launch -m retention train` runs)
+    from retention.cli import main as retention_main
+
+    assert retention_main(["train", "--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to",
+                           str(tmp_path / "again")]) == 0
+    assert load_gates(tmp_path / "again").fingerprint() == gates.fingerprint()
+
+
+def test_retention_train_is_listed_and_hands_its_arguments_to_the_training_command(capsys):
+    from retention.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "train gates from a YAML config" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:  # --help and every other flag reach the training command's own parser
+        main(["train", "--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: retention train [-h] --config CONFIG")
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--config", "no-such-recipe.yaml"])
+    assert done.value.code == 2 and "config 'no-such-recipe.yaml' not found" in capsys.readouterr().err
 
 
 def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):
