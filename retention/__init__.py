@@ -13,7 +13,7 @@ _LAZY = {"RetentionCache": "retention.cache", "GraphDecoder": "retention.cache",
          "get_policy": "retention.policies", "GlobalGatesPolicy": "retention.policies"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
@@ -29,9 +29,9 @@ __all__ = [
     "GateConfig",
     "GlobalGatesPolicy",
     "GraphDecoder",
+    "RetentionAttachment",
     "RetentionCache",
     "RetentionChat",
-    "RetentionAttachment",
     "RetentionGates",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",

@@ -140,8 +140,8 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path
             "score: the task's metric in % (fidelity: top-1 agreement with the full cache); "
             "KV kept: entries (token x KV head x layer) when the question arrives.\n\n")
     md = out / "report.md"
-    overview = f"## Summary\n\n{summary_table(rows)}\n\n" if has_budgets(rows) else ""
-    md.write_text(head + overview + "## Per task, length, method and budget\n\n" + markdown_table(rows) + "\n\n"
+    summary = f"## Summary\n\n{summary_table(rows)}\n\n" if has_budgets(rows) else ""
+    md.write_text(head + summary + "## Per task, length, method and budget\n\n" + markdown_table(rows) + "\n\n"
                   + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
     return md
 
