@@ -22,6 +22,10 @@ import argparse
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _timed(step, new_tokens: int, sync) -> float:
@@ -36,7 +40,8 @@ def _timed(step, new_tokens: int, sync) -> float:
     return statistics.median(times[1:] or times) * 1e3
 
 
-def run_round(model, ids, budget_tokens: int, new_tokens: int, chunk: int) -> tuple[dict[str, float], dict[str, list]]:
+def run_round(model: PreTrainedModel, ids: list[int], budget_tokens: int, new_tokens: int,
+              chunk: int) -> tuple[dict[str, float], dict[str, list]]:
     """One round over every setting: ms/token and the greedy tokens each decoded (to check they agree)."""
     import torch
     from transformers import DynamicCache, StaticCache
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from retention import attach_gates, load_model
-    from bench_decode import real_text_ids
+    from retention.eval.bench_decode import real_text_ids
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_model(args.model, device=device, dtype=args.dtype)
