@@ -22,13 +22,16 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from .gates import GateConfig, RetentionGates
 from .ops.retention_attention import retention_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # model_type of the top-level config -> model_type of its text decoder
 SUPPORTED_MODEL_TYPES = {
@@ -104,7 +107,7 @@ def check_supported(config: Any, owner: str | None = None) -> None:
         )
 
 
-def text_config_of(model: nn.Module):
+def text_config_of(model: nn.Module) -> PreTrainedConfig:
     """Config of the text decoder (the model's own config for text-only models)."""
     base = unwrap(model)
     config = getattr(base, "config", None)
@@ -174,7 +177,7 @@ def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: in
 
 def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
                        scale: float | None = None, past_mass: bool = False,
-                       query_weights: torch.Tensor | None = None):
+                       query_weights: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """New queries over past + new keys, with ``bias`` added to the logits of the past keys.
 
     ``query`` ``(B, Hq, Tq, D)``; ``key/value`` ``(B, H, P + Tq, D)`` (the last ``Tq`` are the new tokens,

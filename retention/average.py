@@ -98,7 +98,7 @@ def _average_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("average", help="average gate checkpoints weight by weight into a new checkpoint")
     p.add_argument("checkpoints", nargs="+", help="two or more checkpoint folders or Hub repos of one layout")
     p.add_argument("--weights", type=float, nargs="+", default=None, help="one per checkpoint (default: equal)")

@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_demo_parser(sub) -> None:
+def build_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
     demo.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder (default: %(default)s)")
     demo.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name (smollm2-135m-global)")

@@ -234,7 +234,7 @@ def _push_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("push", help="upload a gate checkpoint folder to the Hugging Face Hub")
     p.add_argument("path", help="checkpoint folder (gates.safetensors, config.json, README.md)")
     p.add_argument("repo_id", help="e.g. your-name/smollm2-135m-retention-gates")

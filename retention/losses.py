@@ -66,7 +66,8 @@ def distillation_kl(
     return (total, n) if reduction == "sum" else total / n
 
 
-def positions_in_document(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device) -> torch.Tensor:
+def positions_in_document(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
+                          device: torch.device) -> torch.Tensor:
     """0-based position of each token inside its document, ``(B, T)`` int64."""
     from .ops.retention_attention.reference import document_ids
 

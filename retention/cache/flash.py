@@ -24,7 +24,15 @@ def _flash_attn_with_kvcache():
     return flash_attn_with_kvcache
 
 
-def flash_paged_decode(query, key_pool, value_pool, block_table, lengths, scale, rows=None) -> torch.Tensor | None:
+def flash_paged_decode(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """``query`` ``(N, G, D)`` over paged streams -> ``(N, G, D)``, or ``None`` when flash-attn cannot run it.
     ``rows`` ``(N,)``: the streams' rows of ``block_table`` / ``lengths`` (default: the first N)."""
     fn = _flash_attn_with_kvcache()

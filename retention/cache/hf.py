@@ -257,7 +257,8 @@ class RetentionCache(Cache):
         B, _, T = log_beta.shape
         self._pending[layer] = (log_beta, _new_token_valid(attention_mask, B, T))
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key/value_states`` ``(B, H, T, D)``; return the layer's kept entries ``(B, H, Lmax, D)``."""
         B, H, T, D = key_states.shape
         pending = self._pending.pop(layer_idx, None)

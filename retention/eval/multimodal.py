@@ -22,7 +22,7 @@ import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,11 @@ from .methods import FullCache, Method, kv_streams
 from .metrics import score_reply
 from .protocol import snapshot_cache
 from .tasks.base import Item
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, ProcessorMixin
+
+    from retention.cache import RetentionCache
 
 _MARKER = re.compile(r"<image (\d+)>")
 IMAGE_TASKS = ("mmdu", "image_memory")  # tasks whose items show images: a vision-language model runs them here
@@ -90,7 +95,7 @@ def _system(item: Item) -> str | None:
     return first.get("content") if first.get("role") == "system" else None
 
 
-def kept_image_entries(cache, ids: torch.Tensor, image_token_id: int) -> int:
+def kept_image_entries(cache: RetentionCache, ids: torch.Tensor, image_token_id: int) -> int:
     """How many entries the cache keeps of image tokens (``ids``: the conversation, ``(1, T)``)."""
     from retention.cache.hf import kept_where
 
@@ -102,8 +107,8 @@ class History:
     a one-shot history that budgets, and methods that can share it (:func:`shares_history`), start from): ``chat``
     (its cache holds the history), the model's M-RoPE delta after it, and the item's pictures."""
 
-    def __init__(self, model, processor, item: Item, policy: Any, chunk: int, max_new_tokens: int,
-                 entries: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, processor: ProcessorMixin, item: Item, policy: Any, chunk: int,
+                 max_new_tokens: int, entries: int | None = None) -> None:
         from PIL import Image
 
         from retention.attach import unwrap
@@ -145,16 +150,16 @@ def shares_history(method: Method, prefill_mode: str) -> bool:
                                              and not method.policy(False).needs_queries)
 
 
-def shared_history(model, processor, item: Item, chunk: int) -> History:
+def shared_history(model: PreTrainedModel, processor: ProcessorMixin, item: Item, chunk: int) -> History:
     """The history that every method :func:`shares_history` starts from (score mode: gates scoring, nothing gated)."""
     with model.retention.use_mode("score"):
         return History(model, processor, item, None, chunk, 32)
 
 
 @torch.no_grad()
-def run_chat_item_budgets(model, processor, item: Item, method: Method, budgets: list[Budget | None], *,
-                          prefill_mode: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32,
-                          history: History | None = None) -> list[dict[str, Any]]:
+def run_chat_item_budgets(model: PreTrainedModel, processor: ProcessorMixin, item: Item, method: Method,
+                          budgets: list[Budget | None], *, prefill_mode: str = "one_shot", chunk: int = 512,
+                          max_new_tokens: int = 32, history: History | None = None) -> list[dict[str, Any]]:
     """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
     :func:`retention.eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's),
     ``kept_image_entries`` and, for a dialogue that ran past the model's positions, ``past_positions``. ``history``: the item's history fed once for every method that

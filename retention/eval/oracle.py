@@ -23,6 +23,7 @@ gates within each head, each keeping what the oracle's global top-B keeps there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,14 @@ from retention.policies.global_gates import GlobalGatesPolicy
 from retention.policies.window import WindowPolicy, window_attention
 
 from .methods import PolicyCache, prefill
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from retention.cache import PaddedView, RetentionCache
+    from retention.policies.base import EvictionPolicy
+
+    from .tasks.base import Item
 
 RANKS = ("oracle", "gates")
 # per KV head (even), one global top-B, or each head keeping what the other ranking's global top-B keeps there
@@ -45,11 +54,11 @@ class FutureAttention(WindowPolicy):
     name: str = "oracle"
     frozen: bool = False
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)``: attention of the last ``window`` queries, summed over them, mean over the group."""
         return window_attention(query, view, query_pos, self.window).sum(3).mean(2)
 
-    def observe(self, layer, query, view, query_pos) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         if not self.frozen:
             super().observe(layer, query, view, query_pos)
 
@@ -93,7 +102,7 @@ class ContinuationOracle(PolicyCache):
         return self._scope not in ("head", "global")
 
     @torch.no_grad()
-    def prepare(self, model, item) -> None:
+    def prepare(self, model: PreTrainedModel, item: Item) -> None:
         if item.metric != "fidelity":
             raise ValueError(f"the oracle needs a continuation to look at: fidelity items only, got {item.task} "
                              "(set tasks: [fidelity] in the config)")
@@ -112,7 +121,7 @@ class ContinuationOracle(PolicyCache):
         scores.frozen = True
         self._scores, self._model = scores, model
 
-    def policy(self, streaming: bool):
+    def policy(self, streaming: bool) -> EvictionPolicy:
         if streaming:
             raise ValueError("the oracle compresses once after a one-shot prefill (prefill: one_shot)")
         if self._scores is None:
@@ -125,13 +134,13 @@ class ContinuationOracle(PolicyCache):
         """The policy whose global top-B sets each head's share under ``scope: gates | oracle``."""
         return self._scores if self._rank == "gates" else GlobalGatesPolicy(sink=4)
 
-    def compress(self, cache) -> None:
+    def compress(self, cache: RetentionCache) -> None:
         if self._split_from_other and cache.budget is not None:
             cache.policy.head_budgets = self.head_split(cache)
         cache.compress()
 
     @torch.no_grad()
-    def head_split(self, cache) -> torch.Tensor:
+    def head_split(self, cache: RetentionCache) -> torch.Tensor:
         """``(L, H)`` entries each KV head keeps when a copy of ``cache`` is cut to its budget by the
         other ranking's global top-B (the split this method's own ranking is held to)."""
         from .protocol import snapshot_cache
@@ -142,7 +151,7 @@ class ContinuationOracle(PolicyCache):
         probe.compress()
         return probe.store.entries_per_head()[0]
 
-    def gates_id(self, model) -> str | None:
+    def gates_id(self, model: PreTrainedModel) -> str | None:
         if self._rank == "oracle" and self._scope != "gates":
             return None  # attention only: the sweep's gates never touch its scores
         return model.retention.gates.fingerprint()

@@ -12,7 +12,7 @@ generated greedily; fidelity items score a teacher-forced continuation against t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,11 +24,16 @@ from .methods import Method, kv_streams, prefill
 from .metrics import kl_and_top1, score_reply
 from .tasks.base import Item, render_chat
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from retention.cache import RetentionCache
+
 PROTOCOLS = ("query_agnostic", "query_aware")
 PREFILLS = ("one_shot", "streaming")
 
 
-def prompt_ids(tokenizer, item: Item) -> tuple[list[int], list[int]]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: Item) -> tuple[list[int], list[int]]:
     """``(context_ids, prompt_ids)``: the tokens before the question, and the whole prompt (chat
     template, generation prompt and answer prefix); the first is a prefix of the second."""
     if item.messages is not None:
@@ -61,7 +66,7 @@ def prompt_ids(tokenizer, item: Item) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def reference_logits(model, item: Item) -> torch.Tensor:
+def reference_logits(model: PreTrainedModel, item: Item) -> torch.Tensor:
     """Full-context logits at the continuation's positions ``(T_cont, V)`` (no cache, gates bypassed)."""
     ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
     x = torch.tensor([ctx + cont], device=model.device)
@@ -85,7 +90,8 @@ def snapshot_cache(cache: Any, model: torch.nn.Module) -> Any:
     return copy.deepcopy(cache, memo)
 
 
-def context_and_prompt(tokenizer, item: Item, protocol: str = "query_agnostic") -> tuple[list[int], list[int]]:
+def context_and_prompt(tokenizer: PreTrainedTokenizerBase, item: Item,
+                       protocol: str = "query_agnostic") -> tuple[list[int], list[int]]:
     """``(head, rest)``: the tokens prefilled and compressed, and what is fed after the compression
     (fidelity: the continuation to teacher-force; otherwise the whole prompt, which ``generate``
     continues from the cache)."""
@@ -123,7 +129,7 @@ class SharedPrefill:
     scores) and streaming prefills cannot share and prefill on their own.
     """
 
-    def __init__(self, model, head: list[int]) -> None:
+    def __init__(self, model: PreTrainedModel, head: list[int]) -> None:
         from retention.cache import RetentionCache
 
         self.model, self.recorder = model, _QueryRecorder()
@@ -133,7 +139,7 @@ class SharedPrefill:
             self.cache = RetentionCache(model, budget=None, policy=self.recorder)
             prefill(model, self.cache, head, None)
 
-    def cache_for(self, method: Method):
+    def cache_for(self, method: Method) -> RetentionCache:
         """A fresh cache of ``method`` holding the shared prefill (budget unset: see ``set_budget``)."""
         cache = method.new_cache(self.model, None, streaming=False)
         cache.copy_from(self.cache)
@@ -151,18 +157,19 @@ def shareable(method: Method, prefill_mode: str) -> bool:
 
 
 @torch.no_grad()
-def run_item(model, tokenizer, item: Item, method: Method, budget: Budget | None, *,
-             protocol: str = "query_agnostic", prefill_mode: str = "one_shot", chunk: int = 512,
-             max_new_tokens: int = 32, reference: torch.Tensor | None = None) -> dict[str, Any]:
+def run_item(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, item: Item, method: Method,
+             budget: Budget | None, *, protocol: str = "query_agnostic", prefill_mode: str = "one_shot",
+             chunk: int = 512, max_new_tokens: int = 32, reference: torch.Tensor | None = None) -> dict[str, Any]:
     """Score one item; returns the score, the reply and the KV memory kept when the question arrives."""
     return run_item_budgets(model, tokenizer, item, method, [budget], protocol=protocol, prefill_mode=prefill_mode,
                             chunk=chunk, max_new_tokens=max_new_tokens, reference=reference)[0]
 
 
 @torch.no_grad()
-def run_item_budgets(model, tokenizer, item: Item, method: Method, budgets: list[Budget | None], *,
-                     protocol: str = "query_agnostic", prefill_mode: str = "one_shot", chunk: int = 512,
-                     max_new_tokens: int = 32, reference: torch.Tensor | None = None,
+def run_item_budgets(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, item: Item, method: Method,
+                     budgets: list[Budget | None], *, protocol: str = "query_agnostic",
+                     prefill_mode: str = "one_shot", chunk: int = 512, max_new_tokens: int = 32,
+                     reference: torch.Tensor | None = None,
                      shared: SharedPrefill | None = None) -> list[dict[str, Any]]:
     """:func:`run_item` for several budgets. With a one-shot prefill nothing is evicted before the
     compression, so the context is prefilled once and each budget compresses its own copy of that

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from tqdm.auto import tqdm
 
@@ -25,7 +25,10 @@ from .methods import PolicyCache
 from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
                          shares_history)
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
-from .tasks import generate
+from .tasks import Item, generate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 KEY_FIELDS = ("task", "length", "item", "method", "budget", "protocol", "prefill")
 
@@ -109,7 +112,7 @@ def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
             "chat_template_kwargs": cfg.chat_template_kwargs}
 
 
-def item_sha(item) -> str:
+def item_sha(item: Item) -> str:
     """A short hash of what an item shows the model and scores against: task params, haystack source or a
     changed generator make other items under the same id."""
     shown = [item.meta["images"]] if item.meta.get("images") else []  # a dialogue's image files
@@ -184,7 +187,9 @@ def _jobs(cfg: EvalConfig, items: list[tuple[str, int, Any]], done: set) -> Iter
                 yield item, m, [b for b, _ in todo], [r for _, r in todo]
 
 
-def prepare_model(cfg: EvalConfig, model, tokenizer):
+def prepare_model(
+    cfg: EvalConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | ProcessorMixin
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
     """Attach gates (score mode) when a policy method needs them; a model given already attached is kept."""
     if any(isinstance(m, PolicyCache) for m in cfg.method_list()) and getattr(model, "retention", None) is None:
         from retention import attach_gates

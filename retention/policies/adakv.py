@@ -14,12 +14,18 @@ One-shot (the paper's setting, default) or streaming (scores refreshed each chun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView
 from .scoring import max_pool, output_projections, value_norms
 from .window import WindowPolicy, window_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..cache.paged import PaddedView
 
 
 def safeguard(score: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
@@ -49,13 +55,13 @@ class AdaKVPolicy(WindowPolicy):
         self._w_o = None
         self._per_head = 0
 
-    def bind(self, model) -> None:
+    def bind(self, model: PreTrainedModel) -> None:
         self._w_o = output_projections(model) if self.value_norm else None
 
     def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
         self._per_head = int(self.alpha * total / (num_layers * num_heads))
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         attn = window_attention(query, view, query_pos, self.window).sum(3)  # (B, H, G, L)
         if self.value_norm:
             attn = attn * value_norms(view.values, None if self._w_o is None else self._w_o[layer])

@@ -18,8 +18,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..cache.paged import PaddedView
 
 BUDGET_SCOPES = ("global", "layer", "head")
 MODES = ("streaming", "one_shot")
@@ -72,7 +78,7 @@ class EvictionPolicy(ABC):
     uses_gates: bool = False  # True: scores come from the attached retention gates (their beta)
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
 
-    def bind(self, model) -> None:
+    def bind(self, model: PreTrainedModel) -> None:
         """Called once by the cache with the model (policies that need weights, e.g. ``W_O``, read them here)."""
 
     def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
@@ -112,7 +118,7 @@ class EvictionPolicy(ABC):
     def score(self, entries: EntryView) -> torch.Tensor:
         """Scores ``(R, Lpad)`` float32 for ``entries`` (values at invalid slots are ignored)."""
 
-    def observe(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         """Called per layer and forward when ``needs_queries``, before attention: ``query`` ``(B, Hq, Q, D)``
         (after RoPE), ``view`` the layer's kept entries (:class:`retention.cache.paged.PaddedView`: keys,
         values ``(B, H, Lmax, D)``, pos, valid ``(B, H, Lmax)``) including this forward's new tokens, and

@@ -14,11 +14,15 @@ paper's layer-by-layer prefill; one-shot (default) allocates once after the pref
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .scoring import max_pool
 from .window import WindowPolicy, window_attention
+
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -38,7 +42,7 @@ class CAKEPolicy(WindowPolicy):
                              f"{self.gamma}")
         self.preference: dict[int, float] = {}
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         attn = window_attention(query, view, query_pos, self.window).mean(2)  # (B, H, W, L)
         mean, var = attn.mean(2), attn.var(2, unbiased=False) if attn.shape[2] > 1 else torch.zeros_like(attn[:, :, 0])
         ok = (view.valid & (view.pos >= 0)).float()

@@ -14,11 +14,17 @@ One-shot (default) or streaming (risks refreshed from each chunk's window).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .scoring import max_pool, output_projections, value_norms
 from .window import WindowPolicy, window_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -32,10 +38,10 @@ class DefensiveKVPolicy(WindowPolicy):
         super().__post_init__()
         self._w_o = None
 
-    def bind(self, model) -> None:
+    def bind(self, model: PreTrainedModel) -> None:
         self._w_o = output_projections(model)
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         attn = max_pool(window_attention(query, view, query_pos, self.window), self.kernel)  # (B, H, G, W, L)
         vn = value_norms(view.values, None if self._w_o is None else self._w_o[layer])  # (B, H, G, L)
         imp = attn * vn[:, :, :, None]

@@ -10,12 +10,16 @@ B with the gates' top entries, sinks included. ``share=0`` is :class:`GlobalGate
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView, protect
 from .global_gates import GlobalGatesPolicy
 from .snapkv import SnapKVPolicy
+
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -38,7 +42,7 @@ class GatesSnapKVPolicy(GlobalGatesPolicy):
     def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
         self._per_head = int(self.share * total // (num_layers * num_heads))
 
-    def observe(self, layer, query, view, query_pos) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         self.snap.observe(layer, query, view, query_pos)
 
     def score(self, entries: EntryView) -> torch.Tensor:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView, EvictionPolicy, protect
 from .scoring import max_pool, value_metrics
 from .window import recent_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def lookahead_log_score(log_beta: torch.Tensor, age: torch.Tensor, horizon: int) -> torch.Tensor:
@@ -103,7 +107,7 @@ class GlobalGatesPolicy(EvictionPolicy):
         self.needs_kv = self.value_weight > 0 or self.key_weight > 0
         self._value_metric = None
 
-    def bind(self, model) -> None:
+    def bind(self, model: PreTrainedModel) -> None:
         if self.value_weight > 0:
             self._value_metric = value_metrics(model)
 

@@ -12,11 +12,15 @@ compresses once after the prefill with the accumulated prefill attention.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView, EvictionPolicy, protect
 from .window import PositionStats, recent_mask, window_attention
+
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -33,7 +37,7 @@ class H2OPolicy(EvictionPolicy):
         if self.recent < 0:
             raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
 
-    def observe(self, layer, query, view, query_pos) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         attn = window_attention(query, view, query_pos, window=None)  # every query of this forward
         self.stats.write(layer, attn.sum(dim=(2, 3)), view, accumulate=True)
 

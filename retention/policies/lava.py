@@ -15,11 +15,15 @@ paper's layer-by-layer recompression during prefill is this with one chunk per l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .scoring import max_pool
 from .window import WindowPolicy, window_attention
+
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -32,7 +36,7 @@ class LAVaPolicy(WindowPolicy):
         super().__post_init__()
         self.entropy: dict[int, float] = {}
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         W = min(self.window, query.shape[2])
         attn = window_attention(query, view, query_pos, self.window).sum(3).amax(2)  # (B, H, L), max over group
         vmax = (view.values.float().abs().sum(-1) * view.valid).amax(-1, keepdim=True)  # max_k ||V[k]||_1

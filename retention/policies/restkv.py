@@ -16,12 +16,18 @@ One-shot (default) or streaming (scores refreshed from each chunk's window).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .scoring import output_projections, projected_values
 from .window import WindowPolicy, window_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..cache.paged import PaddedView
 
 
 def reconstruction_scores(attn: torch.Tensor, vw: torch.Tensor) -> torch.Tensor:
@@ -53,13 +59,13 @@ class ReSTKVPolicy(WindowPolicy):
         self._w_o = None
         self._per_head = 1
 
-    def bind(self, model) -> None:
+    def bind(self, model: PreTrainedModel) -> None:
         self._w_o = output_projections(model)
 
     def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
         self._per_head = max(1, total // (num_layers * num_heads))
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         attn = window_attention(query, view, query_pos, self.window)  # (B, H, G, W, L)
         I = reconstruction_scores(attn, projected_values(view.values, self._w_o[layer])).mean(2)  # (B, H, W, L)
         smooth = ema(I, self.alpha, dim=2)  # (B, H, L)

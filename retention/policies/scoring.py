@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -15,7 +16,7 @@ def max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
-def output_projections(model) -> list[torch.Tensor]:
+def output_projections(model: nn.Module) -> list[torch.Tensor]:
     """``W_O`` of every decoder layer as ``(Hq, D, hidden)``: head ``h`` maps ``v`` to ``v @ W[h]``."""
     from ..attach import attention_modules
 
@@ -42,7 +43,7 @@ def value_norms(values: torch.Tensor, w_o: torch.Tensor | None) -> torch.Tensor:
     return projected_values(values, w_o).norm(dim=-1)
 
 
-def value_metrics(model) -> torch.Tensor | None:
+def value_metrics(model: nn.Module) -> torch.Tensor | None:
     """``(L, H_kv, D, D)``: the mean over each KV head's query heads of ``W_O^h W_O^h^T``, so that
     ``v^T M v`` is the mean squared norm of ``v``'s output through those heads; ``None`` for a model
     whose attention has no ``o_proj`` (value norms are then ``||v||``)."""

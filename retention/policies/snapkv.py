@@ -13,14 +13,19 @@ turn refreshes the scores from its own last ``window`` queries and compresses un
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .scoring import max_pool
 from .window import WindowPolicy, window_attention
 
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
-def pooled_window_scores(query, view, query_pos, window: int, kernel: int) -> torch.Tensor:
+
+def pooled_window_scores(query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor, window: int,
+                         kernel: int) -> torch.Tensor:
     """``(B, H, L)``: window attention (sum over window, mean over group) max-pooled over entries."""
     return max_pool(window_attention(query, view, query_pos, window).sum(3).mean(2), kernel)
 
@@ -35,5 +40,5 @@ class SnapKVPolicy(WindowPolicy):
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and >= 1, got {self.kernel}")
 
-    def layer_scores(self, layer, query, view, query_pos) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         return pooled_window_scores(query, view, query_pos, self.window, self.kernel)

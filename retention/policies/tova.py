@@ -11,11 +11,15 @@ compresses once after the prefill with the prefill's last query.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView, EvictionPolicy
 from .window import PositionStats, window_attention
+
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
 
 @dataclass
@@ -29,7 +33,7 @@ class TOVAPolicy(EvictionPolicy):
     def __post_init__(self) -> None:
         self.validate()
 
-    def observe(self, layer, query, view, query_pos) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         attn = window_attention(query, view, query_pos, window=1)[:, :, :, 0]  # (B, H, G, L)
         # the same token sits at different slots in different heads: average by position
         self.stats.write(layer, attn.mean(2), view)

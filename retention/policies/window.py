@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import EntryView, EvictionPolicy, protect
 
+if TYPE_CHECKING:
+    from ..cache.paged import PaddedView
 
-def window_attention(query: torch.Tensor, view, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+
+def window_attention(query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor,
+                     window: int | None) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries over the kept entries, recomputed from the
     cached keys (as SnapKV does under FlashAttention), so no eager attention is needed.
 
@@ -42,7 +47,7 @@ class PositionStats:
         """Row ``i`` of every table becomes old row ``indices[i]`` (repeats allowed)."""
         self.tables = {layer: t[indices.to(t.device)] for layer, t in self.tables.items()}
 
-    def write(self, layer: int, values: torch.Tensor, view, accumulate: bool = False) -> None:
+    def write(self, layer: int, values: torch.Tensor, view: PaddedView, accumulate: bool = False) -> None:
         """Store (or add) ``values`` ``(B, H, L)`` of the view's entries under their positions."""
         pos = view.pos.clamp_min(0)
         size = int(pos.max()) + 1 if pos.numel() else 1
@@ -101,10 +106,10 @@ class WindowPolicy(EvictionPolicy):
             raise ValueError(f"window must be >= 1, got {self.window}")
 
     @abstractmethod
-    def layer_scores(self, layer: int, query: torch.Tensor, view, query_pos: torch.Tensor) -> torch.Tensor:
+    def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)`` scores of the layer's kept entries."""
 
-    def observe(self, layer, query, view, query_pos) -> None:
+    def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
             return  # decoding steps do not move one-shot scores
         self.stats.write(layer, self.layer_scores(layer, query, view, query_pos), view)

@@ -13,7 +13,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from retention.io import atomic_directory, save_state
 
 from .config import Config
 from .data import PackedStream
+
+if TYPE_CHECKING:
+    from retention.gates import RetentionGates
 
 
 def rng_state() -> dict[str, Any]:
@@ -47,13 +50,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 DEEPSPEED_STATE = "deepspeed"  # a checkpoint's folder of DeepSpeed's own state: optimizer shards, one file per rank
 
 
-def save_deepspeed_state(engine, folder: Path) -> None:
+def save_deepspeed_state(engine: Any, folder: Path) -> None:
     """DeepSpeed's optimizer state (fp32 master weights and Adam moments, sharded over the ranks) and the trainable
     weights, written by every rank into ``folder`` (collective); never the frozen base."""
     engine.save_checkpoint(str(folder), tag="state", exclude_frozen_parameters=True, save_latest=False)
 
 
-def load_deepspeed_state(engine, folder: Path) -> None:
+def load_deepspeed_state(engine: Any, folder: Path) -> None:
     """What :func:`save_deepspeed_state` wrote, into every rank's shard (collective; the same number of ranks)."""
     path, _ = engine.load_checkpoint(str(folder), tag="state", load_module_strict=False, load_optimizer_states=True,
                                      load_lr_scheduler_states=False)
@@ -66,7 +69,8 @@ def deepspeed_processes(checkpoint: Path) -> int:
     return len(list((checkpoint / DEEPSPEED_STATE).glob("state/*optim_states.pt")))
 
 
-def save_checkpoint(path: Path, gates, optimizer, scheduler, stream: PackedStream, step: int, history: list,
+def save_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, stream: PackedStream, step: int, history: list,
                     extra: dict[str, torch.Tensor] | None = None, before: dict[str, float] | None = None,
                     deepspeed_state: Path | None = None, settings: dict[str, Any] | None = None) -> None:
     """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base.

@@ -15,18 +15,23 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from .config import DataConfig, SourceConfig
 from .sources import DataError, iter_source
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from retention.eval.tasks.base import Item
+
 # bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources)
 DATA_FORMAT = 3
 
 
-def tokenize_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
     """Chat template tokens and a mask of the positions that predict an assistant token.
 
     Each turn's tokens are what rendering it adds to the conversation so far (its header, text and closer), when
@@ -75,7 +80,7 @@ def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[list[in
     return ids, is_assistant[1:] + [False]
 
 
-def synthetic_items(source: SourceConfig, tokenizer, seq_len: int) -> list:
+def synthetic_items(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list:
     """A synthetic source's items: its eval task's generator over the training haystacks (``split="train"``)
     with the source's seed and options; contexts of ``source.length`` tokens (default ``seq_len - 128``,
     room for the question and answer)."""
@@ -91,12 +96,13 @@ def held_out_count(n: int, fraction: float) -> int:
     return max(1, n_eval) if fraction > 0 and n > 1 else n_eval
 
 
-def synthetic_reply(item) -> str:
+def synthetic_reply(item: Item) -> str:
     """The assistant's answer to a synthetic item's question: its answer prefix, then its answers."""
     return (item.answer_prefix + " " + ", ".join(item.answers)).strip()
 
 
-def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> Iterator[list[dict[str, str]]]:
+def synthetic_conversations(source: SourceConfig, tokenizer: PreTrainedTokenizerBase,
+                            seq_len: int) -> Iterator[list[dict[str, str]]]:
     """Retrieval / QA conversations from an eval task generator over the training haystacks.
 
     The same generators as the evaluation sets, with ``split="train"`` (disjoint documents) and another
@@ -113,7 +119,8 @@ def synthetic_conversations(source: SourceConfig, tokenizer, seq_len: int) -> It
             yield [{"role": "user", "content": item.context + "\n\n" + item.question}, {"role": "assistant", "content": reply}]
 
 
-def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: int | None = None) -> list[dict[str, Any]]:
+def tokenize_source(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, min_tokens: int,
+                    seq_len: int | None = None) -> list[dict[str, Any]]:
     """Documents of one source: ``input_ids``, ``loss_mask``, ``whole`` (synthetic items, which lose
     their point when cut: the packer keeps each one inside a single row) and ``weight`` (the source's
     distillation weight)."""
@@ -136,7 +143,7 @@ def tokenize_source(source: SourceConfig, tokenizer, min_tokens: int, seq_len: i
     return docs
 
 
-def template_key(tokenizer) -> str | None:
+def template_key(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The chat template's hash (None without one): rows cached under another template, or other template variables
     (``data.chat_template_kwargs``), are not these rows."""
     template = getattr(tokenizer, "chat_template", None)
@@ -152,7 +159,8 @@ def _cache_key(cfg: DataConfig, tokenizer) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def load_documents(cfg: DataConfig, tokenizer, cache: Path | None = None) -> list[dict[str, list]]:
+def load_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                   cache: Path | None = None) -> list[dict[str, list]]:
     """All sources tokenized (cached with ``datasets.save_to_disk`` under ``cache``)."""
     import datasets
 
@@ -301,7 +309,8 @@ class PackedStream:
         self.position = int(state["position"])
 
 
-def build_data(cfg: DataConfig, tokenizer, cache: Path | None = None) -> tuple[list[PackedRow], list[PackedRow]]:
+def build_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+               cache: Path | None = None) -> tuple[list[PackedRow], list[PackedRow]]:
     """Train and held-out rows (the last ``eval_fraction`` of the packed rows)."""
     rows = pack(load_documents(cfg, tokenizer, cache), cfg.seq_len, cfg.seed)
     n_eval = held_out_count(len(rows), cfg.eval_fraction)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,13 @@ from torch import nn
 from retention.attach import RetentionAttachment, unwrap
 from retention.compat import cache_kwargs, output_cache
 from retention.policies import lookahead_log_score
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from retention.eval.tasks.base import Item
+
+    from .config import DataConfig, SourceConfig
 
 _SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
 HARD_TAU = 1.0e-4  # the held-out KL's temperature: the policy's own top-B (see tests/test_train_evict.py)
@@ -54,7 +62,7 @@ class EvictionExample:
     rank_weight: float = 1.0  # its source's multiplier of loss.rank_weight
 
 
-def example_from_item(tokenizer, item) -> EvictionExample:
+def example_from_item(tokenizer: PreTrainedTokenizerBase, item: Item) -> EvictionExample:
     """Head / tail split of an eval-generator item as the query-agnostic protocol splits it.
 
     Retrieval and dialogue items: the tail is the question turn (chat template, generation prompt and
@@ -74,7 +82,7 @@ def example_from_item(tokenizer, item) -> EvictionExample:
     return EvictionExample(list(ctx), tail, targets, item.task)
 
 
-def source_examples(source, tokenizer, seq_len: int) -> list[EvictionExample]:
+def source_examples(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list[EvictionExample]:
     """Examples of one synthetic source (:func:`retention.train.data.synthetic_items`); :func:`load_examples` gives them
     their source's weights."""
     from tqdm.auto import tqdm
@@ -87,7 +95,8 @@ def source_examples(source, tokenizer, seq_len: int) -> list[EvictionExample]:
     return out
 
 
-def load_examples(cfg, tokenizer, cache=None) -> tuple[list[EvictionExample], list[EvictionExample]]:
+def load_examples(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  cache: Path | None = None) -> tuple[list[EvictionExample], list[EvictionExample]]:
     """Train and held-out examples of a config's ``data`` (cached as JSON under ``cache``): the held-out
     ones are the last ``eval_fraction`` of each source's items, taken in turn from each source."""
     import json
@@ -222,8 +231,10 @@ class EvictionDistiller(nn.Module):
         self.model = model
         self.attachment = attachment
 
-    def forward(self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False,
-                mass_queries: torch.Tensor | None = None):
+    def forward(
+        self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False,
+        mass_queries: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], dict[str, Any]]:
         att = self.attachment
         decoder = unwrap(self.model).model
         cfg = att.gates.config

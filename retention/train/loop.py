@@ -16,7 +16,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from .multimodal_data import build_multimodal, shows_images
 from .sources import check_hub_source, check_local_source
 from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 
 class Distiller(nn.Module):
     """One forward = teacher pass + student pass, so DDP / DeepSpeed see a single module call.
@@ -53,7 +56,8 @@ class Distiller(nn.Module):
         self.model = model
         self.attachment = attachment
 
-    def forward(self, input_ids, position_ids, **extra):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                **extra: Any) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         import contextlib
 
         decoder = unwrap(self.model).model  # the transformer without the LM head
@@ -120,7 +124,7 @@ def _zero3(accelerator) -> bool:
     return plugin is not None and plugin.zero_stage == 3
 
 
-def gathered(accelerator, params):
+def gathered(accelerator: Accelerator, params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager[None]:
     """Full (unpartitioned) parameters inside the block under DeepSpeed ZeRO-3 (collective: every rank
     enters); a no-op otherwise."""
     import contextlib
@@ -132,7 +136,7 @@ def gathered(accelerator, params):
     return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
-def lr_lambda(cfg: Config):
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
     warm, total = cfg.train.warmup_steps, cfg.train.steps
 
     def f(step: int) -> float:

@@ -8,7 +8,7 @@ import hashlib
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,8 +16,11 @@ from .config import DataConfig, SourceConfig
 from .data import synthetic_items, synthetic_reply, template_key
 from .sources import SHAREGPT_ROLES, DataError, iter_source
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-def image_tokens(processor, height: int, width: int) -> int:
+
+def image_tokens(processor: ProcessorMixin, height: int, width: int) -> int:
     """Tokens an image of ``height`` x ``width`` pixels takes after the processor's resize and patch merging."""
     ip = processor.image_processor
     return ip.get_number_of_image_patches(height, width, {}) // getattr(ip, "merge_size", 2) ** 2
@@ -38,7 +41,7 @@ def _load_image(ref: Any, root: Path | None):
     return Image.open(path).convert("RGB")
 
 
-def assistant_mask(ids: list[int], tokenizer) -> list[bool]:
+def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[bool]:
     """Positions predicting a token of an assistant turn, for ChatML templates (Qwen, SmolLM)."""
     start = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -84,7 +87,8 @@ def to_messages(record: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def encode_multimodal(processor, messages: list[dict[str, Any]], seq_len: int, root: Path | None = None) -> dict | None:
+def encode_multimodal(processor: ProcessorMixin, messages: list[dict[str, Any]], seq_len: int,
+                      root: Path | None = None) -> dict | None:
     """One conversation through the model's processor: ids, mask and vision inputs; None if longer than seq_len."""
     images = [
         _load_image(c.get("image"), root)
@@ -103,7 +107,7 @@ def encode_multimodal(processor, messages: list[dict[str, Any]], seq_len: int, r
     return out
 
 
-def conversation_length(processor, messages: list[dict[str, Any]], root: Path | None = None) -> int:
+def conversation_length(processor: ProcessorMixin, messages: list[dict[str, Any]], root: Path | None = None) -> int:
     """Tokens of one conversation after the processor expands its images, without processing pixels:
     image sizes come from the file headers and the image processor's own resize rule."""
     from PIL import Image
@@ -157,7 +161,8 @@ class EncodedConversations:
     M-RoPE rows) and ``cu_seqlens`` at the conversation boundaries, so no token attends across them.
     """
 
-    def __init__(self, records: list[tuple[list[dict[str, Any]], Path | None]], rows: list[list[int]], processor, seq_len: int):
+    def __init__(self, records: list[tuple[list[dict[str, Any]], Path | None]], rows: list[list[int]],
+                 processor: ProcessorMixin, seq_len: int) -> None:
         self.records, self.rows, self.processor, self.seq_len = records, rows, processor, seq_len
 
     def __len__(self) -> int:
@@ -199,7 +204,8 @@ def shows_images(source: SourceConfig) -> bool:
     return source.kind == "multimodal" or (source.kind == "synthetic" and source.path in IMAGE_TASKS)
 
 
-def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> list[list[dict[str, Any]]]:
+def image_task_conversations(source: SourceConfig, processor: ProcessorMixin,
+                             seq_len: int) -> list[list[dict[str, Any]]]:
     """A synthetic image task's items (training haystacks, the source's seed) as multimodal conversations: each turn's
     photos then its text, the answer as the last reply. The text fills ``source.length`` tokens (default: the row less
     128 tokens and the photos' own tokens)."""
@@ -237,7 +243,8 @@ def image_task_conversations(source: SourceConfig, processor, seq_len: int) -> l
     return conversations
 
 
-def build_multimodal(cfg: DataConfig, processor, cache: Path | None = None) -> tuple[EncodedConversations, EncodedConversations]:
+def build_multimodal(cfg: DataConfig, processor: ProcessorMixin,
+                     cache: Path | None = None) -> tuple[EncodedConversations, EncodedConversations]:
     """Multimodal conversations packed into rows of at most ``seq_len`` tokens (whole conversations; each
     row's length is its own), shuffled with the seed, the last ``eval_fraction`` of rows held out.
     Lengths come from one pass over the records (cached under ``cache``); rows encode lazily."""

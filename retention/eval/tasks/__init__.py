@@ -6,6 +6,10 @@ Every generator has the signature ``gen(tokenizer, length, n, seed=0, split="eva
 context, or the conversation so far), in tokens of ``tokenizer``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .base import Item
 from .dialogue import dialogue_memory
 from .fidelity import fidelity
@@ -14,6 +18,9 @@ from .niah import multi_key_needle, multi_query_needle, multi_value_needle, sing
 from .qa import document_qa
 from .variable_tracking import variable_tracking
 from .words import common_words, frequent_words
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TASKS = {
     "niah_single": single_needle,
@@ -30,8 +37,8 @@ TASKS = {
 }
 
 
-def generate(task: str, tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-             **params) -> list[Item]:
+def generate(task: str, tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+             source: str = "auto", **params: Any) -> list[Item]:
     """Items of a task by name (``params``: the task's own options, e.g. ``keys=8`` for ``niah_multikey``)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; available: {sorted(TASKS)}")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -41,11 +44,12 @@ def rng_for(task: str, split: str, length: int, seed: int, i: int) -> random.Ran
     return random.Random(f"{task}/{split}/{length}/{seed}/{i}")
 
 
-def count_tokens(tokenizer, text: str) -> int:
+def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def fit_length(tokenizer, target: int, build: Callable[[int], str], max_units: int) -> tuple[str, int]:
+def fit_length(tokenizer: PreTrainedTokenizerBase, target: int, build: Callable[[int], str],
+               max_units: int) -> tuple[str, int]:
     """The longest ``build(k)`` (``k <= max_units`` units of filler) with at most ``target`` tokens.
 
     Binary search on ``k``: the whole text is tokenised each time, so seams between sentences and
@@ -81,7 +85,8 @@ KEYS = ["amber", "falcon", "harbor", "meadow", "lantern", "quartz", "willow", "c
         "compass", "marble", "violet", "beacon", "copper", "island", "mirror", "prairie", "summit", "tundra"]
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+                add_generation_prompt: bool = False) -> str:
     """The prompt string of a conversation: the tokenizer's chat template, or a plain fallback."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -5,10 +5,13 @@ documentation) and asks about them; the assistant answers by quoting the passage
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..haystack import passage
 from .base import Item, count_tokens, item_id, render_chat, rng_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NAMES = ["Ada", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kofi", "Lena"]
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Quito", "Kyoto", "Tallinn", "Porto", "Hobart", "Lyon", "Cusco", "Tromso"]
@@ -33,8 +36,8 @@ def _facts(rng: random.Random) -> list[tuple[str, str, str]]:
     ]
 
 
-def dialogue_memory(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                    facts: int = 2) -> list[Item]:
+def dialogue_memory(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                    source: str = "auto", facts: int = 2) -> list[Item]:
     """``facts`` facts (of name / city / pet / job) in the opening turns; one is asked at the end.
 
     ``length`` counts the rendered conversation (chat template included) before the question.
@@ -57,8 +60,8 @@ def dialogue_memory(tokenizer, length: int, n: int, seed: int = 0, split: str = 
     return items
 
 
-def talk_about_passages(tokenizer, rng: random.Random, opening: list[dict[str, Any]], length: int, split: str,
-                        source: str) -> list[dict[str, str]]:
+def talk_about_passages(tokenizer: PreTrainedTokenizerBase, rng: random.Random, opening: list[dict[str, Any]],
+                        length: int, split: str, source: str) -> list[dict[str, str]]:
     """Turns after ``opening`` in which the user shares passages of real text and the assistant quotes them: whole
     exchanges while the rendered conversation fits ``length`` tokens, then a last one cut to fit."""
     def fits(msgs: list[dict[str, Any]]) -> bool:

@@ -5,12 +5,17 @@ the metric is KL(full || compressed) and top-1 agreement over the continuation's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..haystack import documents
 from .base import Item, item_id, rng_for
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def fidelity(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-             continuation: int = 32) -> list[Item]:
+
+def fidelity(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+             source: str = "auto", continuation: int = 32) -> list[Item]:
     """A real text's next ``continuation`` tokens, scored by KL and top-1 agreement with the full cache."""
     docs = documents(split, source)
     items = []

@@ -13,9 +13,13 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .base import Item, item_id, rng_for
 from .dialogue import talk_about_passages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SHOWS = ["Here is a photo from my trip.", "Look at this one.", "Another photo I took.", "And this photo.",
          "One more from the album."]
@@ -81,8 +85,8 @@ def numbered_photo(rng: random.Random, number: str, size: int) -> str:
     return path.name
 
 
-def image_memory(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                 images: int = 2, size: int = 448) -> list[Item]:
+def image_memory(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                 source: str = "auto", images: int = 2, size: int = 448) -> list[Item]:
     """``images`` photos (``size`` pixels square), one per opening turn, each with a 4-digit number; the question
     asks for the number on one of them (by its place in the dialogue: "the second photo").
 

@@ -5,10 +5,13 @@ numbers for one key) and multi-query (several keys asked at once)."""
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from ..haystack import passage
 from .base import KEYS, Item, fit_length, item_id, magic_number, place, rng_for
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _fact(key: str, value: str) -> str:
@@ -29,7 +32,8 @@ def _needles(task: str, tokenizer, length: int, n: int, seed: int, split: str, s
     return items
 
 
-def single_needle(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto") -> list[Item]:
+def single_needle(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                  source: str = "auto") -> list[Item]:
     """One fact; ask for its number."""
     def make(rng: random.Random):
         key, val = rng.choice(KEYS), magic_number(rng)
@@ -38,8 +42,8 @@ def single_needle(tokenizer, length: int, n: int, seed: int = 0, split: str = "e
     return _needles("niah_single", tokenizer, length, n, seed, split, source, make)
 
 
-def multi_key_needle(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                     keys: int = 4) -> list[Item]:
+def multi_key_needle(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                     source: str = "auto", keys: int = 4) -> list[Item]:
     """``keys`` facts with different keys; one is asked, the others are distractors."""
     def make(rng: random.Random):
         ks = rng.sample(KEYS, keys)
@@ -51,8 +55,8 @@ def multi_key_needle(tokenizer, length: int, n: int, seed: int = 0, split: str =
     return _needles("niah_multikey", tokenizer, length, n, seed, split, source, make)
 
 
-def multi_value_needle(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                       values: int = 3) -> list[Item]:
+def multi_value_needle(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                       source: str = "auto", values: int = 3) -> list[Item]:
     """``values`` numbers for one key; all must be recalled."""
     def make(rng: random.Random):
         key = rng.choice(KEYS)
@@ -63,8 +67,8 @@ def multi_value_needle(tokenizer, length: int, n: int, seed: int = 0, split: str
     return _needles("niah_multivalue", tokenizer, length, n, seed, split, source, make)
 
 
-def multi_query_needle(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                       queries: int = 2) -> list[Item]:
+def multi_query_needle(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                       source: str = "auto", queries: int = 2) -> list[Item]:
     """``queries`` keys asked at once; every number must be recalled."""
     def make(rng: random.Random):
         ks = rng.sample(KEYS, queries)

@@ -5,9 +5,13 @@ quotes a sentence and asks which section (president / module) it comes from."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ..haystack import Document, documents
 from .base import Item, fit_length, item_id, rng_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _label(doc: Document) -> tuple[str, str]:
@@ -23,8 +27,8 @@ def _sentences(text: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if 6 <= len(s.split()) <= 60]
 
 
-def document_qa(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                sections: int | None = None) -> list[Item]:
+def document_qa(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                source: str = "auto", sections: int | None = None) -> list[Item]:
     """``sections`` (default: one per ~400 tokens, 2 to 6) excerpts of distinct documents."""
     docs = [d for d in documents(split, source) if len(_sentences(d.text)) >= 40]
     m = sections or max(2, min(6, length // 400))

@@ -3,14 +3,19 @@ through real text; name every variable that holds the value (multi-hop tracing).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..haystack import passage
 from .base import Item, fit_length, item_id, place, rng_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 
-def variable_tracking(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                      hops: int = 4) -> list[Item]:
+def variable_tracking(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                      source: str = "auto", hops: int = 4) -> list[Item]:
     """A chain of ``hops`` assignments (VAR X = 12345. VAR Y = VAR X. ...) hidden in real text; name every variable
     that holds the value."""
     items = []

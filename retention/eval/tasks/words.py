@@ -4,9 +4,13 @@ few appear many times) and frequent-word extraction (coded words drawn from a Zi
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from ..haystack import vocabulary
 from .base import Item, count_tokens, item_id, rng_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _fit_list(tokenizer, length: int, draw, header: str, numbered: bool) -> list[str]:
@@ -21,8 +25,8 @@ def _fit_list(tokenizer, length: int, draw, header: str, numbered: bool) -> list
     return words
 
 
-def common_words(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                 top: int = 3, common_share: float = 0.3) -> list[Item]:
+def common_words(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                 source: str = "auto", top: int = 3, common_share: float = 0.3) -> list[Item]:
     """Name the ``top`` most common words of a numbered list of real words."""
     vocab = vocabulary(split, source)
     header = "Below is a numbered list of words. In these words, some appear more often than others. "
@@ -47,8 +51,8 @@ def _coded_word(rng: random.Random) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
 
 
-def frequent_words(tokenizer, length: int, n: int, seed: int = 0, split: str = "eval", source: str = "auto",
-                   top: int = 3, vocab_size: int = 60, alpha: float = 2.0) -> list[Item]:
+def frequent_words(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
+                   source: str = "auto", top: int = 3, vocab_size: int = 60, alpha: float = 2.0) -> list[Item]:
     """Coded words with Zipf frequencies (rank r has weight r^-alpha); name the ``top`` most frequent.
 
     The text is synthetic by design (RULER's FWE); ``split``/``seed`` still separate training items.

@@ -14,6 +14,8 @@ never ``T x T`` per stream.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..retention_attention.reference import document_ids
@@ -55,7 +57,7 @@ def _decay(lb: torch.Tensor, doc: torch.Tensor, t0: int, t1: int, k0: int):
 
 class CapacitySumRef(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, log_beta, cu_seqlens, reduce):
+    def forward(ctx: Any, log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None, reduce: bool) -> torch.Tensor:
         B, N, T = log_beta.shape
         lb = log_beta.float()
         doc = document_ids(cu_seqlens, B, T, lb.device)
@@ -71,7 +73,7 @@ class CapacitySumRef(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dS):
+    def backward(ctx: Any, dS: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         log_beta, cu_seqlens = ctx.saved_tensors
         B, N, T = log_beta.shape
         lb = log_beta.float()

@@ -14,6 +14,8 @@ or after them; ``dS`` is read through its strides, so the broadcast over streams
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -88,7 +90,8 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 class CapacitySumTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, log_beta, cu_seqlens, reduce, streams_per_program):
+    def forward(ctx: Any, log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None, reduce: bool,
+                streams_per_program: int | None) -> torch.Tensor:
         B, N, T = log_beta.shape
         seg = segments(B, T, T, cu_seqlens, log_beta.device)
         work = work_list(seg.qlen, BLOCK, "late")
@@ -113,7 +116,7 @@ class CapacitySumTriton(torch.autograd.Function):
         return out.sum(1) if reduce else out
 
     @staticmethod
-    def backward(ctx, dS):
+    def backward(ctx: Any, dS: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         log_beta, sb, st0, slen = ctx.saved_tensors
         B, N, T = log_beta.shape
         dlb = torch.zeros(B, N, T, dtype=torch.float32, device=log_beta.device)

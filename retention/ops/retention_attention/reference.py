@@ -20,6 +20,8 @@ from the saved log-sum-exp (FlashAttention's scheme), so peak memory is one bloc
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # One block of scores holds about this many fp32 elements (~64 MB).
@@ -97,7 +99,14 @@ def _heads_first(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.to(torch.float32).permute(0, 2, 1, 3).reshape(B, hkv, H // hkv, T, D)
 
 
-def retention_attention_forward(q, k, v, log_beta, scale, cu_seqlens=None):
+def retention_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward in fp32 blocks. Returns ``out`` (B, Tq, Hq, D) fp32 and ``lse`` (B, Hq, Tq) fp32."""
     _check(q, k, v, log_beta)
     g = _Blocks(q, k, cu_seqlens)
@@ -119,7 +128,17 @@ def retention_attention_forward(q, k, v, log_beta, scale, cu_seqlens=None):
     return out.reshape(B, Hkv * G, Tq, D).transpose(1, 2), lse.reshape(B, Hkv * G, Tq)
 
 
-def retention_attention_backward(q, k, v, log_beta, out, lse, dout, scale, cu_seqlens=None):
+def retention_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (fp32, input layouts) and ``dlog_beta`` (B, Hkv, Tk) fp32.
 
     ``dS = P * (dP - delta)`` with ``delta_t = sum_d dout_t * out_t``; ``dlog_beta_i = sum_t dS[t, i] (t - i)``
@@ -157,7 +176,8 @@ class RetentionAttentionRef(torch.autograd.Function):
     """Autograd wrapper of the blocked reference (exact fp32, memory bounded by one block)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_beta, scale, cu_seqlens):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float,
+                cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = retention_attention_forward(q, k, v, log_beta, scale, cu_seqlens)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, log_beta, out, lse, cu_seqlens)
@@ -166,19 +186,35 @@ class RetentionAttentionRef(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, log_beta, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dlb = retention_attention_backward(q, k, v, log_beta, out, lse, dout, ctx.scale, cu_seqlens)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlb.to(log_beta.dtype), None, None
 
 
-def retention_attention_ref(q, k, v, log_beta, scale=None, cu_seqlens=None):
+def retention_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable reference: returns ``(out, lse)``; see the module docstring for shapes."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return RetentionAttentionRef.apply(q, k, v, log_beta, scale, cu_seqlens)
 
 
-def retention_attention_naive(q, k, v, log_beta, scale=None, cu_seqlens=None):
+def retention_attention_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Brute force: materialises every score and relies on autograd. For tests only."""
     _check(q, k, v, log_beta)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

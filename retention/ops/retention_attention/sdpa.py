@@ -21,7 +21,14 @@ def bias_elements(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
 
 
-def retention_attention_sdpa(q, k, v, log_beta, scale=None, cu_seqlens=None):
+def retention_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_beta: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Differentiable retention-gated attention ``(B, Tq, Hq, D)`` through SDPA with a materialised bias."""
     _check(q, k, v, log_beta)
     B, Tq, Hq, D = q.shape

@@ -26,7 +26,7 @@ as the head dimension is contiguous; nothing is copied for them.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -394,7 +394,8 @@ class RetentionAttentionTriton(torch.autograd.Function):
     """Autograd wrapper: ``forward(q, k, v, log_beta, scale, cu_seqlens) -> (out, lse)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_beta, scale, cu_seqlens):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Tensor, scale: float,
+                cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         _check_inputs(q, k, v, log_beta, cu_seqlens)
         q, k, v = (_head_dim_contiguous(x) for x in (q, k, v))
         B, Tq, Hq, D = q.shape
@@ -416,7 +417,9 @@ class RetentionAttentionTriton(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(
+        ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, log_beta, out, lse, *seg = ctx.saved_tensors
         seg = Segments(*seg)
         scale = ctx.scale
