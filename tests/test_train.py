@@ -445,6 +445,50 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     assert [r["step"] for r in plain["history"]] == [1, 2, 3]
 
 
+class Payload:
+    """Stands for any class a pickle may name: unpickling it runs its module's code."""
+
+
+def test_a_deepspeed_resume_unpickles_no_code(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's own loader reads its shards with ``torch.load(weights_only=False)``; on resume every file it reads
+    goes through ``load_without_pickled_code`` instead: tensors, numbers and DeepSpeed's three state classes load,
+    anything else stops the run with the class named and the way to trust it, and the engine's loader is restored.
+    (The two-process ZeRO-2/3 tests above resume real shards through it.)"""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from retention.train.checkpoint import TRUST_DEEPSPEED_STATE, load_deepspeed_state
+
+    state = tmp_path / "state"
+    state.mkdir()
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "m": torch.ones(3)},
+               state / "good.pt")
+    torch.save({"m": torch.ones(3), "extra": Payload()}, state / "bad.pt")
+
+    class Engine:  # what load_deepspeed_state uses of a DeepSpeed engine
+        def __init__(self, name: str) -> None:
+            self.checkpoint_engine, self.name, self.loaded = TorchCheckpointEngine(), name, None
+
+        def load_checkpoint(self, folder: str, **kw: object) -> tuple[str, dict]:
+            self.loaded = self.checkpoint_engine.load(str(Path(folder) / "state" / self.name), map_location="cpu")
+            return folder, {}
+
+    monkeypatch.delenv(TRUST_DEEPSPEED_STATE, raising=False)
+    good = Engine("good.pt")
+    load_deepspeed_state(good, tmp_path)
+    assert good.loaded["zero_stage"] == ZeroStageEnum.gradients and good.loaded["loss_scaler"].cur_scale == 1.0
+    assert "load" not in vars(good.checkpoint_engine)  # the class's own loader again
+    bad = Engine("bad.pt")
+    with pytest.raises(SystemExit) as stop:
+        load_deepspeed_state(bad, tmp_path)
+    assert bad.loaded is None and "load" not in vars(bad.checkpoint_engine)
+    assert "test_train.Payload" in str(stop.value) and f"set {TRUST_DEEPSPEED_STATE}=1" in str(stop.value)
+    monkeypatch.setenv(TRUST_DEEPSPEED_STATE, "1")  # the user's own word that the checkpoint is theirs
+    load_deepspeed_state(bad, tmp_path)
+    assert isinstance(bad.loaded["extra"], Payload)
+
+
 def _deepspeed_runs(tmp_path: Path, stage: int, runs: list[list[str]], pythonpath: str = str(REPO)) -> list[str]:
     """Launch each of ``runs`` (a script and its arguments) as two DeepSpeed processes on DeepSpeed's CPU accelerator,
     with the shipped ZeRO-``stage`` config; returns their outputs. Its ``stage3_param_persistence_threshold`` is 0

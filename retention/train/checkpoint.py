@@ -56,10 +56,49 @@ def save_deepspeed_state(engine: Any, folder: Path) -> None:
     engine.save_checkpoint(str(folder), tag="state", exclude_frozen_parameters=True, save_latest=False)
 
 
+TRUST_DEEPSPEED_STATE = "RETENTION_TRUST_DEEPSPEED_STATE"  # "1": let DeepSpeed unpickle its state as it would
+
+
+def deepspeed_safe_globals() -> list[type]:
+    """The DeepSpeed classes its optimizer shards pickle beside plain tensors and numbers (the ZeRO stage, a
+    parameter's slice of the flat buffer, the loss scaler): the only classes a resume may rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
+def load_without_pickled_code(path: str | Path, map_location: Any = None) -> Any:
+    """``torch.load`` with ``weights_only=True``, allowing :func:`deepspeed_safe_globals`: DeepSpeed's own loader
+    unpickles anything (``weights_only=False``), so a checkpoint from elsewhere could run code on resume."""
+    import pickle
+
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            raise SystemExit(
+                f"--resume: {path} holds pickled objects retention does not rebuild ({', '.join(found) or e}): "
+                f"only tensors, numbers and {len(deepspeed_safe_globals())} DeepSpeed types load. If you trust this "
+                f"checkpoint (your own run's, with a DeepSpeed setting that stores more), set {TRUST_DEEPSPEED_STATE}=1 "
+                "to let DeepSpeed unpickle it") from None
+
+
 def load_deepspeed_state(engine: Any, folder: Path) -> None:
-    """What :func:`save_deepspeed_state` wrote, into every rank's shard (collective; the same number of ranks)."""
-    path, _ = engine.load_checkpoint(str(folder), tag="state", load_module_strict=False, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
+    """What :func:`save_deepspeed_state` wrote, into every rank's shard (collective; the same number of ranks).
+    Read through :func:`load_without_pickled_code` unless ``RETENTION_TRUST_DEEPSPEED_STATE=1``."""
+    loader = engine.checkpoint_engine
+    trusted = os.environ.get(TRUST_DEEPSPEED_STATE) == "1"
+    if not trusted:  # every file of DeepSpeed's load_checkpoint goes through its checkpoint engine's load
+        loader.load = load_without_pickled_code
+    try:
+        path, _ = engine.load_checkpoint(str(folder), tag="state", load_module_strict=False,
+                                         load_optimizer_states=True, load_lr_scheduler_states=False)
+    finally:
+        if not trusted:
+            del loader.load  # the class's own again
     if path is None:
         raise SystemExit(f"--resume: DeepSpeed could not read its optimizer state in {folder}")
 
