@@ -74,14 +74,15 @@ def load_without_pickled_code(path: str | Path, map_location: Any = None) -> Any
     unpickles anything (``weights_only=False``), so a checkpoint from elsewhere could run code on resume."""
     import pickle
 
-    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+    allowed = deepspeed_safe_globals()
+    with torch.serialization.safe_globals(allowed):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:
             found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
             raise SystemExit(
                 f"--resume: {path} holds pickled objects retention does not rebuild ({', '.join(found) or e}): "
-                f"only tensors, numbers and {len(deepspeed_safe_globals())} DeepSpeed types load. If you trust this "
+                f"only tensors, numbers and {', '.join(c.__name__ for c in allowed)} load. If you trust this "
                 f"checkpoint (your own run's, with a DeepSpeed setting that stores more), set {TRUST_DEEPSPEED_STATE}=1 "
                 "to let DeepSpeed unpickle it") from None
 
