@@ -1,20 +1,23 @@
-"""Probe behind eval/results/experiments/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md: within each KV head of
-SmolLM2-135M, how do an entry's log value norm (``log ||v W_O||``, as ``GlobalGatesPolicy(value_weight=...)``
-computes it) and its negative log key norm rank against the attention the continuation pays it (the oracle's
-score, ``retention/eval/oracle.py``) and against the shipped gates' score? Spearman's rho per (layer, KV head) over the
-context's entries past the 4 sinks, averaged over heads and items; where the oracle's per-head top 10% falls
-among the value-norm quartiles; and the share of the per-head oracle's picks kept when each head keeps the
-gates' own number of entries (their global top-B at 10%, sinks included), ranked by
-``log beta^age - w log ||k||``.
+"""Probe behind eval/results/experiments/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md:
+within each KV head of SmolLM2-135M, how do an entry's log value norm (``log ||v W_O||``, as
+``GlobalGatesPolicy(value_weight=...)`` computes it) and its negative log key norm rank against the attention the
+continuation pays it (the oracle's score, ``retention/eval/oracle.py``) and against the shipped gates' score?
+Spearman's rho per (layer, KV head) over the context's entries past the 4 sinks, averaged over heads and items;
+where the oracle's per-head top 10% falls among the value-norm quartiles; and the share of the per-head oracle's
+picks kept when each head keeps the gates' own number of entries (their global top-B at 10%, sinks included),
+ranked by ``log beta^age - w log ||k||``.
 
     python -m retention.eval.norm_probe 8   # fidelity items of seed 31, ~3 min on 2 CPU cores
     (output kept in eval/results/experiments/smollm2-norm-probe.txt)
+
+``--model``, ``--gates``, ``--length`` and ``--seed`` probe another model, checkpoint or item set.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
+from typing import Any
 
 import torch
 
@@ -35,6 +38,7 @@ KEY_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 8.0)
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry within its row (0 = smallest; ties in index order), as float."""
     return x.argsort(-1).argsort(-1).float()
 
 
@@ -45,15 +49,18 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((ra * rb).sum(-1) / (ra.norm(dim=-1) * rb.norm(dim=-1))).mean())
 
 
-def main(n_items: int = 8) -> None:
-    model, tok = load_eval_model("smollm2-135m")
-    att = attach_gates(model, load_gates(shipped_gates("smollm2-135m")), mode="score")  # as the eval's `gates: null`
+def probe(model: Any, tok: Any, n_items: int = 8, length: int = 4096, seed: int = 31) -> dict[str, Any]:
+    """Run the probe on ``n_items`` fidelity items of ``length`` context tokens; ``model`` has gates attached in
+    ``score`` mode (``model.retention``). Returns per item: ``rho`` (5 Spearman correlations, in the order of
+    :data:`RHO_NAMES`), ``quartiles`` (4 shares of the oracle's per-head top 10%, lowest value norm first; they
+    sum to 1) and ``kept`` (``{key_weight: share of the per-head oracle's picks kept}``)."""
+    att = model.retention
     metric = value_metrics(model)
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
     R = L * H
     layer, head = torch.arange(L).repeat_interleave(H), torch.arange(H).repeat(L)
     rho, quartiles, kept = [], [], {w: [] for w in KEY_WEIGHTS}
-    for item in fidelity(tok, 4096, n_items, seed=31):
+    for item in fidelity(tok, length, n_items, seed=seed):
         ctx, cont = item.meta["context_ids"], item.meta["continuation_ids"]
         future = FutureAttention(window=len(cont), budget_scope="head")
         att.reset()
@@ -91,17 +98,49 @@ def main(n_items: int = 8) -> None:
                 k = int(share[r])
                 hit += len(set(oracle[r].topk(k).indices.tolist()) & set(mixed[r].topk(k).indices.tolist()))
             kept[w].append(hit / int(share.sum()))
-    mean = statistics.mean
-    print(f"{len(rho)} fidelity items of seed 31, 4096-token contexts, {R} KV heads")
-    names = ("log value norm vs future attention", "-log key norm vs future attention", "gates vs future attention",
+    return {"rho": rho, "quartiles": quartiles, "kept": kept, "items": len(rho), "length": length, "seed": seed,
+            "heads": R}
+
+
+RHO_NAMES = ("log value norm vs future attention", "-log key norm vs future attention", "gates vs future attention",
              "log value norm vs gates", "-log key norm vs gates")
-    for i, name in enumerate(names):
-        print(f"rho({name}): {mean(r[i] for r in rho):+.3f}")
-    print("share of the oracle's per-head top 10% in each value-norm quartile (lowest first): "
-          + ", ".join(f"{mean(x[j] for x in quartiles):.3f}" for j in range(4)))
-    print("share of the per-head oracle's picks kept at the gates' split, by key_weight: "
-          + ", ".join(f"{w:g}: {mean(kept[w]):.3f}" for w in KEY_WEIGHTS))
+
+
+def report(result: dict[str, Any]) -> str:
+    """The probe's printout: one line per correlation, then the quartile shares and the kept shares."""
+    mean = statistics.mean
+    rho, quartiles, kept = result["rho"], result["quartiles"], result["kept"]
+    lines = [f"{result['items']} fidelity items of seed {result['seed']}, {result['length']}-token contexts, "
+             f"{result['heads']} KV heads"]
+    lines += [f"rho({name}): {mean(r[i] for r in rho):+.3f}" for i, name in enumerate(RHO_NAMES)]
+    lines.append("share of the oracle's per-head top 10% in each value-norm quartile (lowest first): "
+                 + ", ".join(f"{mean(x[j] for x in quartiles):.3f}" for j in range(4)))
+    lines.append("share of the per-head oracle's picks kept at the gates' split, by key_weight: "
+                 + ", ".join(f"{w:g}: {mean(kept[w]):.3f}" for w in KEY_WEIGHTS))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m retention.eval.norm_probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("items", nargs="?", type=int, default=8, help="fidelity items to probe (default 8)")
+    ap.add_argument("--model", default="smollm2-135m", help="model spec, as the eval harness takes it")
+    ap.add_argument("--gates", default=None,
+                    help="gate checkpoint (folder or Hub id); default: the model's shipped gates")
+    ap.add_argument("--length", type=int, default=4096, help="context tokens per item (default 4096)")
+    ap.add_argument("--seed", type=int, default=31,
+                    help="item seed (default 31, untouched by training and the goal sets)")
+    args = ap.parse_args(argv)
+    if args.items < 1 or args.length < 10 * (SINKS + 1):
+        ap.error(f"need at least 1 item and a context of at least {10 * (SINKS + 1)} tokens "
+                 f"(got {args.items} items of {args.length}); the probe keeps 10% past {SINKS} sinks")
+    gates = args.gates or shipped_gates(args.model)
+    if gates is None:
+        ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
+    model, tok = load_eval_model(args.model)
+    attach_gates(model, load_gates(gates, model), mode="score")  # as the eval's `gates: null`
+    print(report(probe(model, tok, args.items, args.length, args.seed)))
+    return 0
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    raise SystemExit(main())
