@@ -165,7 +165,8 @@ def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor
     return torch.cat([starts, end]).to(torch.int32)
 
 
-def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: int, device: torch.device) -> torch.Tensor:
+def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: int,
+              device: torch.device) -> torch.Tensor:
     """``(batch, seqlen)`` bool: the first ``sink`` tokens of every sequence (each packed document)."""
     if cu_seqlens is None:
         return (torch.arange(seqlen, device=device) < sink).expand(batch, seqlen)
@@ -199,7 +200,8 @@ def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     logits = logits + causal.repeat(G, 1)
     if bias is not None:
         if bias.shape != (B, H, P):
-            raise ValueError(f"key bias has shape {tuple(bias.shape)}, the cache holds (B, H, P) = {(B, H, P)} past keys")
+            raise ValueError(f"key bias has shape {tuple(bias.shape)}, the cache holds (B, H, P) = {(B, H, P)} "
+                             "past keys")
         logits = torch.cat([logits[..., :P] + bias[:, :, None, :].float(), logits[..., P:]], dim=-1)
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhqk,bhkd->bhqd", probs, value.float())
@@ -208,7 +210,8 @@ def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         past = probs[..., :P]
         if query_weights is not None:
             if query_weights.shape != (Tq,):
-                raise ValueError(f"query_weights has shape {tuple(query_weights.shape)}, expected ({Tq},): one per new query")
+                raise ValueError(f"query_weights has shape {tuple(query_weights.shape)}, expected ({Tq},): "
+                                 "one per new query")
             past = past * query_weights.to(past).repeat(G)[:, None]  # rows are g * Tq + j
         return out, past.sum(2) / G
     return out
@@ -273,7 +276,8 @@ def retention_attention_function(
     if sink and Tq == Tk:
         # the inference policy always keeps each sequence's first tokens: never decay them here either,
         # so the gates learn the rest with the sink in place (the losses read the masked scores)
-        state.log_beta = state.history = log_beta.masked_fill(sink_mask(query.shape[0], Tq, cu, sink, log_beta.device)[:, None], 0.0)
+        state.log_beta = state.history = log_beta.masked_fill(
+            sink_mask(query.shape[0], Tq, cu, sink, log_beta.device)[:, None], 0.0)
     out = retention_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -396,7 +400,8 @@ def attach_gates(
     seed: int | None = None,
     **gate_options: Any,
 ) -> RetentionAttachment:
-    """Attach retention gates to ``model`` (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-VL; no sliding-window layers) in place.
+    """Attach retention gates to ``model`` (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-VL; no sliding-window layers)
+    in place.
 
     ``gates`` may be built gates, a :class:`GateConfig`, or ``None`` (built from the model with
     ``gate_options``, e.g. ``variant="trimkv"``); ``seed`` draws new gates' initial weights from a generator of
@@ -470,7 +475,8 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
             f"{have}, the model has {want}; use gates trained for this base model "
             f"({config.base_model or 'unknown base'})"
         )
-    model_name = getattr(cfg, "_name_or_path", "") or getattr(getattr(unwrap(model), "config", None), "_name_or_path", "")
+    model_name = (getattr(cfg, "_name_or_path", "")
+                  or getattr(getattr(unwrap(model), "config", None), "_name_or_path", ""))
     trained_for, this = model_stem(config.base_model), model_stem(model_name)
     if trained_for and this and trained_for != this:
         import warnings

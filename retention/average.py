@@ -44,7 +44,8 @@ def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] 
         differ = sorted(k for k in first if k not in ("base_model", "bias_init") and first[k] != other[k])
         if differ:  # bias_init only seeds training; a different base model is checked when loading against it
             raise ValueError(
-                f"gate set {i} differs from gate set 0 in {', '.join(f'{k} ({other[k]!r} vs {first[k]!r})' for k in differ)}: "
+                f"gate set {i} differs from gate set 0 in "
+                f"{', '.join(f'{k} ({other[k]!r} vs {first[k]!r})' for k in differ)}: "
                 "only gates of one layout (variant, width, model shape) can be averaged"
             )
     out = RetentionGates(gate_sets[0].config)

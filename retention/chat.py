@@ -32,7 +32,8 @@ _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exi
 _PLAIN_GENERATION = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
                      "sequence_bias": None, "min_length": 0, "min_new_tokens": None, "renormalize_logits": False,
-                     "exponential_decay_length_penalty": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0}
+                     "exponential_decay_length_penalty": None, "guidance_scale": None,
+                     "encoder_repetition_penalty": 1.0}
 # sampling settings the graph path applies itself (with transformers' own logits warpers, in generate's order, after
 # the repetition penalty); one left unset (None) in the call and the generation config takes transformers' global
 # default, as generate does
@@ -137,8 +138,8 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
         messages.append((role, str(text), images))
     system = messages.pop(0)[1] if messages[0][0] == "system" else None
     if len(messages) % 2 or any(r != want for (r, _, _), want in zip(messages, ["user", "assistant"] * len(messages))):
-        raise ChatInputError(f"{path}: the turns must go user, assistant, user, assistant... and end with a reply (type "
-                             "the next message in the chat); got " + ", ".join(r for r, _, _ in messages))
+        raise ChatInputError(f"{path}: the turns must go user, assistant, user, assistant... and end with a reply "
+                             "(type the next message in the chat); got " + ", ".join(r for r, _, _ in messages))
     if any(images for r, _, images in messages if r == "assistant"):
         raise ChatInputError(f"{path}: images go in user turns only")
     return system, [(u[1], a[1], u[2]) for u, a in zip(messages[::2], messages[1::2])]
@@ -154,8 +155,8 @@ def _png_base64(image: Any, index: int, start: int) -> str:
     if isinstance(image, (str, Path)):
         image = Image.open(Path(image).expanduser())
     if not isinstance(image, Image.Image):
-        raise ChatInputError(f"image {index} of the turn at token {start} is a {type(image).__name__}: save() stores PIL "
-                             "images and image files; send images as either to save the conversation")
+        raise ChatInputError(f"image {index} of the turn at token {start} is a {type(image).__name__}: save() stores "
+                             "PIL images and image files; send images as either to save the conversation")
     buf = io.BytesIO()
     image.convert("RGB").save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -287,7 +288,8 @@ class RetentionChat:
             try:
                 check_gates_match(model, gates.config)
             except ValueError as e:
-                raise ChatSetupError(f"{e}. Pass --gates for {text_config_of(model)._name_or_path or 'this model'} or omit it") from None
+                raise ChatSetupError(f"{e}. Pass --gates for {text_config_of(model)._name_or_path or 'this model'} "
+                                     "or omit it") from None
             if attachment is not None and attachment.gates is not gates:
                 attachment.detach()
                 attachment = None
@@ -311,8 +313,8 @@ class RetentionChat:
         self.generation_kwargs = {"do_sample": False, **generation_kwargs}
         if cuda_graphs:
             why = ("the model is on the CPU; load it on a CUDA GPU" if self.device.type != "cuda" else
-                   f"{type(self.cache.policy).__name__} reads the queries as they come" if self.cache.policy.needs_queries
-                   else None)
+                   f"{type(self.cache.policy).__name__} reads the queries as they come"
+                   if self.cache.policy.needs_queries else None)
             if why:
                 raise ChatSetupError(f"cuda_graphs (--cuda-graphs): {why}; leave it out to decode with generate")
         # replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
@@ -346,10 +348,12 @@ class RetentionChat:
 
     def memory(self) -> dict[str, Any]:
         """The cache's memory report (see :meth:`RetentionCache.memory_report`); a vision-language chat adds
-        ``image_tokens`` (seen so far) and ``kept_image_entries`` (entries of image tokens kept, all layers and heads)."""
+        ``image_tokens`` (seen so far) and ``kept_image_entries`` (entries of image tokens kept, all layers and
+        heads)."""
         if stale := self._stale_tokens():
-            warnings.warn(f"the report counts the entries of {stale:+,} tokens the conversation does not hold (the last "
-                          "turn failed midway); the next turn feeds the conversation again without them", stacklevel=2)
+            warnings.warn(f"the report counts the entries of {stale:+,} tokens the conversation does not hold "
+                          "(the last turn failed midway); the next turn feeds the conversation again without them",
+                          stacklevel=2)
         report = self.cache.memory_report()
         if self.multimodal and self.ids.shape[1]:
             from .cache.hf import kept_where
@@ -447,16 +451,16 @@ class RetentionChat:
         this = getattr(text_config_of(self.model), "_name_or_path", "") or ""
         if data["vocab"] != len(self.tokenizer):
             raise ChatInputError(
-                f"{path} was saved with {data['model'] or 'another model'} ({data['vocab']:,} tokens in its vocabulary); "
-                f"this chat runs {this or 'a model'} with {len(self.tokenizer):,}: its token ids mean other text here; "
-                "resume it with the model it was saved with"
+                f"{path} was saved with {data['model'] or 'another model'} ({data['vocab']:,} tokens in its "
+                f"vocabulary); this chat runs {this or 'a model'} with {len(self.tokenizer):,}: its token ids mean "
+                "other text here; resume it with the model it was saved with"
             )
         if data["image_turns"] and not self.multimodal:
             raise ChatInputError(f"{path} holds images but {type(unwrap(self.model)).__name__} is a text-only model: "
                                  "resume it with the vision-language model it was saved with")
         if model_stem(data["model"]) != model_stem(this):
-            warnings.warn(f"{path} was saved with {data['model'] or 'another model'}; going on with {this or 'this model'} "
-                          "(same vocabulary size)", stacklevel=3)
+            warnings.warn(f"{path} was saved with {data['model'] or 'another model'}; going on with "
+                          f"{this or 'this model'} (same vocabulary size)", stacklevel=3)
         return data
 
     def _rope_delta(self) -> int:
@@ -691,7 +695,8 @@ class RetentionChat:
                    else scores.argmax(-1, keepdim=True))  # (1, 1)
             out = torch.cat([out, new], dim=1)
             streamer.put(new[0])
-            if int(new) in eos or n + 1 == kwargs["max_new_tokens"] or any(bool(c(out, scores).any()) for c in criteria):
+            if (int(new) in eos or n + 1 == kwargs["max_new_tokens"]
+                    or any(bool(c(out, scores).any()) for c in criteria)):
                 break
             logits = self._decoder.step(new)
         streamer.end()
@@ -856,8 +861,10 @@ def _check_generation_options(model: nn.Module, options: dict[str, Any], error: 
     unknown = sorted(k for k in options if k not in own and not hasattr(config, k))
     if not unknown:
         return
-    policy_options = sorted({k for k in unknown for cls in POLICIES.values() if k in getattr(cls, "__dataclass_fields__", {})})
-    hint = (f"; {', '.join(policy_options)} {'is an option' if len(policy_options) == 1 else 'are options'} of the "
-            "eviction policy: pass policy=GlobalGatesPolicy(...) (or the policy's own class) with it") if policy_options else ""
-    raise error(f"unknown option(s) {', '.join(unknown)}: a chat's keyword arguments are generate()'s (GenerationConfig "
-                f"fields such as temperature or repetition_penalty){hint}")
+    policy_options = sorted({k for k in unknown for cls in POLICIES.values()
+                             if k in getattr(cls, "__dataclass_fields__", {})})
+    hint = ((f"; {', '.join(policy_options)} {'is an option' if len(policy_options) == 1 else 'are options'} of "
+             "the eviction policy: pass policy=GlobalGatesPolicy(...) (or the policy's own class) with it")
+            if policy_options else "")
+    raise error(f"unknown option(s) {', '.join(unknown)}: a chat's keyword arguments are generate()'s "
+                f"(GenerationConfig fields such as temperature or repetition_penalty){hint}")

@@ -69,8 +69,8 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
             elif command == "/help":
                 print(CHAT_COMMANDS)
             elif command == "/image" and not chat.multimodal:  # say so now, not after the next message is typed
-                print(f"error: {type(unwrap(chat.model)).__name__} is a text-only model: /image needs a vision-language "
-                      "model (--model Qwen/Qwen3-VL-2B-Instruct, for example)", file=sys.stderr)
+                print(f"error: {type(unwrap(chat.model)).__name__} is a text-only model: /image needs a "
+                      "vision-language model (--model Qwen/Qwen3-VL-2B-Instruct, for example)", file=sys.stderr)
             elif command == "/image" and not arg.strip():
                 print("error: /image needs a path: /image photo.jpg", file=sys.stderr)
             elif command == "/image":
@@ -148,8 +148,9 @@ def _chat_command(args: argparse.Namespace) -> int:
     model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
         chat = RetentionChat(
-            model, processor, args.gates if gates is None else gates, budget_tokens=args.budget, chunk_size=args.chunk_size,
-            max_new_tokens=args.max_new_tokens, system=args.system or (history[0] if history else None), policy=policy,
+            model, processor, args.gates if gates is None else gates, budget_tokens=args.budget,
+            chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens,
+            system=args.system or (history[0] if history else None), policy=policy,
             cuda_graphs=args.cuda_graphs, chat_template_kwargs=template, **generation,
         )
     except (ChatSetupError, FileNotFoundError) as e:
@@ -271,9 +272,10 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder")
-    p.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name; default: the gates shipped "
-                   "for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
-    p.add_argument("--budget", type=positive_int, default=None, help="KV budget in tokens per (layer, KV head); default: unlimited")
+    p.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name; default: the gates "
+                   "shipped for an embedded model (checkpoints/), else untrained; 'untrained' forces untrained gates")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="KV budget in tokens per (layer, KV head); default: unlimited")
     p.add_argument("--policy", default="global_gates", choices=sorted(POLICIES), metavar="POLICY",
                    help="eviction policy: global_gates (the learned gates, default) or a baseline to compare with "
                    f"({', '.join(sorted(set(POLICIES) - {'global_gates'}))})")
@@ -284,13 +286,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pool", type=int, default=None, help="global_gates: odd width, rank each entry by the best gate "
                    "score among its neighbours in the head (keeps whole spans such as multi-digit numbers); default 1")
     p.add_argument("--chunk-size", type=positive_int, default=256,
-                   help="prefill chunk in tokens (default: %(default)s): a long turn competes for the budget chunk by chunk")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest reply in tokens (default: %(default)s)")
+                   help="prefill chunk in tokens (default: %(default)s): a long turn competes for the budget chunk "
+                   "by chunk")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
+                   help="longest reply in tokens (default: %(default)s)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--resume", default=None, metavar="FILE", help="go on with a conversation saved by /save (under this "
-                   "command's budget and policy)")
-    p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, content} "
-                   "messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
+    p.add_argument("--resume", default=None, metavar="FILE", help="go on with a conversation saved by /save (under "
+                   "this command's budget and policy)")
+    p.add_argument("--history", default=None, metavar="FILE", help="go on from a conversation log (JSON {role, "
+                   "content} messages or ShareGPT conversations, ending with a reply), fed through this chat's cache")
     p.add_argument("--sample", action="store_true", help="sample the replies (at the model's generation-config "
                    "temperature, top-k, top-p and min-p, each overridden by its flag below); default: greedy")
     p.add_argument("--temperature", type=float, default=None, help="with --sample: divide the logits by this (> 0)")

@@ -1,4 +1,5 @@
-"""The ``retention`` command line: ``demo``, ``train``, ``chat``, ``push``, ``average`` and ``eval`` (``retention CMD --help``)."""
+"""The ``retention`` command line: ``demo``, ``train``, ``chat``, ``push``, ``average`` and ``eval``
+(``retention CMD --help``)."""
 
 from __future__ import annotations
 
@@ -79,8 +80,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="generate with a full cache and with global top-B eviction")
-    demo.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id or local folder (default: %(default)s)")
-    demo.add_argument("--gates", default=None, help="gate checkpoint folder, Hub repo or shipped name (smollm2-135m-global)")
+    demo.add_argument("--model", default="smollm2-135m",
+                      help="embedded name, Hub id or local folder (default: %(default)s)")
+    demo.add_argument("--gates", default=None,
+                      help="gate checkpoint folder, Hub repo or shipped name (smollm2-135m-global)")
     demo.add_argument("--budget", "--budget-tokens", dest="budget_tokens", type=positive_int, default=48,
                       help="KV budget in tokens per (layer, KV head), as retention chat's --budget")
     demo.add_argument("--prompt", default=DEMO_PROMPT,
@@ -104,7 +107,8 @@ def _command_modules():
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="retention", description=__doc__.replace("``", ""))  # plain text in a terminal
+    # plain text in a terminal
+    parser = argparse.ArgumentParser(prog="retention", description=__doc__.replace("``", ""))
     parser.add_argument("--version", action="version", version=f"retention {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     build_demo_parser(sub)
@@ -118,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     """``--device`` / ``--dtype`` of a command that loads a model (resolved by :func:`model_placement`)."""
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N; default: cuda when there is a GPU, else cpu")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N; default: cuda when there is a GPU, else cpu")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: bfloat16 on a GPU, "
                         "float32 on the CPU")
 

@@ -201,8 +201,8 @@ class RetentionGates(nn.Module):
 
     # -- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename); ``path`` must be
-        new, empty or gates written before (:func:`check_gate_folder_target`)."""
+        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename); ``path``
+        must be new, empty or gates written before (:func:`check_gate_folder_target`)."""
         from .io import atomic_directory, save_state
 
         path = Path(path).expanduser()  # as from_pretrained reads "~/gates"
@@ -233,7 +233,8 @@ class RetentionGates(nn.Module):
                 if (path / "state.json").is_file() and weights.is_file():  # a run's checkpoints/step-N
                     hint = ("; it is a training checkpoint: export its gates with `python train.py --config CONFIG "
                             f"--export {path}` and load the exported folder")
-                raise GateCheckpointError(f"{f} not found: a gate checkpoint needs config.json and gates.safetensors{hint}")
+                raise GateCheckpointError(f"{f} not found: a gate checkpoint needs config.json and "
+                                          f"gates.safetensors{hint}")
         from safetensors import SafetensorError
 
         try:

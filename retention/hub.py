@@ -119,8 +119,9 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
 
 def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
     """The folder ``path_or_repo_id`` names on this machine: itself when it exists (``~`` expanded; the folder of a
-    checkpoint file such as its ``gates.safetensors``), else a shipped checkpoint of that name (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any
-    folder); ``None`` when neither exists."""
+    checkpoint file such as its ``gates.safetensors``), else a shipped checkpoint of that name
+    (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any folder); ``None`` when
+    neither exists."""
     p = Path(path_or_repo_id).expanduser()
     if p.is_file() and p.name in CHECKPOINT_FILES and is_gate_folder(p.parent):
         return p.parent  # a file of a checkpoint (its gates.safetensors, say) names the checkpoint
@@ -159,7 +160,8 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
         ) from None
 
 
-def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None, revision: str | None = None) -> RetentionGates:
+def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None,
+               revision: str | None = None) -> RetentionGates:
     """Load gates from a folder or a Hub repo (safetensors only); with ``model``, check they fit it."""
     gates = RetentionGates.from_pretrained(checkpoint_folder(path_or_repo_id, revision))
     if model is not None:
@@ -212,7 +214,8 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     absent = [f for f in figures if not (path / f).is_file()]
     if absent:
         raise HubError(f"the model card in {path} shows {absent}, which the folder lacks: publish the results again "
-                       "(python -m retention.eval report RESULTS --card FOLDER) or remove the image links from README.md")
+                       "(python -m retention.eval report RESULTS --card FOLDER) or remove the image links from "
+                       "README.md")
     api = HfApi(token=token or os.environ.get("HF_TOKEN"))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

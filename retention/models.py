@@ -202,7 +202,8 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def looks_like_a_path(name: str) -> bool:
-    """A name that can only be a local path: a Hub id is ``name`` or ``owner/name``, never ``/x``, ``./x``, ``a/b/c``."""
+    """A name that can only be a local path: a Hub id is ``name`` or ``owner/name``, never ``/x``, ``./x``,
+    ``a/b/c``."""
     return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or "\\" in name
 
 
@@ -337,7 +338,8 @@ def load_model(
     else:
         processor = AutoTokenizer.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
         model = AutoModelForCausalLM.from_pretrained(path, **common)
-    if name_or_path in EMBEDDED_MODELS:  # name the model by its Hub id, not the cache folder (gate checkpoints record it)
+    # name the model by its Hub id, not the cache folder (gate checkpoints record it)
+    if name_or_path in EMBEDDED_MODELS:
         model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id
     if device is not None:
         model.to(device)

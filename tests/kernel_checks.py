@@ -119,7 +119,8 @@ def student_matches_oracle(model, att, inputs: dict, monkeypatch, rtol=(1e-5, 1e
         return logits.detach(), {n: p.grad.clone() for n, p in att.gates.named_parameters()}
 
     logits, grads = run()
-    naive = lambda q, k, v, lb, scale=None, cu_seqlens=None: retention_attention_naive(q, k, v, lb, scale, cu_seqlens)[0]  # noqa: E731
+    naive = lambda q, k, v, lb, scale=None, cu_seqlens=None: (  # noqa: E731
+        retention_attention_naive(q, k, v, lb, scale, cu_seqlens)[0])
     monkeypatch.setattr(attach_mod, "retention_attention", naive)
     logits_n, grads_n = run()
     torch.testing.assert_close(logits, logits_n, rtol=rtol[0], atol=atol[0])

@@ -122,7 +122,8 @@ def test_sink_mask_marks_the_start_of_each_document():
     m = attach_mod.sink_mask(2, 5, cu, 2, torch.device("cpu"))
     want = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
     assert torch.equal(m, want)
-    assert torch.equal(attach_mod.sink_mask(2, 4, None, 3, torch.device("cpu")), torch.tensor([[1, 1, 1, 0]] * 2, dtype=torch.bool))
+    assert torch.equal(attach_mod.sink_mask(2, 4, None, 3, torch.device("cpu")),
+                       torch.tensor([[1, 1, 1, 0]] * 2, dtype=torch.bool))
 
 
 def test_explicit_cu_seqlens_match_position_restarts():
@@ -175,11 +176,13 @@ def test_unsupported_architecture_lists_supported_ones():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*supported: \\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_vl'\\]"):
+    with pytest.raises(UnsupportedModelError,
+                       match="model_type 'gpt2'.*supported: \\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_vl'\\]"):
         attach_gates(model)
 
 
-@pytest.mark.parametrize("arch,window", [("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+@pytest.mark.parametrize("arch,window", [("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                                                        max_window_layers=1)),
                                          ("mistral", dict(sliding_window=8))])
 def test_sliding_window_layers_are_refused_with_the_keywords_that_turn_them_off(arch, window, tmp_path):
     """The gated attention and the retention cache ignore a window, so a model with one would silently stop

@@ -11,8 +11,10 @@ def test_bench_decode_table_and_profile(tmp_path, capsys):
     from retention.eval import bench_decode
 
     out = tmp_path / "profile.txt"
-    assert bench_decode.main(["--contexts", "64", "--budget", "8", "--new", "3", "--chunk", "32", "--profile", str(out)]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 ") or line.startswith("| 8 ")]
+    assert bench_decode.main(["--contexts", "64", "--budget", "8", "--new", "3", "--chunk", "32",
+                              "--profile", str(out)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 64 ") or line.startswith("| 8 ")]
     names = [r[1] for r in rows]
     assert names == ["full@B", "budget", "full", "plain", "bare"]
     mib = {r[1]: float(r[3]) for r in rows}
@@ -50,7 +52,8 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
     calls.clear()
     clock = itertools.count(1)
     assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--warmup", "1", "--device", "cpu"]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]  # below the header
+    # below the header
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert len(calls) == 5 * 3  # 5 settings x (1 warm-up + 2 timed rounds)
     for i, row in enumerate(rows):  # setting i ran as call i+1 (warm-up), i+6 and i+11 (timed)
         assert row[1] == ["full@B", "budget", "full", "plain", "bare"][i]
@@ -84,8 +87,8 @@ def test_benchmark_arguments_are_checked_before_anything_loads(script, args, wor
 
 
 def test_the_graph_ceiling_bench_decodes_the_same_tokens_from_a_static_cache():
-    """retention/eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache, fed with
-    explicit cache positions, decodes the eager DynamicCache's greedy tokens, and every setting is timed."""
+    """retention/eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache,
+    fed with explicit cache positions, decodes the eager DynamicCache's greedy tokens, and every setting is timed."""
     import torch
 
     from retention.eval import bench_graph_ceiling

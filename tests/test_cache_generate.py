@@ -71,8 +71,8 @@ def test_batch_of_different_lengths_equals_each_alone(budget_tokens, policy):
     budget = None if budget_tokens is None else RetentionCache.budget_for(model, budget_tokens)
     alone = []
     for p in prompts:
-        out = _generate(model, RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0), input_ids=p[None],
-                        max_new_tokens=10, do_sample=False)
+        out = _generate(model, RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0),
+                        input_ids=p[None], max_new_tokens=10, do_sample=False)
         alone.append(out[0, len(p) :])
     T = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), T, dtype=torch.long)

@@ -171,7 +171,8 @@ def test_host_lengths_follow_every_change():
         store.check()
 
     for layer in range(2):
-        store.append_layer(layer, torch.randn(4, 9, 4), torch.randn(4, 9, 4), torch.randn(4, 9), torch.arange(9).expand(4, 9))
+        store.append_layer(layer, torch.randn(4, 9, 4), torch.randn(4, 9, 4), torch.randn(4, 9),
+                           torch.arange(9).expand(4, 9))
     _fill(store, store.streams(1), 3, 9)
     agree()
     assert store.lengths.tolist() == [9, 9, 12, 12] * 2

@@ -184,8 +184,9 @@ def test_demo_with_the_shipped_gates_named_runs_them_once(gates, capsys, monkeyp
     assert "with shipped gates" not in out and f"gates: {gates} (global)" in out
 
 
-@pytest.mark.parametrize("args", [["chat", "--budget", "0"], ["chat", "--budget", "-5"], ["chat", "--max-new-tokens", "0"],
-                                  ["demo", "--budget", "x"], ["chat", "--chunk-size", "0"]])
+@pytest.mark.parametrize("args", [["chat", "--budget", "0"], ["chat", "--budget", "-5"],
+                                  ["chat", "--max-new-tokens", "0"], ["demo", "--budget", "x"],
+                                  ["chat", "--chunk-size", "0"]])
 def test_a_budget_or_length_below_one_is_a_usage_error(args, capsys):
     """`--budget 0` used to load the model, then fail with "budget of 0 entries cannot hold the protected window"
     (and -5 with "-450 entries")."""
@@ -252,7 +253,8 @@ def test_an_unknown_model_is_an_error_not_a_traceback(capsys, monkeypatch, tmp_p
 
     assert main(["demo", "--model", str(tmp_path / "no-such-model")]) == 2
     err = capsys.readouterr().err
-    assert "retention demo: error: " in err and "there is no such folder" in err and "an embedded name (smollm2-135m)" in err
+    assert ("retention demo: error: " in err and "there is no such folder" in err
+            and "an embedded name (smollm2-135m)" in err)
 
 
 def test_prompt_lookup_on_the_first_turn_only(smollm2):
@@ -303,7 +305,8 @@ def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
     photo = tmp_path / "photo.png"
     Image.new("RGB", (8, 8)).save(photo)
     text_only = _ScriptedChat(multimodal=False)
-    chat_loop(text_only, ["/image " + str(photo), "hello", "/frob", "//etc is a folder", "/memory", "/reset", "/quit", "after"])
+    chat_loop(text_only, ["/image " + str(photo), "hello", "/frob", "//etc is a folder", "/memory", "/reset", "/quit",
+                          "after"])
     out, err = capsys.readouterr()
     assert text_only.sent == [("hello", 0), ("/etc is a folder", 0)] and text_only.resets == 1
     assert "text-only model: /image needs a vision-language model" in err and "unknown command /frob" in err
@@ -313,7 +316,8 @@ def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
     chat_loop(vl, [f"/image {photo}", f"/image {tmp_path / 'missing.png'}", "/image", f"/image {photo}", "too long",
                    "what is this?", f"/image {photo}", "/reset", "and now?"])
     out, err = capsys.readouterr()
-    assert vl.sent == [("what is this?", 0), ("and now?", 0)]  # the refused message took its images with it; /reset drops
+    # the refused message took its images with it; /reset drops
+    assert vl.sent == [("what is this?", 0), ("and now?", 0)]
     assert "cannot open image" in err and "/image needs a path" in err
     assert "the message was not sent (its 2 image(s) dropped too: attach them again)" in err
     vl.refuse = None
@@ -440,7 +444,8 @@ def test_chat_template_kwargs_reach_every_turn(smollm2, capsys, monkeypatch):
     model, tok = smollm2
     tok = copy.deepcopy(tok)
     tok.chat_template = THINKING_SWITCH_TEMPLATE
-    off = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8, chat_template_kwargs={"enable_thinking": False})
+    off = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8,
+                        chat_template_kwargs={"enable_thinking": False})
     on = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=8)
     first = off.send("Name a colour.")
     for turn in ("Name another.", "Thanks."):
@@ -640,8 +645,8 @@ def test_a_saved_conversation_resumes_where_it_stopped(smollm2, tmp_path, monkey
     assert torch.equal(again.ids, live.ids) and again.messages == live.messages
     assert again.cache.get_seq_length() == live.cache.get_seq_length() == live.ids.shape[1] - 1
     for layer in range(model.config.num_hidden_layers):
-        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys, live.cache.store.gather_layer(layer).keys,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys,
+                                   live.cache.store.gather_layer(layer).keys, atol=1e-4, rtol=1e-4)
     assert again.send("Where do I live?") == live.send("Where do I live?")
 
     bounded = RetentionChat(model, tok, budget_tokens=16, max_new_tokens=10, chunk_size=16)
@@ -668,7 +673,8 @@ def test_a_transcript_that_cannot_be_resumed_is_refused_and_the_chat_stays(smoll
         "vocab.json": ({**good, "vocab": 1000, "ids": [1, 2]}, "its token ids mean other text here"),
         "damaged.json": ({**good, "ids": [len(tok) + 5]}, "outside its vocabulary"),
         "images.json": ({**good, "image_turns": [{"start": 0, "length": 2, "images": []}]}, "is a text-only model"),
-        "turns.json": ({**good, "image_turns": [{"start": 0, "length": 10**6, "images": []}]}, "does not fit its token"),
+        "turns.json": ({**good, "image_turns": [{"start": 0, "length": 10**6, "images": []}]},
+                       "does not fit its token"),
     }
     for name, (content, words) in cases.items():
         if content is not None:
@@ -758,8 +764,10 @@ def test_a_given_history_is_fed_as_the_template_renders_it(smollm2):
     empty = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=4)
     empty.add_turn("Say nothing.", "")  # an empty reply is closed too: the next turn follows the template
     empty.add_turn("Now say hi.", "Hi.")
-    rendered = tok.apply_chat_template([{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""},
-                                        {"role": "user", "content": "Now say hi."}, {"role": "assistant", "content": "Hi."}],
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Say nothing."},
+                                        {"role": "assistant", "content": ""},
+                                        {"role": "user", "content": "Now say hi."},
+                                        {"role": "assistant", "content": "Hi."}],
                                        return_tensors="pt", return_dict=True)["input_ids"][0]
     assert torch.equal(empty.ids[0], rendered[: empty.ids.shape[1]]) and empty.ids.shape[1] >= len(rendered) - 1
 
@@ -794,7 +802,8 @@ def test_given_turns_under_a_template_that_rerenders_the_last_reply(smollm2):
     chat.add_turn("Be silent now.", "")  # an empty reply: found by its place in the template, not by its text
     assert isinstance(chat.send("Still there?"), str)
     text = tok.decode(chat.ids[0], skip_special_tokens=False)
-    assert "Be silent now.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n<|im_start|>user\nStill there?" in text
+    assert ("Be silent now.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n"
+            "<|im_start|>user\nStill there?" in text)
 
 
 def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, capsys, monkeypatch):
@@ -815,7 +824,8 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
            {"role": "assistant", "content": "Hello Ada."}, {"role": "user", "content": ["Hi."]},  # a bare string part
            {"role": "assistant", "content": "Hi again."}]
     (tmp_path / "log.json").write_text(json.dumps(log))
-    sharegpt = {"conversations": [{"from": "human", "value": "My name is Ada."}, {"from": "gpt", "value": "Hello Ada."}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "My name is Ada."},
+                                  {"from": "gpt", "value": "Hello Ada."}]}
     (tmp_path / "share.json").write_text(json.dumps(sharegpt))
     assert read_history(tmp_path / "log.json") == ("You are brief.", [("My name is Ada.", "Hello Ada.", []),
                                                                       ("Hi.", "Hi again.", [])])
@@ -826,12 +836,15 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
            "photo.json": [{"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]},
                           {"role": "assistant", "content": "ok"}],
            "saved.json": {"format": "retention-chat"},
-           "parts.json": [{"role": "user", "content": [3]}, {"role": "assistant", "content": "ok"}]}  # was an AttributeError
+           # was an AttributeError
+           "parts.json": [{"role": "user", "content": [3]}, {"role": "assistant", "content": "ok"}]}
     Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
-    bad["shown.json"] = [{"role": "user", "content": [{"type": "image", "image": "photo.png"}, {"type": "text", "text": "What is this?"}]},
+    bad["shown.json"] = [{"role": "user", "content": [{"type": "image", "image": "photo.png"},
+                                                      {"type": "text", "text": "What is this?"}]},
                          {"role": "assistant", "content": "A square."}]  # a photo that exists, for a text-only model
-    words = {"open.json": "end with a reply", "roles.json": "give each message a role", "photo.json": "nowhere.png not found",
-             "saved.json": "--resume", "shown.json": "smollm2-135m is a text-only model",
+    words = {"open.json": "end with a reply", "roles.json": "give each message a role",
+             "photo.json": "nowhere.png not found", "saved.json": "--resume",
+             "shown.json": "smollm2-135m is a text-only model",
              "parts.json": "parts.json, message 0: a content list holds"}
     for name, data in bad.items():
         (tmp_path / name).write_text(json.dumps(data))
@@ -853,11 +866,12 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
 
 
 def test_a_reply_stopped_by_a_list_of_eos_ids_is_recorded(smollm2):
-    """send(..., eos_token_id=[...]) as generate takes it: the turn is recorded (the list used to crash the commit, after
-    the reply had been generated), and a reply that ended on one of the ids counts as ended."""
+    """send(..., eos_token_id=[...]) as generate takes it: the turn is recorded (the list used to crash the commit,
+    after the reply had been generated), and a reply that ended on one of the ids counts as ended."""
     model, tok = smollm2
     chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=24)
     reply = chat.send("Say hello.", eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("!")])
-    assert chat.messages[-1] == {"role": "assistant", "content": reply} and chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+    assert (chat.messages[-1] == {"role": "assistant", "content": reply}
+            and chat.cache.get_seq_length() == chat.ids.shape[1] - 1)
     assert chat._last_reply_ended == (int(chat.ids[0, -1]) in (tok.eos_token_id, tok.convert_tokens_to_ids("!")))
     assert isinstance(chat.send("Again."), str)

@@ -1,6 +1,6 @@
-"""RetentionChat(cuda_graphs=True): replies, greedy or sampled, decode through GraphDecoder. On the CPU the same planned steps run
-eagerly (``_graph_replay = False``), which is what these tests check against the chat's generate path on the real
-SmolLM2; the replayed graphs run in test_gpu_kernels.py."""
+"""RetentionChat(cuda_graphs=True): replies, greedy or sampled, decode through GraphDecoder. On the CPU the same
+planned steps run eagerly (``_graph_replay = False``), which is what these tests check against the chat's generate
+path on the real SmolLM2; the replayed graphs run in test_gpu_kernels.py."""
 
 import warnings
 

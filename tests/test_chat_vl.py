@@ -78,7 +78,8 @@ def test_the_cache_holds_what_one_forward_over_the_whole_conversation_computes(t
     imgs = photos(2)
     plan = {"image, text, image": [("What is this?", [imgs[0]]), ("Say more.", None), ("And this one?", [imgs[1]])],
             "image, image": [("What is this?", [imgs[0]]), ("And this one?", [imgs[1]])],
-            "given image, given text, image": [("What is this?", [imgs[0]], "A photo."), ("Say more.", None, "It is red."),
+            "given image, given text, image": [("What is this?", [imgs[0]], "A photo."),
+                                               ("Say more.", None, "It is red."),
                                                ("And this one?", [imgs[1]])]}[turns]
     chat, n, reference = _chat_and_reference(plan, budget_tokens=None, max_new_tokens=4, min_new_tokens=4)
     for layer in range(len(reference.layers)):
@@ -133,11 +134,12 @@ def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path, monk
     again.resume(path)
     assert torch.equal(again.ids, live.ids)
     for layer in range(model.config.text_config.num_hidden_layers):
-        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys, live.cache.store.gather_layer(layer).keys,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again.cache.store.gather_layer(layer).keys,
+                                   live.cache.store.gather_layer(layer).keys, atol=1e-4, rtol=1e-4)
     assert again.send("Which one is brighter?") == live.send("Which one is brighter?")
     saved = json.loads(again.save(tmp_path / "again.json").read_text())
-    assert [t["images"] for t in saved["image_turns"]] == [t["images"] for t in json.loads(path.read_text())["image_turns"]]
+    assert ([t["images"] for t in saved["image_turns"]]
+            == [t["images"] for t in json.loads(path.read_text())["image_turns"]])
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert main(["chat", "--resume", str(path)]) == 2  # the embedded model by default: text only
     assert "smollm2-135m is a text-only model" in capsys.readouterr().err

@@ -93,7 +93,8 @@ def test_flash_attn_path_maps_streams_to_sequences(monkeypatch):
 
     def fake_flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
         calls.append((q.shape, k_cache.shape, block_table.dtype, cache_seqlens.dtype, causal))
-        out = paged_decode_reference(q[:, 0], k_cache[:, :, 0], v_cache[:, :, 0], block_table, cache_seqlens, softmax_scale)
+        out = paged_decode_reference(q[:, 0], k_cache[:, :, 0], v_cache[:, :, 0], block_table, cache_seqlens,
+                                     softmax_scale)
         return out[:, None]
 
     monkeypatch.setattr(flash, "_flash_attn_with_kvcache", lambda: fake_flash_attn_with_kvcache)

@@ -92,8 +92,9 @@ def test_budgets_keep_to_their_size_and_count_the_image_entries_they_keep(vl, tm
                 return SimpleNamespace(pos=pos, valid=torch.tensor([[[1, 1, 1, 0], [1, 1, 0, 0]]], dtype=torch.bool))
 
     ids = torch.tensor([[7, 9, 9, 7, 9, 7, 7]])
-    want = sum(int(ids[0, p] == 9) for layer in range(2) for p, v in zip(
-        Cache.store.gather_layer(layer).pos.flatten().tolist(), Cache.store.gather_layer(layer).valid.flatten().tolist()) if v)
+    want = sum(int(ids[0, p] == 9) for layer in range(2)
+               for p, v in zip(Cache.store.gather_layer(layer).pos.flatten().tolist(),
+                               Cache.store.gather_layer(layer).valid.flatten().tolist()) if v)
     assert kept_image_entries(Cache, ids, 9) == want == 5
 
 
@@ -101,7 +102,8 @@ def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
     model, proc = vl
     data = _benchmark(tmp_path)
     cfg = load_eval_config("tiny.yaml", output=str(tmp_path / "sweep"), model="tiny-qwen3-vl",
-                           tasks=[{"name": "mmdu", "params": {"data_files": str(data), "max_new_tokens": 4}}], lengths=[1024, 2048], items=2,
+                           tasks=[{"name": "mmdu", "params": {"data_files": str(data), "max_new_tokens": 4}}],
+                           lengths=[1024, 2048], items=2,
                            methods=[{"name": "full"}, {"name": "global_gates"}, {"name": "streamingllm"},
                                     {"name": "snapkv"}], budgets=[0.25], max_new_tokens=4)
     path = run_sweep(cfg, (model, proc), progress=False)
@@ -110,9 +112,11 @@ def test_a_sweep_over_mmdu_writes_rows_and_resumes(vl, tmp_path):
     assert {r["length"] for r in rows} == {1024} and {r["task"] for r in rows} == {"mmdu"}
     full = {r["item"]: r for r in rows if r["method"] == "full"}
     for r in rows:
-        assert r["metric"] == "rouge_l" and 0 <= r["score"] <= 100 and r["image_tokens"] == full[r["item"]]["image_tokens"]
+        assert (r["metric"] == "rouge_l" and 0 <= r["score"] <= 100
+                and r["image_tokens"] == full[r["item"]]["image_tokens"])
         if r["method"] != "full":
-            assert r["kept_entries"] <= r["budget_entries"] and r["kept_image_entries"] < full[r["item"]]["kept_image_entries"]
+            assert (r["kept_entries"] <= r["budget_entries"]
+                    and r["kept_image_entries"] < full[r["item"]]["kept_image_entries"])
     assert run_sweep(cfg, (model, proc), progress=False) == path and len(read_results(path)) == len(rows)
     from retention.eval.report import markdown_table
 

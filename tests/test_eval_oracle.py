@@ -72,7 +72,8 @@ def test_oracle_scores_are_the_continuations_attention_and_it_keeps_their_top(ti
             for h in range(H):
                 k = int(kept[layer, h].sum())
                 assert k == total // (L * H)
-                assert set(expect[layer, h].topk(k).indices.tolist()) == set(kept[layer, h].nonzero().flatten().tolist())
+                assert (set(expect[layer, h].topk(k).indices.tolist())
+                        == set(kept[layer, h].nonzero().flatten().tolist()))
     else:
         assert int(kept.sum()) == total
         assert set(expect.flatten().topk(total).indices.tolist()) == set(kept.flatten().nonzero().flatten().tolist())
@@ -123,7 +124,8 @@ def test_oracle_and_gates_crossed_keep_one_rankings_order_at_the_others_split(ra
     (L, H), T = attention.shape[:2], len(ctx)
     total = parse_budget(0.25).entries(T, L * H)
 
-    method = make_method({"name": "oracle", "params": {"rank": rank, "scope": "gates" if rank == "oracle" else "oracle"}})
+    method = make_method({"name": "oracle",
+                          "params": {"rank": rank, "scope": "gates" if rank == "oracle" else "oracle"}})
     with method.active(model), torch.no_grad():
         method.prepare(model, item)
         cache = method.new_cache(model, None, streaming=False)

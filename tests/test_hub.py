@@ -27,7 +27,8 @@ def test_export_writes_a_self_describing_checkpoint(checkpoint):
     path, gates, _ = checkpoint
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["gate_config"] == {**gates.config.to_dict(), "base_model": "tiny-llama"} and cfg["budget"] == "64 entries"
+    assert (cfg["gate_config"] == {**gates.config.to_dict(), "base_model": "tiny-llama"}
+            and cfg["budget"] == "64 entries")
     assert RetentionGates.from_pretrained(path).config.base_model == "tiny-llama"
     card = (path / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: retention\nbase_model: tiny-llama\n")
@@ -139,7 +140,8 @@ def test_a_checkpoint_under_home_loads_by_tilde(checkpoint, monkeypatch):
     assert load_gates(f"~/{Path(path).name}").config == load_gates(path).config
     # and is written there by "~/...": was a folder named "~" in the working directory
     assert export_gates(gates, "~/again") == Path(path).parent / "again"
-    assert gates.save_pretrained("~/plain") == Path(path).parent / "plain" and load_gates("~/plain").config == gates.config
+    assert (gates.save_pretrained("~/plain") == Path(path).parent / "plain"
+            and load_gates("~/plain").config == gates.config)
 
 
 def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_inside(checkpoint, tmp_path):
@@ -158,8 +160,10 @@ def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_
     step = run / "checkpoints" / "step-4"  # a training checkpoint: gates and trainer state, no config.json
     step.mkdir(parents=True)
     for name in ("gates.safetensors", "state.json"):
-        (step / name).write_bytes((run / "final" / "gates.safetensors").read_bytes() if name.endswith("tensors") else b"{}")
-    with pytest.raises(GateCheckpointError, match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
+        (step / name).write_bytes((run / "final" / "gates.safetensors").read_bytes() if name.endswith("tensors")
+                                  else b"{}")
+    with pytest.raises(GateCheckpointError,
+                       match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
         load_gates(run)
     with pytest.raises(GateCheckpointError, match=f"a training checkpoint: export its gates with `python train.py "
                                                   f"--config CONFIG --export {step}`"):
@@ -210,14 +214,17 @@ class FakeHub:
         if self.status != 200:
             return httpx.Response(self.status, json={"error": "denied"}, request=request)
         if path == "/api/repos/create":
-            return httpx.Response(200, json={"url": "https://huggingface.co/me/gates", "name": "me/gates"}, request=request)
+            return httpx.Response(200, json={"url": "https://huggingface.co/me/gates", "name": "me/gates"},
+                                  request=request)
         if path == "/api/validate-yaml":  # the model card's metadata is checked before the commit
             return httpx.Response(200, json={"errors": [], "warnings": []}, request=request)
         if path.endswith("/preupload/main"):
             files = json.loads(request.content)["files"]
-            return httpx.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}, request=request)
+            return httpx.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular",
+                                                        "shouldIgnore": False} for f in files]}, request=request)
         if path.endswith("/commit/main"):
-            return httpx.Response(200, json={"commitUrl": "https://huggingface.co/me/gates/commit/abc", "commitOid": "a" * 40}, request=request)
+            return httpx.Response(200, json={"commitUrl": "https://huggingface.co/me/gates/commit/abc",
+                                             "commitOid": "a" * 40}, request=request)
         return httpx.Response(404, json={"error": f"unexpected {request.method} {path}"}, request=request)
 
     def committed_files(self) -> dict[str, bytes]:
@@ -263,7 +270,8 @@ def test_push_sends_the_images_the_model_card_shows(checkpoint, fake_hub):
     from retention.hub import card_figures
 
     path, _, _ = checkpoint
-    (path / "README.md").write_text((path / "README.md").read_text() + "\n![plot](results.png)\n![gaps](results-goal.png)"
+    (path / "README.md").write_text((path / "README.md").read_text()
+                                    + "\n![plot](results.png)\n![gaps](results-goal.png)"
                                     "\n![badge](https://img.shields.io/x.svg)\n")
     (path / "results.png").write_bytes(b"png one")
     (path / "other.png").write_bytes(b"shown nowhere")

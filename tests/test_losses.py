@@ -53,7 +53,8 @@ def test_weighted_kl_is_the_weighted_mean_over_marked_positions():
     torch.testing.assert_close(total / count, want, rtol=1e-5, atol=1e-6)
     # equal weights are the plain mean, and differ from the weighted one
     plain = distillation_kl(hs, ht, head, mask)
-    torch.testing.assert_close(distillation_kl(hs, ht, head, mask, weights=torch.full((B, T), 3.0)), plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(distillation_kl(hs, ht, head, mask, weights=torch.full((B, T), 3.0)), plain,
+                               rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got, plain)
 
 
@@ -104,7 +105,8 @@ def test_capacity_loss_equals_brute_force(form):
         for t in range(T):
             same = [i for i in range(t + 1) if doc[b][i] == doc[b][t]]
             n_t = len(same)  # tokens of the document so far
-            per_head = [sum(float(torch.exp((t - i) * lbs[l][b, h, i])) for i in same) for l in range(L) for h in range(H)]
+            per_head = [sum(float(torch.exp((t - i) * lbs[l][b, h, i])) for i in same)
+                        for l in range(L) for h in range(H)]
             if form == "global":
                 full = n_t * L * H
                 if full > M:

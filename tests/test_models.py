@@ -44,14 +44,17 @@ def test_only_caches_of_an_earlier_file_at_the_same_path_are_dropped(tmp_path):
     models_dir = tmp_path / "cache" / "models"
     target = models_dir / "smollm2-135m-new"
     caches = {}
-    for key, built_from in [("new", source), ("old", source), ("other", elsewhere), ("foreign", None), ("gone", removed)]:
+    for key, built_from in [("new", source), ("old", source), ("other", elsewhere), ("foreign", None),
+                            ("gone", removed)]:
         folder = models_dir / f"smollm2-135m-{key}"
         folder.mkdir(parents=True)
         if built_from is not None:
-            (folder / "retention_source.json").write_text(json.dumps({"gguf": str(built_from), "embedded": "smollm2-135m"}))
+            (folder / "retention_source.json").write_text(json.dumps({"gguf": str(built_from),
+                                                                      "embedded": "smollm2-135m"}))
         caches[key] = folder
     assert sorted(models._drop_stale_caches(target, source, "smollm2-135m")) == [caches["gone"], caches["old"]]
-    assert sorted(p.name for p in models_dir.iterdir()) == ["smollm2-135m-foreign", "smollm2-135m-new", "smollm2-135m-other"]
+    assert (sorted(p.name for p in models_dir.iterdir())
+            == ["smollm2-135m-foreign", "smollm2-135m-new", "smollm2-135m-other"])
 
 
 def test_a_cache_built_by_a_non_zero_rank_is_whole(tmp_path, monkeypatch):
@@ -101,9 +104,11 @@ def test_a_model_folder_under_home_loads_by_tilde(tmp_path, monkeypatch):
 
 
 def test_a_folder_that_is_no_model_is_a_clear_error(tmp_path):
-    """Was transformers' "Unrecognized model in ..." traceback (a folder without config.json, or an unknown model_type)."""
+    """Was transformers' "Unrecognized model in ..." traceback (a folder without config.json, or an unknown
+    model_type)."""
     (tmp_path / "empty").mkdir()
-    with pytest.raises(models.ModelNotAvailableError, match="the folder has no config.json; give the folder that save_pretrained wrote"):
+    with pytest.raises(models.ModelNotAvailableError,
+                       match="the folder has no config.json; give the folder that save_pretrained wrote"):
         load_model(str(tmp_path / "empty"))
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-architecture"}')
@@ -212,7 +217,8 @@ def test_a_vision_language_model_loads_with_an_image_processor_without_torchvisi
     text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
                                     tokenize=False, add_generation_prompt=True)
     enc = proc(text=[text], images=photos(1), return_tensors="pt")
-    assert int((enc["input_ids"] == saved.config.image_token_id).sum()) == int(enc["image_grid_thw"].prod(-1).sum()) // 4
+    assert (int((enc["input_ids"] == saved.config.image_token_id).sum())
+            == int(enc["image_grid_thw"].prod(-1).sum()) // 4)
     (tmp_path / "vl" / "preprocessor_config.json").write_text("{not json")
     monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained",
                         lambda *a, **k: pytest.fail("read the weights before the processor"))

@@ -80,7 +80,8 @@ def test_an_installed_wheel_finds_its_shipped_gates(installed, tmp_path):
         "assert load_gates('smollm2-135m-global').fingerprint() == load_gates(path).fingerprint()  # by name\n"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}  # ahead of the checkout's editable install
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     module, path, fingerprint = done.stdout.split()[-3:]
     assert Path(module).is_relative_to(target), "the probe imported the checkout, not the installed wheel"

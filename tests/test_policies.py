@@ -22,7 +22,8 @@ def layer_view(L=6, H=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, H, L, D, generator=g)
     pos = torch.arange(L).expand(1, H, L).clone()
-    return SimpleNamespace(keys=keys, values=torch.randn(1, H, L, D, generator=g), pos=pos, valid=torch.ones(1, H, L, dtype=torch.bool))
+    return SimpleNamespace(keys=keys, values=torch.randn(1, H, L, D, generator=g), pos=pos,
+                           valid=torch.ones(1, H, L, dtype=torch.bool))
 
 
 def entries_for(view, layer=0, step=None):
@@ -123,7 +124,8 @@ def test_random_is_seeded():
 def test_registry_errors_name_the_fix():
     with pytest.raises(ValueError, match="unknown policy 'snap'; available: \\[.*'snapkv'"):
         get_policy("snap")
-    with pytest.raises(ValueError, match="has no parameter\\(s\\) \\['window'\\]; allowed: \\['budget_scope', 'mode', 'recent'\\]"):
+    with pytest.raises(ValueError, match="has no parameter\\(s\\) \\['window'\\]; "
+                                         "allowed: \\['budget_scope', 'mode', 'recent'\\]"):
         get_policy("h2o", window=4)
     with pytest.raises(ValueError, match="mode must be one of"):
         get_policy("snapkv", mode="sometimes")
@@ -266,7 +268,8 @@ def test_a_dropped_cache_is_freed_at_once_without_the_cyclic_gc(name, params):
 
     model = tiny_llama()
     attach_gates(model, bias_init=0.0, mode="score")
-    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 10), policy=get_policy(name, **params), slack=0)
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 10), policy=get_policy(name, **params),
+                           slack=0)
     ids = torch.randint(0, 100, (1, 31), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids[:, :30], **cache_kwargs(cache))

@@ -32,7 +32,8 @@ def test_criticalkv_scales_snapkv_by_value_norm_through_w_o():
     pol.observe(0, q, view, qpos)
     A = window_probs(q, view, qpos, lambda h: 0)
     v = view.values[0, 0]
-    want = [sum(sum(A[g][t][i] for t in range(2)) * float((v[i] @ w_o[g]).norm()) for g in range(2)) / 2 for i in range(6)]
+    want = [sum(sum(A[g][t][i] for t in range(2)) * float((v[i] @ w_o[g]).norm()) for g in range(2)) / 2
+            for i in range(6)]
     score = pol.score(entries_for(view))
     torch.testing.assert_close(score[0, :4], torch.tensor(want[:4]), rtol=1e-5, atol=1e-6)
 
@@ -47,7 +48,8 @@ def test_adakv_safeguard_keeps_a_share_in_every_head():
     score = pol.score(entries_for(view))
     from retention.cache.select import select_keep
 
-    keep = select_keep(score, entries_for(view).pos, entries_for(view).valid, torch.zeros(2, dtype=torch.long), torch.tensor([6]))
+    keep = select_keep(score, entries_for(view).pos, entries_for(view).valid, torch.zeros(2, dtype=torch.long),
+                       torch.tensor([6]))
     assert int(keep[1].sum()) >= 2 + 1  # two lifted plus the window token
 
 
@@ -106,7 +108,8 @@ def test_cake_indicator_and_layer_preference():
         var = [sum((Am[t][i] - mean[i]) ** 2 for t in range(3)) / 3 for i in range(7)]
         if layer == 0:
             want = [m + 10.0 * s for m, s in zip(mean, var)]
-            torch.testing.assert_close(pol.score(entries_for(view))[0, :4], torch.tensor(want[:4]), rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(pol.score(entries_for(view))[0, :4], torch.tensor(want[:4]), rtol=1e-5,
+                                       atol=1e-7)
         p = [m / sum(mean) for m in mean]
         prefs.append(-sum(x * math.log(x) for x in p) * (sum(var) / 7))
     table = pol.head_budget_table(1000, 2, 1)

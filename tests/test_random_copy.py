@@ -1,5 +1,6 @@
-"""``retention/eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot travel.
-Config and tokenizer are the source's; the weights are fresh, seeded, and the copy loads like any model folder."""
+"""``retention/eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot
+travel. Config and tokenizer are the source's; the weights are fresh, seeded, and the copy loads like any model
+folder."""
 
 import torch
 from safetensors.torch import load_file

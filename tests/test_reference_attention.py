@@ -138,7 +138,8 @@ def test_dispatch_takes_sdpa_for_short_and_the_blocked_reference_for_long(monkey
     import retention.ops.retention_attention as ra
 
     calls = []
-    monkeypatch.setattr(ra, "retention_attention_sdpa", lambda *a, **k: calls.append("sdpa") or ra.retention_attention_ref(*a, **k)[0])
+    monkeypatch.setattr(ra, "retention_attention_sdpa",
+                        lambda *a, **k: calls.append("sdpa") or ra.retention_attention_ref(*a, **k)[0])
     q, k, v, lb = inputs(1, 8, 8, 2, 2)
     retention_attention(q, k, v, lb)
     monkeypatch.setattr(ra.sdpa_path, "MAX_BIAS_ELEMENTS", 10)

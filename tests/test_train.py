@@ -67,7 +67,8 @@ def test_losses_go_down_and_beta_follows_the_budget(tiny_setup, tmp_path):
     assert last["capacity"] < first["capacity"]
     assert last["beta_mean"] < first["beta_mean"], "a budget of 4 tokens per head must pull beta down"
     gates = load_gates(summary["export_dir"])
-    assert sorted(p.name for p in Path(summary["export_dir"]).iterdir()) == ["README.md", "config.json", "gates.safetensors"]
+    assert (sorted(p.name for p in Path(summary["export_dir"]).iterdir())
+            == ["README.md", "config.json", "gates.safetensors"])
     ckpt = tmp_path / "run" / "checkpoints" / "step-12"
     assert {p.name for p in ckpt.iterdir()} == {"gates.safetensors", "trainer_state.pt", "state.json"}
     assert sum(p.stat().st_size for p in ckpt.iterdir()) < 10 * gates.W1.numel() * 4 + 1_000_000  # no base weights
@@ -298,7 +299,8 @@ def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
     from retention.train import main
 
     with pytest.raises(SystemExit) as stop:
-        main(["--config", "smollm2.yaml", "--set", f"model.name={tmp_path}", "--set", f"train.output_dir={tmp_path / 'run'}"])
+        main(["--config", "smollm2.yaml", "--set", f"model.name={tmp_path}",
+              "--set", f"train.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("train.py: error: cannot load model") and "Traceback" not in err
 
@@ -330,7 +332,8 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     train(load_config(cfg_file, over + ["train.steps=8", "train.stop_after=4", "train.eval_every=3"]))
-    assert main(["--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to", str(tmp_path / "partial")]) == 0
+    assert main(["--config", str(cfg_file), "--set", "train.steps=8", "--export",
+                 "--to", str(tmp_path / "partial")]) == 0
     gates = load_gates(tmp_path / "partial")
     saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-4" / "gates.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in gates.state_dict().items())
@@ -376,7 +379,8 @@ def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     per_head = load_config(cfg_file, over + ["loss.capacity_form=per_head", "gates.variant=trimkv"])
     assert capacity_budget_text(per_head, streams=6) == "4 entries per KV head (24 in all)"
-    assert capacity_budget_text(load_config(cfg_file, over), streams=6) == "24 entries in all (4 per KV head on average)"
+    assert (capacity_budget_text(load_config(cfg_file, over), streams=6)
+            == "24 entries in all (4 per KV head on average)")
 
 
 def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path):
@@ -430,7 +434,8 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
     assert (one.W1 - tiny_gates_init(one)).abs().max() > 1e-3
     for k, v in one.state_dict().items():
         torch.testing.assert_close(ds.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
-    adapters = [load_file(str(tmp_path / run / "final" / "lora" / "adapter_model.safetensors")) for run in ("one", "ds")]
+    adapters = [load_file(str(tmp_path / run / "final" / "lora" / "adapter_model.safetensors"))
+                for run in ("one", "ds")]
     assert adapters[0] and adapters[0].keys() == adapters[1].keys()
     for k, v in adapters[0].items():  # whole weights, not a rank's empty shard
         torch.testing.assert_close(adapters[1][k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
@@ -508,7 +513,8 @@ def _two_processes(tmp_path: Path, launcher: list[str], kind: str, runs: list[li
     outs = []
     for args in runs:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2", "--num_machines",
-               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *args]
+               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+               *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"2 processes ({kind})" in proc.stdout, proc.stdout[-2000:]
@@ -548,12 +554,14 @@ def test_deepspeed_zero3_resumes_the_eviction_objective_and_a_vision_language_mo
         conversations(tmp_path / "convs.jsonl")
         body = ("model: {name: tiny-qwen3-vl}\ngates: {variant: global, gate_hidden: 8, bias_init: 3.0}\n"
                 "budget: {tokens_per_head: 8}\n"
-                f"data: {{seq_len: 256, eval_fraction: 0.2, sources: [{{kind: multimodal, path: {tmp_path / 'convs.jsonl'}}}]}}\n")
+                "data: {seq_len: 256, eval_fraction: 0.2, sources: "
+                f"[{{kind: multimodal, path: {tmp_path / 'convs.jsonl'}}}]}}\n")
         (tmp_path / "vl_runner.py").write_text(VL_RUNNER)
         script, pythonpath = [str(tmp_path / "vl_runner.py")], f"{REPO}{os.pathsep}{REPO / 'tests'}"
     for name, folder in out.items():
-        (tmp_path / f"{name}.yaml").write_text(body + f"train: {{output_dir: {folder}, steps: 4, lr: 0.05, warmup_steps: 1, "
-                                                      "log_every: 100, save_every: 2, tracker: none}\n")
+        (tmp_path / f"{name}.yaml").write_text(body + f"train: {{output_dir: {folder}, steps: 4, lr: 0.05, "
+                                                      "warmup_steps: 1, log_every: 100, save_every: 2, "
+                                                      "tracker: none}\n")
 
     def run(name: str, *extra: str) -> list[str]:
         if kind == "evict":
@@ -638,8 +646,8 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
     kl = json.loads((Path(first) / "config.json").read_text())["training"]
-    assert f"| init_from | {first} (2 steps, 32-token rows, {kl['config']}, held-out KL {kl['held_out_kl_before']:.4g} -> " \
-           f"{kl['held_out_kl']:.4g}) |" in card
+    assert f"| init_from | {first} (2 steps, 32-token rows, {kl['config']}, " \
+           f"held-out KL {kl['held_out_kl_before']:.4g} -> {kl['held_out_kl']:.4g}) |" in card
 
 
 def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):

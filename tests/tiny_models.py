@@ -72,7 +72,8 @@ def tiny_qwen3_vl(attn_implementation="sdpa", tokens=None, **overrides):
     """``tokens``: special token ids (image/video/vision_start/vision_end) when a real tokenizer is used."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **overrides}
+    text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                        "mrope_interleaved": True}, **overrides}
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -92,7 +93,8 @@ def tiny_qwen3_vl(attn_implementation="sdpa", tokens=None, **overrides):
     return Qwen3VLForConditionalGeneration(cfg)
 
 
-BUILDERS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_vl": tiny_qwen3_vl}
+BUILDERS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
+            "qwen3_vl": tiny_qwen3_vl}
 
 
 def vl_inputs(n_images: int = 1, text_before: int = 5, text_after: int = 6, grid=(1, 4, 4), seed: int = 0):
@@ -107,7 +109,8 @@ def vl_inputs(n_images: int = 1, text_before: int = 5, text_after: int = 6, grid
     ids = []
     for _ in range(n_images):
         ids += torch.randint(0, 100, (text_before,), generator=g).tolist()
-        ids += [VL_TOKENS["vision_start_token_id"]] + [VL_TOKENS["image_token_id"]] * n_tok + [VL_TOKENS["vision_end_token_id"]]
+        ids += ([VL_TOKENS["vision_start_token_id"]] + [VL_TOKENS["image_token_id"]] * n_tok
+                + [VL_TOKENS["vision_end_token_id"]])
     ids += torch.randint(0, 100, (text_after,), generator=g).tolist()
     patch_dim = 3 * 2 * 14 * 14
     pixel_values = torch.randn(n_images * t * h * w, patch_dim, generator=g)

@@ -34,7 +34,8 @@ def tiny_qwen3_vl_processor(tokenizer_dir: str | Path | None = None):
     images = Qwen2VLImageProcessorPil(
         patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=112 * 112
     )
-    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None, chat_template=CHAT_TEMPLATE)
+    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None,
+                                     chat_template=CHAT_TEMPLATE)
 
 
 def tiny_qwen3_vl_for(processor, seed: int = 0):
@@ -43,7 +44,8 @@ def tiny_qwen3_vl_for(processor, seed: int = 0):
 
     tok = processor.tokenizer
     ids = tok.convert_tokens_to_ids(VISION_TOKENS)
-    tokens = dict(vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3])
+    tokens = dict(vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+                  video_token_id=ids[3])
     return tiny_qwen3_vl(seed=seed, tokens=tokens, vocab_size=len(tok))
 
 

@@ -1,8 +1,9 @@
 """Decode steps over a :class:`~retention.cache.hf.RetentionCache` recorded once as a CUDA graph and replayed.
 
 A small model's decode step on a GPU is bound by host work, not arithmetic: on an H100, SmolLM2-135M in bf16 takes
-about 25 ms a token eagerly and 5 ms replayed as one graph (``retention/eval/bench_graph_ceiling.py``). A graph replays fixed
-kernels on fixed addresses, so everything a step decides on the host is done before the replay, eagerly:
+about 25 ms a token eagerly and 5 ms replayed as one graph (``retention/eval/bench_graph_ceiling.py``). A graph
+replays fixed kernels on fixed addresses, so everything a step decides on the host is done before the replay,
+eagerly:
 
 1. eviction (the cache's own rule: over budget + slack, cut back to the budget);
 2. page planning: :meth:`PagedKVStore.reserve_next` gives every stream the pool slot of its next entry (a new page
@@ -47,10 +48,12 @@ class GraphDecoder:
             raise ValueError("GraphDecoder needs the retention gates attached in score mode "
                              "(attach_gates(model, gates, mode='score'), as RetentionChat and generate use)")
         if cache.store is None:
-            raise ValueError("the cache is empty: prefill the prompt first (model(input_ids=..., past_key_values=cache))")
+            raise ValueError("the cache is empty: prefill the prompt first "
+                             "(model(input_ids=..., past_key_values=cache))")
         if cache.policy.needs_queries:
             raise ValueError(f"{type(cache.policy).__name__} reads the queries as they come, which a recorded step "
-                             "cannot hand it: decode with model.generate, or use a policy that reads none (global_gates)")
+                             "cannot hand it: decode with model.generate, or use a policy that reads none "
+                             "(global_gates)")
         if cache.page_size & (cache.page_size - 1):
             raise ValueError(f"the paged kernel needs a power-of-two page size, got {cache.page_size}")
         if cache._pad_entries is not None and bool(cache._pad_entries.any()):
@@ -79,7 +82,8 @@ class GraphDecoder:
         """Feed ``ids`` ``(B, 1)``; the next-token logits ``(B, V)`` (a new tensor, not the graph's buffer)."""
         c, store = self.cache, self.cache.store
         if tuple(ids.shape) != (self.batch, 1):
-            raise ValueError(f"step takes one token per sequence, ids of shape ({self.batch}, 1); got {tuple(ids.shape)}")
+            raise ValueError(f"step takes one token per sequence, ids of shape ({self.batch}, 1); "
+                             f"got {tuple(ids.shape)}")
         if store is None or store.batch != self.batch:
             raise RuntimeError("the cache was reset or reordered since this decoder was built: build a new one")
         # what the cache's first layer does at the start of a forward

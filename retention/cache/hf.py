@@ -233,7 +233,8 @@ class RetentionCache(Cache):
         if self.policy.budget_scope == "head" and self.policy.head_budgets is not None:
             hb = self.policy.head_budgets
             if tuple(hb.shape) != (self.num_layers, self.num_kv_heads):
-                raise CacheBudgetError(f"head_budgets must be (layers, kv_heads) = {(self.num_layers, self.num_kv_heads)}, got {tuple(hb.shape)}")
+                raise CacheBudgetError(f"head_budgets must be (layers, kv_heads) = "
+                                       f"{(self.num_layers, self.num_kv_heads)}, got {tuple(hb.shape)}")
             values = [int(hb.sum())]
         for b in values:
             if b < max(need, 1):
@@ -280,8 +281,10 @@ class RetentionCache(Cache):
             self._start = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
         elif self.store.batch != B:
             hint = (f"; to continue each held sequence {B // self.store.batch} times call "
-                    f"cache.batch_repeat_interleave({B // self.store.batch}) first" if B % self.store.batch == 0 else "")
-            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; or use a new cache")
+                    f"cache.batch_repeat_interleave({B // self.store.batch}) first"
+                    if B % self.store.batch == 0 else "")
+            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; "
+                               "or use a new cache")
         if self._static is not None:  # a decode step GraphDecoder planned: no host work, so a graph can record it
             self.store.write(self._static["slots"][layer_idx], key_states.reshape(B * H, D),
                              value_states.reshape(B * H, D), log_beta.reshape(B * H), self._static["pos"])
@@ -342,7 +345,8 @@ class RetentionCache(Cache):
             store, pool = self.store, self.store.pool
             out = flash_paged_decode(q, pool.keys, pool.values, store.block_table, store.lengths, scale, rows=rows)
             if out is None and self._static is not None and not _triton_decodes(q):  # GraphDecoder on the CPU
-                out = paged_decode_reference(q, pool.keys, pool.values, store.block_table[rows], store.lengths[rows], scale)
+                out = paged_decode_reference(q, pool.keys, pool.values, store.block_table[rows], store.lengths[rows],
+                                             scale)
             if out is None:  # the kernel reads the layer's rows of the block table in place
                 # a graph replays the grid it recorded: the table's width then, not the host's longest stream now
                 longest = None if self._static is not None else store.longest(layer)

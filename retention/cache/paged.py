@@ -86,11 +86,13 @@ class PagedKVStore:
     def _ensure_columns(self, pages: int) -> None:
         if pages > self.block_table.shape[1]:
             new = max(pages, 2 * self.block_table.shape[1])
-            pad = torch.full((self.num_streams, new - self.block_table.shape[1]), -1, dtype=torch.long, device=self.block_table.device)
+            pad = torch.full((self.num_streams, new - self.block_table.shape[1]), -1, dtype=torch.long,
+                             device=self.block_table.device)
             self.block_table = torch.cat([self.block_table, pad], dim=1)
 
     # -- append / gather ---------------------------------------------------------------------------
-    def append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor,
+               pos: torch.Tensor) -> None:
         """Append ``T`` entries to each stream in ``rows`` ``(R,)``.
 
         ``keys/values`` ``(R, T, D)``, ``log_beta`` ``(R, T)``, ``pos`` ``(R, T)`` int64 (on the host or the
@@ -98,7 +100,8 @@ class PagedKVStore:
         """
         self._append(rows, rows.cpu(), keys, values, log_beta, pos)
 
-    def append_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor, pos: torch.Tensor) -> None:
+    def append_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, log_beta: torch.Tensor,
+                     pos: torch.Tensor) -> None:
         """:meth:`append` to the ``B * H`` streams of ``layer`` (ordered (b, h)), without a device sync."""
         self._append(*self._cached_streams(layer), keys, values, log_beta, pos)
 
@@ -284,7 +287,8 @@ class PagedKVStore:
         self._layer_streams.clear()
         self._all_streams = None
         owned = self.block_table >= 0  # page owners follow the renumbered streams
-        self.pool.owner[self.block_table[owned]] = torch.arange(self.num_streams, device=dev)[:, None].expand_as(self.block_table)[owned]
+        self.pool.owner[self.block_table[owned]] = (
+            torch.arange(self.num_streams, device=dev)[:, None].expand_as(self.block_table)[owned])
 
     # -- reports -----------------------------------------------------------------------------------
     def entries_per_head(self) -> torch.Tensor:

@@ -27,7 +27,8 @@ class PagePool:
         device: torch.device | str = "cpu",
     ) -> None:
         if page_size < 1 or capacity < 1 or head_dim < 1:
-            raise ValueError(f"page_size, capacity and head_dim must be positive, got {page_size}, {capacity}, {head_dim}")
+            raise ValueError(f"page_size, capacity and head_dim must be positive, got {page_size}, {capacity}, "
+                             f"{head_dim}")
         self.page_size, self.head_dim, self.dtype, self.device = page_size, head_dim, dtype, torch.device(device)
         self.capacity = 0
         self.keys = torch.empty(0, page_size, head_dim, dtype=dtype, device=self.device)

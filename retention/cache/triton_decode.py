@@ -34,7 +34,8 @@ def _paged_decode_split(
     rp = tl.arange(0, PAGE)
     mask_g = rg < G
     mask_d = rd < D
-    q = tl.load(Q + n * G * D + rg[:, None] * D + rd[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q = tl.load(Q + n * G * D + rg[:, None] * D + rd[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                other=0.0).to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)

@@ -10,14 +10,14 @@ For each context length N: prefill N tokens of real text (chunked), then time gr
 and print ms/token, KV bytes and the ratio decode(N, B) / decode(full@B) (goal <= 1.25, flat in N).
 Also the peak KV entries of chunked prefill under the budget vs a full prefill of N tokens.
 ``--repeats R`` runs every setting R times in interleaved rounds (machine noise then hits all settings
-alike) and prints the median of the rounds with their range. An untimed warm-up round (``--warmup``, one by default on a GPU)
-runs every setting first: per-shape setup that a long-running process pays once would otherwise be charged
-to whichever setting meets a shape first (on an H100, PyTorch's cuDNN attention builds a new plan for each
-key length, about 2 ms per layer and step, so the first DynamicCache setting to decode lengths 4097, 4098, ...
-paid it and the next one did not); its medians are printed too, as the cold cost. ``--profile FILE`` also profiles 4 more
-decode steps of every setting (first round) with ``torch.profiler`` and writes the ops that take the most
-time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where a
-setting's extra milliseconds go.
+alike) and prints the median of the rounds with their range. An untimed warm-up round (``--warmup``, one by
+default on a GPU) runs every setting first: per-shape setup that a long-running process pays once would otherwise
+be charged to whichever setting meets a shape first (on an H100, PyTorch's cuDNN attention builds a new plan for
+each key length, about 2 ms per layer and step, so the first DynamicCache setting to decode lengths 4097, 4098, ...
+paid it and the next one did not); its medians are printed too, as the cold cost. ``--profile FILE`` also
+profiles 4 more decode steps of every setting (first round) with ``torch.profiler`` and writes the ops that take
+the most time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where
+a setting's extra milliseconds go.
 
     python -m retention.eval.bench_decode               # N = 1k, 2k, 4k on CPU (8k with --contexts)
     python -m retention.eval.bench_decode --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk")
     p.add_argument("--device", default=None, help="default: cuda when available (Triton paged decode), else cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
-    p.add_argument("--repeats", type=positive_int, default=1, help="interleaved rounds over every setting (noisy machines)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="interleaved rounds over every setting (noisy machines)")
     p.add_argument("--warmup", type=non_negative_int, default=None,
                    help="untimed rounds over every setting first (per-shape setup: cuDNN plans, Triton autotuning); "
                    "default 1 on a GPU, 0 on the CPU")
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = real_text_ids(tok, max(args.contexts))
     # (N, cache name, budget tokens): every setting runs once per round
     settings = [(args.budget, "full@B", None)] + [
-        (n, name, args.budget if name == "budget" else None) for n in args.contexts for name in ("budget", "full", "plain", "bare")
+        (n, name, args.budget if name == "budget" else None)
+        for n in args.contexts for name in ("budget", "full", "plain", "bare")
     ]
     runs: dict[tuple, list] = {s: [] for s in settings}
     cold: dict[tuple, list] = {s: [] for s in settings}
@@ -159,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
                               profile=bool(args.profile) and r == 0)
             (runs if r >= 0 else cold)[(n, name, b)].append(run)
     print(f"model {args.model} ({args.dtype} on {args.device}), budget B = {args.budget} tokens per KV head "
-          f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, prefill chunk {args.chunk}"
+          f"({args.budget * streams:,} entries), median ms/token over {args.new} decode steps, "
+          f"prefill chunk {args.chunk}"
           + (f", median of {args.repeats} interleaved rounds (range in brackets)" if args.repeats > 1 else "")
-          + (f", after {args.warmup} untimed warm-up round(s) (the first one's median: 'cold')" if args.warmup else ""))
-    print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill | cold ms/token |")
+          + (f", after {args.warmup} untimed warm-up round(s) (the first one's median: 'cold')"
+             if args.warmup else ""))
+    print("| N | cache | ms/token | KV MiB | decode / full@B | prefill peak entries | peak vs full prefill "
+          "| cold ms/token |")
     print("|---|---|---|---|---|---|---|---|")
     floor_ms = statistics.median(r[0] for r in runs[settings[0]])
     for n, name, b in settings:
@@ -173,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         peaks = "| | |" if peak is None or name == "full@B" else f"| {peak:,} | {peak / full_entries:.2f}x |"
         med = statistics.median(ms)
         first = f"{cold[(n, name, b)][0][0]:.1f}" if cold[(n, name, b)] else ""
-        print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | {med / floor_ms:.2f}x {peaks} {first} |")
+        print(f"| {n} | {name} | {med:.1f}{spread} | {rep['kv_bytes'] / 2**20:.1f} | "
+              f"{med / floor_ms:.2f}x {peaks} {first} |")
     if args.profile:
         out = Path(args.profile)
         out.parent.mkdir(parents=True, exist_ok=True)
         parts = [f"## N = {n}, {name}\n{runs[(n, name, b)][0][3]}" for n, name, b in settings]
-        out.write_text(f"{PROFILE_STEPS} decode steps per setting, model {args.model} ({args.dtype} on {args.device})\n\n"
-                       + "\n".join(parts))
+        out.write_text(f"{PROFILE_STEPS} decode steps per setting, model {args.model} "
+                       f"({args.dtype} on {args.device})\n\n" + "\n".join(parts))
         print(f"profile: {out}")
     return 0
 

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             agree = {k: v == tokens["bare"] for k, v in tokens.items() if not k.startswith("budget")}
             print(f"greedy tokens equal to the eager DynamicCache's: {agree}")
             if "budget+graph" in tokens:
-                print(f"budget+graph decodes the budget row's greedy tokens: {tokens['budget+graph'] == tokens['budget']}")
+                print("budget+graph decodes the budget row's greedy tokens: "
+                      f"{tokens['budget+graph'] == tokens['budget']}")
         else:
             rounds.append(ms)
     rounds = rounds or [ms]

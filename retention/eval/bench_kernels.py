@@ -99,7 +99,8 @@ def _methods(q, k, v, lb) -> dict:
             return score + (qi - ki).to(torch.float32) * lb[b, h // G, ki]
 
         out["flex"] = lambda: flex(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=mask, enable_gqa=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=mask,
+            enable_gqa=True,
         ).transpose(1, 2)
     except Exception as e:  # flex needs a recent torch with a GPU backend
         out["flex"] = f"n/a: {type(e).__name__}"
@@ -197,7 +198,8 @@ def cpu_check(args: argparse.Namespace) -> None:
             base = res["reference"]
             for name, r in res.items():
                 e = f"{err:.1e}" if name != "reference" else "0"
-                print(f"| {T} | {D} | {name} | {r[0]:.1f} | {r[1]:.1f} | {e} | {r[0] / base[0]:.2f}x | {r[1] / base[1]:.2f}x |")
+                print(f"| {T} | {D} | {name} | {r[0]:.1f} | {r[1]:.1f} | {e} | {r[0] / base[0]:.2f}x | "
+                      f"{r[1] / base[1]:.2f}x |")
     print("(ratios to the reference; the interpreter runs kernels in numpy, so its speed says nothing about a GPU)")
 
 
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     from retention.cli import positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=positive_int, nargs="+", default=None, help="sequence lengths (GPU: 2048..32768, CPU: 64 128)")
+    p.add_argument("--seq", type=positive_int, nargs="+", default=None,
+                   help="sequence lengths (GPU: 2048..32768, CPU: 64 128)")
     p.add_argument("--dims", type=positive_int, nargs="+", default=None, help="head dims (GPU: 64 128, CPU: 64)")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--kv-heads", type=positive_int, default=None, help="KV heads (GPU: 8, CPU: 1)")

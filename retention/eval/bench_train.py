@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * args.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     mem = {} if args.no_memory else {k: peak_memory(args, k) for k in steps}
-    print(f"model {args.model} ({args.dtype}), device {args.device}, batch {args.batch} x {args.seq_len} tokens, median of {args.reps}")
+    print(f"model {args.model} ({args.dtype}), device {args.device}, batch {args.batch} x {args.seq_len} tokens, "
+          f"median of {args.reps}")
     print(f"| {'variant':<6} | {'s/step':>7} | {'tokens/s':>9} | {'peak MiB':>9} |")
     print(f"|{'-' * 8}|{'-' * 9}|{'-' * 11}|{'-' * 11}|")
     for k in ("floor", "step"):

@@ -102,8 +102,9 @@ def _pool(args: argparse.Namespace) -> int:
     try:
         inputs = {Path(p).resolve() for p in args.results}
         if args.summary and Path(args.summary).with_suffix(".jsonl").resolve() in inputs:
-            raise ValueError(f"--summary {args.summary} copies the pooled rows to {Path(args.summary).with_suffix('.jsonl')}, "
-                             "one of the files to pool: name the page otherwise")
+            raise ValueError(f"--summary {args.summary} copies the pooled rows to "
+                             f"{Path(args.summary).with_suffix('.jsonl')}, one of the files to pool: name the page "
+                             "otherwise")
         pairs = parse_pairs(args.pair)
         if methods:  # before pooling: a pair must be among the kept methods
             check_pairs(pairs, set(methods))
@@ -205,8 +206,9 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
     _publish_args(pool)
     pool.set_defaults(func=_pool)
-    sub.add_parser("list", help="the tasks, methods and budgets a sweep config can name, with their params").set_defaults(
-        func=_list)
+    sub.add_parser(
+        "list", help="the tasks, methods and budgets a sweep config can name, with their params"
+    ).set_defaults(func=_list)
 
 
 def main(argv: list[str] | None = None) -> int:

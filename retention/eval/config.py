@@ -63,7 +63,8 @@ class EvalConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def task_specs(self) -> list[TaskSpec]:
-        return [TaskSpec(t) if isinstance(t, str) else TaskSpec(t["name"], dict(t.get("params") or {})) for t in self.tasks]
+        return [TaskSpec(t) if isinstance(t, str) else TaskSpec(t["name"], dict(t.get("params") or {}))
+                for t in self.tasks]
 
     def method_list(self) -> list[Method]:
         """The methods, built once per config: a method's own gates, loaded when the sweep is prepared,
@@ -168,9 +169,9 @@ def validate(cfg: EvalConfig) -> EvalConfig:
                               "before the question arrives); set protocol: query_agnostic or leave them out")
         fractions = [b for b in cfg.budgets or [] if parse_budget(b).kind == "fraction"]
         if cfg.prefill == "streaming" and fractions:
-            _fail("budgets", f"{fractions}: {shown} under a streaming prefill evict before a dialogue's length (with its "
-                             "images) is known, so their budgets must be {tokens: N} or {entries: N}; or use prefill: "
-                             "one_shot")
+            _fail("budgets", f"{fractions}: {shown} under a streaming prefill evict before a dialogue's length "
+                             "(with its images) is known, so their budgets must be {tokens: N} or {entries: N}; or "
+                             "use prefill: one_shot")
     return cfg
 
 

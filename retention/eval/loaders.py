@@ -86,20 +86,29 @@ def load_ruler(length: int | str = 4096, split: str = "test", data_files: Any = 
 # --- LongBench v1 ----------------------------------------------------------------------------------
 # subset -> (metric, max_new_tokens, instruction after the context); English subsets of LongBench.
 LONGBENCH = {
-    "narrativeqa": ("f1", 128, "Answer the question based on the story above as concisely as you can, using a single phrase if possible."),
-    "qasper": ("f1", 128, "Answer the question based on the article above as concisely as you can, using a single phrase or sentence if possible. If it cannot be answered, write \"unanswerable\"; if it is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\"."),
-    "multifieldqa_en": ("f1", 64, "Answer the question based on the text above. Only give me the answer and do not output any other words."),
-    "hotpotqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
-    "2wikimqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
-    "musique": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not output any other words."),
+    "narrativeqa": ("f1", 128, "Answer the question based on the story above as concisely as you can, using a "
+                               "single phrase if possible."),
+    "qasper": ("f1", 128, "Answer the question based on the article above as concisely as you can, using a single "
+                          "phrase or sentence if possible. If it cannot be answered, write \"unanswerable\"; if it is "
+                          "a yes/no question, answer \"yes\", \"no\", or \"unanswerable\"."),
+    "multifieldqa_en": ("f1", 64, "Answer the question based on the text above. Only give me the answer and do not "
+                                  "output any other words."),
+    "hotpotqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not "
+                           "output any other words."),
+    "2wikimqa": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not "
+                           "output any other words."),
+    "musique": ("f1", 32, "Answer the question based on the passages above. Only give me the answer and do not "
+                          "output any other words."),
     "gov_report": ("rouge_l", 512, "Write a one-page summary of the report above."),
     "qmsum": ("rouge_l", 512, "Answer the query based on the meeting transcript above in one or more sentences."),
     "multi_news": ("rouge_l", 512, "Write a one-page summary of all the news above."),
     "trec": ("recall", 64, "Determine the type of the question, following the examples above."),
     "triviaqa": ("f1", 32, "Answer the question, following the examples above."),
     "samsum": ("rouge_l", 128, "Summarize the dialogue, following the examples above."),
-    "passage_count": ("recall", 32, "How many unique paragraphs are there among those above, after removing duplicates? Answer with the number only."),
-    "passage_retrieval_en": ("recall", 32, "Which paragraph above does the following abstract come from? Answer in the format \"Paragraph 1\"."),
+    "passage_count": ("recall", 32, "How many unique paragraphs are there among those above, after removing "
+                                    "duplicates? Answer with the number only."),
+    "passage_retrieval_en": ("recall", 32, "Which paragraph above does the following abstract come from? Answer in "
+                                           "the format \"Paragraph 1\"."),
     "lcc": ("edit_sim", 64, "Complete the next line of the code above."),
     "repobench-p": ("edit_sim", 64, "Complete the next line of the code above."),
 }
@@ -150,7 +159,8 @@ def load_longbench_v2(split: str = "train", data_files: Any = None, limit: int |
              "Format your response as follows: \"The correct answer is (insert answer here)\".")
         items.append(Item("longbench_v2", r["_id"], r["context"], q, [r["answer"]], metric="choice",
                           answer_prefix="The correct answer is", max_new_tokens=8,
-                          meta={"domain": r.get("domain"), "difficulty": r.get("difficulty"), "length": r.get("length")}))
+                          meta={"domain": r.get("domain"), "difficulty": r.get("difficulty"),
+                                "length": r.get("length")}))
     return items
 
 
@@ -205,8 +215,8 @@ def load_mmdu(data_files: Any = None, limit: int | None = None, turns: str = "la
         asks = [j for j, m in enumerate(msgs) if m["role"] == "user" and j + 1 < len(msgs)]
         for j in (asks[-1:] if turns == "last" else asks):
             items.append(Item("mmdu", f"mmdu-{rec.get('id', len(items))}-{j // 2}", "", msgs[j]["content"],
-                              [msgs[j + 1]["content"]], messages=msgs[:j], metric="rouge_l", max_new_tokens=max_new_tokens,
-                              meta={"images": images, "image_root": root}))
+                              [msgs[j + 1]["content"]], messages=msgs[:j], metric="rouge_l",
+                              max_new_tokens=max_new_tokens, meta={"images": images, "image_root": root}))
     return items
 
 
@@ -233,10 +243,10 @@ def mmdu_judge(complete: Callable[[str], str]) -> Callable[[str, list[str]], flo
 
 # --- the Hub sets as sweep tasks -------------------------------------------------------------------
 # ``tasks: [{name: longbench, params: {subset: hotpotqa}}]`` in an eval config: ``items`` is the number of
-# records taken (of each RULER task), and each entry of ``lengths`` is RULER's context-length config, or for LongBench the most
-# context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU's dialogues are multimodal and
-# run whole through :mod:`retention.eval.multimodal` (a vision-language model; ``lengths`` do not cut them: their rows carry the
-# first length).
+# records taken (of each RULER task), and each entry of ``lengths`` is RULER's context-length config, or for LongBench
+# the most context tokens kept (the middle cut out, as LongBench's own pred.py truncates). MMDU's dialogues are
+# multimodal and run whole through :mod:`retention.eval.multimodal` (a vision-language model; ``lengths`` do not cut
+# them: their rows carry the first length).
 HUB_TASKS: dict[str, Callable[..., list[Item]]] = {
     "ruler": load_ruler, "longbench": load_longbench, "longbench_v2": load_longbench_v2, "mmdu": load_mmdu,
 }

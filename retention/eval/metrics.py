@@ -85,7 +85,8 @@ def choice(reply: str, answers: list[str]) -> float:
 
 def edit_sim(reply: str, answers: list[str]) -> float:
     """Character similarity of the reply's first code line with the reference (LongBench lcc/repobench)."""
-    lines = [ln for ln in reply.lstrip("\n").splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "//", "`"))]
+    lines = [ln for ln in reply.lstrip("\n").splitlines()
+             if ln.strip() and not ln.lstrip().startswith(("#", "//", "`"))]
     first = lines[0] if lines else ""
     return 100.0 * max(SequenceMatcher(None, first, a).ratio() for a in answers)
 

@@ -1,18 +1,20 @@
-"""The protocol for dialogue items with images (MMDU, image_memory): each runs through :class:`retention.chat.RetentionChat`.
+"""The protocol for dialogue items with images (MMDU, image_memory): each runs through
+:class:`retention.chat.RetentionChat`.
 
-A vision-language item's images belong to its turns, so the text protocol (:mod:`retention.eval.protocol`: token ids in one
-prefill) cannot feed it. Here the history's turns go through a chat with :meth:`RetentionChat.add_turn` (each turn's
-images first, then its text, at M-RoPE positions continued from the cache; the references' replies as the assistant's),
-the cache is compressed to the budget (query-agnostic: the question has not arrived), and the question is sent.
-Text and image entries compete for one budget; each row records how many of the kept entries are image tokens.
+A vision-language item's images belong to its turns, so the text protocol (:mod:`retention.eval.protocol`: token ids
+in one prefill) cannot feed it. Here the history's turns go through a chat with :meth:`RetentionChat.add_turn` (each
+turn's images first, then its text, at M-RoPE positions continued from the cache; the references' replies as the
+assistant's), the cache is compressed to the budget (query-agnostic: the question has not arrived), and the question
+is sent. Text and image entries compete for one budget; each row records how many of the kept entries are image
+tokens.
 
 * ``one_shot``: the history is fed with nothing evicted, then each budget compresses its own copy of that cache
   (one prefill for all budgets, as the text protocol does).
 * ``streaming``: each budget feeds the history on its own, evicting whenever the cache passes budget + slack. The
   budget must be known before the history's length is: ``{tokens: N}`` or ``{entries: N}``, not a fraction.
 
-Items: :class:`~retention.eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as :func:`retention.eval.loaders.load_mmdu`
-writes them) and ``meta["images"]``, the image files in marker order.
+Items: :class:`~retention.eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as
+:func:`retention.eval.loaders.load_mmdu` writes them) and ``meta["images"]``, the image files in marker order.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def image_files(item: Item) -> list[Path]:
 
 
 def check_images(items: list[Item]) -> None:
-    """:class:`~retention.eval.loaders.DatasetUnavailableError` naming the first missing image and where it was looked for
-    (before any model loads)."""
+    """:class:`~retention.eval.loaders.DatasetUnavailableError` naming the first missing image and where it was
+    looked for (before any model loads)."""
     from .loaders import DatasetUnavailableError
 
     for item in items:
@@ -162,8 +164,9 @@ def run_chat_item_budgets(model: PreTrainedModel, processor: ProcessorMixin, ite
                           max_new_tokens: int = 32, history: History | None = None) -> list[dict[str, Any]]:
     """Score one multimodal dialogue item under ``method`` at each budget (see the module docstring); rows as
     :func:`retention.eval.protocol.run_item_budgets` gives them, plus ``image_tokens`` (the context's),
-    ``kept_image_entries`` and, for a dialogue that ran past the model's positions, ``past_positions``. ``history``: the item's history fed once for every method that
-    :func:`shares_history` (from :func:`shared_history`)."""
+    ``kept_image_entries`` and, for a dialogue that ran past the model's positions, ``past_positions``.
+    ``history``: the item's history fed once for every method that :func:`shares_history` (from
+    :func:`shared_history`)."""
     from retention.attach import unwrap
     from retention.cache import RetentionCache
 
@@ -173,7 +176,8 @@ def run_chat_item_budgets(model: PreTrainedModel, processor: ProcessorMixin, ite
     streaming = prefill_mode == "streaming"
     policy = None if isinstance(method, FullCache) else method.policy(streaming)
     if history is not None and not shares_history(method, prefill_mode):
-        raise ValueError(f"method {method.label} cannot start from a shared history (see retention.eval.multimodal.shares_history)")
+        raise ValueError(f"method {method.label} cannot start from a shared history "
+                         "(see retention.eval.multimodal.shares_history)")
     new_tokens = item.max_new_tokens or max_new_tokens
 
     with method.active(model):

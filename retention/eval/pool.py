@@ -14,7 +14,8 @@ from typing import Any
 from .runner import jsonl, load_result_file, row_key
 
 
-def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def pool_rows(sets: dict[str, list[dict[str, Any]]],
+              methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """``(rows, dropped)``: the rows of every set (name -> rows) of the methods scored in all of them
     (or of ``methods``), each marked with its set (``pooled_from``), and the methods left out. Raises
     ``ValueError`` naming the set and the fix when a set is empty, lacks a requested method, or holds a
@@ -30,7 +31,8 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]], methods: list[str] | None =
     if methods is not None:
         for name, have in present.items():
             if missing := [m for m in methods if m not in have]:
-                raise ValueError(f"{name} has no rows of {missing}: run those methods there, or leave them out of --methods")
+                raise ValueError(f"{name} has no rows of {missing}: run those methods there, or leave them out of "
+                                 "--methods")
         keep = set(methods)
     else:
         keep = common

@@ -195,7 +195,8 @@ def run_item_budgets(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         base = None  # a prefilled cache, budget unset, that each budget compresses a copy of
         if shared is not None:
             if not shareable(method, prefill_mode):
-                raise ValueError(f"method {method.label} cannot use a shared prefill (see retention.eval.protocol.shareable)")
+                raise ValueError(f"method {method.label} cannot use a shared prefill "
+                                 "(see retention.eval.protocol.shareable)")
             base = shared.cache_for(method)
         elif not streaming and len(budgets) > 1:
             base = prefilled(None)

@@ -23,11 +23,13 @@ def summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, s
     sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
     carried = sum(1 for r in rows if r.get("pooled_from"))
     if sources and carried == len(rows):
-        made = f"Pooled by `python -m retention.eval pool` ({src}) from the `python -m retention.eval run` results {', '.join(sources)}"
+        made = (f"Pooled by `python -m retention.eval pool` ({src}) from the `python -m retention.eval run` results "
+                f"{', '.join(sources)}")
     else:
         made = f"Produced by `python -m retention.eval run` ({src})"
         if sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
-            made += f"; {carried} of its {len(rows)} rows were copied in from runs pooled earlier ({', '.join(sources)})"
+            made += (f"; {carried} of its {len(rows)} rows were copied in from runs pooled earlier "
+                     f"({', '.join(sources)})")
     text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
             f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
     if pairs:
@@ -44,14 +46,16 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
     """Raise (FileNotFoundError / ValueError, naming the fix) if a model card folder, README or summary
     page cannot take the results; cheap, so callers run it before an evaluation."""
     if replaces is not None and card_section is None:
-        raise ValueError("--replaces names the card section a new --card-section takes the place of: give --card-section too")
+        raise ValueError("--replaces names the card section a new --card-section takes the place of: "
+                         "give --card-section too")
     if card_section is not None and (card is None or readme is not None):
         raise ValueError("--card-section adds a section to a model card: give it with --card and without --readme "
                          "(the README's results block holds the card's main results)")
     if card_section is not None and not card_section.strip():
         raise ValueError("--card-section needs a title (the section's heading in the model card)")
     if card is not None and not (Path(card) / "config.json").is_file():
-        raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no config.json); export one with train.py --export")
+        raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no config.json); "
+                                "export one with train.py --export")
     if readme is not None:
         if not Path(readme).is_file():
             raise FileNotFoundError(f"--readme {readme} does not exist")
@@ -181,7 +185,8 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         else:
             new, sections, placed, dropped = {"title": card_section, "markdown": text}, [], False, []
             if gaps is not None:
-                new["figure"] = "results-" + (re.sub(r"[^a-z0-9]+", "-", card_section.lower()).strip("-")[:60] or "section") + ".png"
+                new["figure"] = ("results-" + (re.sub(r"[^a-z0-9]+", "-", card_section.lower()).strip("-")[:60]
+                                               or "section") + ".png")
                 new["markdown"] += f"\n\n![gap to the full cache, with paired intervals]({new['figure']})"
             for x in config.get("results_sections", []):  # in the place of what it replaces, else after the others
                 if x["title"] not in (card_section, replaces):
@@ -208,8 +213,8 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         readme = Path(readme)
         body = readme.read_text()
         rel = Path(card, "results.png").as_posix() if card is not None else plot_path.as_posix()
-        new = (body[: body.index(README_START) + len(README_START)] + "\n" + text + f"\n\n![quality vs KV budget]({rel})\n"
-               + body[body.index(README_END):])
+        new = (body[: body.index(README_START) + len(README_START)] + "\n" + text
+               + f"\n\n![quality vs KV budget]({rel})\n" + body[body.index(README_END):])
         atomic_write_bytes(readme, new.encode())
         written.append(readme)
     return written

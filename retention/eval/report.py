@@ -59,18 +59,21 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One row per (task, length, method, budget); score is the task's metric in %, KL in nats."""
     s = summarise(rows)
     images = any(v["image_share"] is not None for v in s.values())  # a column only where some rows show images
-    lines = ["| task | length | method | budget | score | KL | KV kept (entries) | " + ("image share | " if images else "")
-             + "KV MiB | of full | n |", "|---|---|---|---|---|---|---|" + ("---|" if images else "") + "---|---|---|"]
+    lines = ["| task | length | method | budget | score | KL | KV kept (entries) | "
+             + ("image share | " if images else "") + "KV MiB | of full | n |",
+             "|---|---|---|---|---|---|---|" + ("---|" if images else "") + "---|---|---|"]
     for g in _order(s):
         task, length, method, budget = g
         v = s[g]
         kl = "" if v["kl"] is None else f"{v['kl']:.3g}"
-        notes = [f"{v['errors']} failed"] * bool(v["errors"]) + [f"{v['past_positions']} past positions"] * bool(v["past_positions"])
+        notes = ([f"{v['errors']} failed"] * bool(v["errors"])
+                 + [f"{v['past_positions']} past positions"] * bool(v["past_positions"]))
         n = f"{v['n']}" + (f" ({', '.join(notes)})" if notes else "")
         share = "" if not images else ("| " if v["image_share"] is None or not v["n"] else f"{v['image_share']:.0%} | ")
         if v["n"]:
             lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | {v['score']:.1f} | {kl} | "
-                         f"{v['kept_entries']:,.0f} | {share}{v['kv_bytes'] / 2**20:.2f} | {v['kv_fraction']:.0%} | {n} |")
+                         f"{v['kept_entries']:,.0f} | {share}{v['kv_bytes'] / 2**20:.2f} | "
+                         f"{v['kv_fraction']:.0%} | {n} |")
         else:
             lines.append(f"| {task} | {length} | {method} | {budget_label(budget)} | - | | | {share}| | {n} |")
     return "\n".join(lines)
@@ -174,7 +177,8 @@ _STATS = ("__kv__", "__bytes__")
 LEARNED_POLICIES = tuple(n for n, cls in POLICIES.items() if getattr(cls, "uses_gates", False))  # scored by gates
 
 
-REFERENCE_POLICIES = ("oracle",)  # read the future (retention/eval/oracle.py): ceilings to read a gap against, no baselines
+# read the future (retention/eval/oracle.py): ceilings to read a gap against, no baselines
+REFERENCE_POLICIES = ("oracle",)
 
 
 def _methods_running(rows: list[dict[str, Any]], policies: tuple[str, ...]) -> set[str]:
@@ -271,7 +275,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
 
         full_key = next((k for k in avg if k[1] == "full"), None)
-        lines += ["", "| learned | budget | score | vs full cache | vs best training-free (which) |", "|---|---|---|---|---|"]
+        lines += ["", "| learned | budget | score | vs full cache | vs best training-free (which) |",
+                  "|---|---|---|---|---|"]
         for m in learned:
             for b in budgets:
                 if (m, b) not in avg:
@@ -281,12 +286,12 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                 vs_best = "" if best is None else f"{gap(m, b, (best[1], b), avg[(m, b)] - best[0])} ({best[1]})"
                 lines.append(f"| {m} | {budget_label(b)} | {avg[(m, b)]:.1f} | {vs_full} | {vs_best} |")
         if any(shown):
-            lines += ["", "Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same items "
-                      "resampled for both methods within each task, 4,000 draws). With few items per task one item "
-                      "moves a task's score a lot: read the interval before the point."]
+            lines += ["", "Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same "
+                      "items resampled for both methods within each task, 4,000 draws). With few items per task one "
+                      "item moves a task's score a lot: read the interval before the point."]
         if references:
-            lines += ["", f"{', '.join(references)}: references that read the continuation (`retention/eval/oracle.py`), so "
-                      "not counted as the best training-free method."]
+            lines += ["", f"{', '.join(references)}: references that read the continuation "
+                      "(`retention/eval/oracle.py`), so not counted as the best training-free method."]
     return "\n".join(lines)
 
 
@@ -322,7 +327,8 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
     check_pairs(pairs, {m for m, _ in means})
     body = []
     for a, b in pairs:
-        for budget in sorted({k[1] for k in means if k[0] == a}, key=lambda x: -1 if x == "full" else parse_budget(x).value):
+        for budget in sorted({k[1] for k in means if k[0] == a},
+                             key=lambda x: -1 if x == "full" else parse_budget(x).value):
             ka = (a, budget)
             kb = (b, "full") if b == "full" else (b, budget)
             if kb not in means:
@@ -330,7 +336,8 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
             per_task = [means[ka][t] - means[kb][t] for t in tasks]
             ci = paired_gap_interval(rows, ka, kb, tasks)
             gap = f"{statistics.mean(per_task):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
-            body.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | " + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
+            body.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | "
+                        + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
     lines = ["Paired gaps, A minus B in points (the mean over tasks with a 95% paired-bootstrap interval over the "
              "items both scored, then each task).", "",
              "| A - B | budget | gap | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks)]
@@ -344,7 +351,8 @@ def task_table(rows: list[dict[str, Any]], budget: str) -> str:
     means = _task_means(rows)
     tasks = _common_tasks(means)
     keys = [k for k in means if k[1] == "full"] + sorted(k for k in means if k[1] == budget)
-    lines = [f"Score per task at {budget_label(budget)} of the cache (%; fidelity: top-1 agreement with the full cache).",
+    lines = [f"Score per task at {budget_label(budget)} of the cache "
+             "(%; fidelity: top-1 agreement with the full cache).",
              "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     for k in keys:
         name = "full cache" if k[1] == "full" else k[0]
@@ -369,7 +377,8 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     # dashed, so no two lines share a colour and style with up to 20 methods
     strong, pale = plt.get_cmap("tab10"), plt.get_cmap("tab20")
     for i, m in enumerate(learned + baselines):
-        pts = sorted((means[k]["__kv__"] * 100, statistics.mean(means[k][t] for t in tasks)) for k in means if k[0] == m)
+        pts = sorted((means[k]["__kv__"] * 100, statistics.mean(means[k][t] for t in tasks))
+                     for k in means if k[0] == m)
         if m in learned:
             style = dict(color=strong(i % 10), marker="osD^v"[i % 5], linewidth=2.2, linestyle="-")
         else:
@@ -379,7 +388,8 @@ def summary_plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
         ax.plot(*zip(*pts), label=m, **style)
     for k, d in means.items():
         if k[1] == "full":
-            ax.axhline(statistics.mean(d[t] for t in tasks), color="black", linestyle="--", linewidth=1, label="full cache")
+            ax.axhline(statistics.mean(d[t] for t in tasks), color="black", linestyle="--", linewidth=1,
+                       label="full cache")
     ax.set_xlabel("KV cache kept (% of the full cache)")
     ax.set_ylabel(f"mean score over {len(tasks)} tasks (%)")
     ax.grid(alpha=0.3)

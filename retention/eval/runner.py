@@ -108,8 +108,8 @@ def _drop_torn_tail(path: Path) -> None:
 def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
     """What a row's score depends on beyond its key (task, length, item, method, budget, protocol, prefill)
     and its gates: each row records these, and a resumed sweep rescores rows that recorded other values."""
-    return {"model": cfg.model, "dtype": cfg.dtype or "float32", "max_new_tokens": cfg.max_new_tokens, "chunk": cfg.chunk,
-            "chat_template_kwargs": cfg.chat_template_kwargs}
+    return {"model": cfg.model, "dtype": cfg.dtype or "float32", "max_new_tokens": cfg.max_new_tokens,
+            "chunk": cfg.chunk, "chat_template_kwargs": cfg.chat_template_kwargs}
 
 
 def item_sha(item: Item) -> str:
@@ -288,9 +288,9 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
 
 
 def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
-    """EvalConfigError when the config's image tasks (:data:`retention.eval.multimodal.IMAGE_TASKS`) meet a text-only model:
-    read from the model's config (``config``, or the one :func:`retention.models.load_config` reads without the
-    weights), before the model loads."""
+    """EvalConfigError when the config's image tasks (:data:`retention.eval.multimodal.IMAGE_TASKS`) meet a text-only
+    model: read from the model's config (``config``, or the one :func:`retention.models.load_config` reads without
+    the weights), before the model loads."""
     shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
     if not shown:
         return

@@ -10,6 +10,6 @@ from .registry import POLICIES, get_policy, policy_params
 from .trimkv import TrimKVPolicy
 
 __all__ = [
-    "BUDGET_SCOPES", "EntryView", "EvictionPolicy", "GatesSnapKVPolicy", "GlobalGatesPolicy", "POLICIES", "TrimKVPolicy",
-    "get_policy", "lookahead_log_score", "policy_params", "protect",
+    "BUDGET_SCOPES", "EntryView", "EvictionPolicy", "GatesSnapKVPolicy", "GlobalGatesPolicy", "POLICIES",
+    "TrimKVPolicy", "get_policy", "lookahead_log_score", "policy_params", "protect",
 ]

@@ -49,7 +49,8 @@ class CAKEPolicy(WindowPolicy):
         p = mean * ok / (mean * ok).sum(-1, keepdim=True).clamp_min(1e-30)
         entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
         shift = ((var * ok).sum(-1) / ok.sum(-1).clamp_min(1)).mean()
-        self.preference[layer] = float(entropy.clamp_min(1e-12) ** (1 / self.tau1) * shift.clamp_min(1e-12) ** (1 / self.tau2))
+        self.preference[layer] = float(entropy.clamp_min(1e-12) ** (1 / self.tau1)
+                                       * shift.clamp_min(1e-12) ** (1 / self.tau2))
         return max_pool(mean + self.gamma * var, self.kernel)
 
     def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:

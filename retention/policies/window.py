@@ -53,7 +53,8 @@ class PositionStats:
         size = int(pos.max()) + 1 if pos.numel() else 1
         table = self.tables.get(layer)
         if table is None or table.shape[-1] < size or table.shape[:2] != values.shape[:2]:
-            new = torch.zeros(*values.shape[:2], max(size, 2 * (0 if table is None else table.shape[-1])), device=values.device)
+            new = torch.zeros(*values.shape[:2], max(size, 2 * (0 if table is None else table.shape[-1])),
+                              device=values.device)
             if table is not None and table.shape[:2] == values.shape[:2]:
                 new[..., : table.shape[-1]] = table
             table = new

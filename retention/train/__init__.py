@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
                         help="upload the exported gates to this Hub repo")
     parser.add_argument("--export", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                         help="no training: export the gates of a checkpoint ('latest' or a folder) of this run")
-    parser.add_argument("--to", default=None, metavar="DIR", help="with --export: the folder to write (default: export.dir)")
+    parser.add_argument("--to", default=None, metavar="DIR",
+                        help="with --export: the folder to write (default: export.dir)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     # plain types and tensors only, so the state loads with torch.load(weights_only=True)
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -83,8 +84,8 @@ def load_without_pickled_code(path: str | Path, map_location: Any = None) -> Any
             raise SystemExit(
                 f"--resume: {path} holds pickled objects retention does not rebuild ({', '.join(found) or e}): "
                 f"only tensors, numbers and {', '.join(c.__name__ for c in allowed)} load. If you trust this "
-                f"checkpoint (your own run's, with a DeepSpeed setting that stores more), set {TRUST_DEEPSPEED_STATE}=1 "
-                "to let DeepSpeed unpickle it") from None
+                f"checkpoint (your own run's, with a DeepSpeed setting that stores more), "
+                f"set {TRUST_DEEPSPEED_STATE}=1 to let DeepSpeed unpickle it") from None
 
 
 def load_deepspeed_state(engine: Any, folder: Path) -> None:
@@ -144,7 +145,8 @@ def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
         n += 1
         dest = output_dir / f"checkpoints-before-{stamp}-{n}"
     os.rename(old, dest)
-    print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} (use --resume to continue a run)")
+    print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} "
+          "(use --resume to continue a run)")
     return dest
 
 

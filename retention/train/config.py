@@ -221,12 +221,16 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager"),
 }
 POSITIVE = {
-    "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau", "data.seq_len", "train.steps",
+    "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau",
+    "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
-NON_NEGATIVE = {"data.sources.rank_weight", "gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight", "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction"}
+NON_NEGATIVE = {
+    "data.sources.rank_weight", "gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight",
+    "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction",
+}
 
 
 def _lines(text: str) -> dict[str, int]:
@@ -285,7 +289,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
         try:
             num = tp(value) if not isinstance(value, str) else tp(float(value)) if tp is float else int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be {'an integer' if tp is int else 'a number'}{where}, got {value!r}") from None
+            raise ConfigError(f"{key} must be {'an integer' if tp is int else 'a number'}{where}, "
+                              f"got {value!r}") from None
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{key} must be an integer{where}, got {value!r}")
         return num
@@ -354,7 +359,8 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         pass  # its budgets are loss.evict_fractions of each item's context
     elif (b.tokens_per_head is None) == (b.global_entries is None):
         raise ConfigError(
-            f"budget: set exactly one of budget.tokens_per_head or budget.global_entries{_where('budget', lines, source)}"
+            "budget: set exactly one of budget.tokens_per_head or budget.global_entries"
+            f"{_where('budget', lines, source)}"
         )
     if not cfg.data.sources:
         raise ConfigError(f"data.sources must list at least one source{_where('data.sources', lines, source)}")
@@ -362,10 +368,12 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         if src.kind == "synthetic":
             _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source, cfg.loss.objective == "evict")
         elif src.length is not None or src.params is not None:
-            raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only{_where(f'data.sources.{i}', lines, source)}")
+            raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only"
+                              f"{_where(f'data.sources.{i}', lines, source)}")
         if src.kind == "multimodal" and src.weight != 1:
-            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to text, chat and "
-                              "synthetic sources (packed rows); multimodal conversations all weigh 1, so remove it")
+            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to "
+                              "text, chat and synthetic sources (packed rows); multimodal conversations all weigh 1, "
+                              "so remove it")
     from retention.eval.multimodal import IMAGE_TASKS
 
     imaged = [i for i, s in enumerate(cfg.data.sources) if s.kind == "synthetic" and s.path in IMAGE_TASKS]
@@ -374,41 +382,50 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         others = [s.kind for s in cfg.data.sources if s.kind not in ("multimodal", "synthetic")
                   or (s.kind == "synthetic" and s.path not in IMAGE_TASKS)]
         if cfg.data.sources[i].weight != 1:
-            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: {cfg.data.sources[i].path} "
-                              "trains as multimodal conversations, which all weigh 1; remove it")
+            raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: "
+                              f"{cfg.data.sources[i].path} trains as multimodal conversations, which all weigh 1; "
+                              "remove it")
         if others or cfg.loss.objective == "evict":
-            raise ConfigError(f"data.sources.{i}.path = {cfg.data.sources[i].path!r}{_where(f'data.sources.{i}', lines, source)}: "
+            raise ConfigError(f"data.sources.{i}.path = {cfg.data.sources[i].path!r}"
+                              f"{_where(f'data.sources.{i}', lines, source)}: "
                               "its photos make it a multimodal conversation, which trains with loss.objective: distill "
                               f"beside kind: multimodal sources only (this config has {others or 'objective evict'}); "
                               "train it in a vision-language run of its own")
     if cfg.loss.objective == "evict":
         fr = cfg.loss.evict_fractions
         if not fr or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fr):
-            raise ConfigError(f"loss.evict_fractions = {fr!r}{_where('loss.evict_fractions', lines, source)}: list budgets "
-                              "as fractions of the context in (0, 1], e.g. [0.05, 0.1, 0.2]")
+            raise ConfigError(f"loss.evict_fractions = {fr!r}{_where('loss.evict_fractions', lines, source)}: list "
+                              "budgets as fractions of the context in (0, 1], e.g. [0.05, 0.1, 0.2]")
         for i, src in enumerate(cfg.data.sources):
             if src.kind != "synthetic":
-                raise ConfigError(f"data.sources.{i}.kind = {src.kind!r}{_where(f'data.sources.{i}', lines, source)}: objective "
-                                  "'evict' reads items with a context and a continuation, so every source must be kind: synthetic "
-                                  "(fidelity gives plain text; niah_*, document_qa, dialogue_memory give questions)")
+                raise ConfigError(f"data.sources.{i}.kind = {src.kind!r}{_where(f'data.sources.{i}', lines, source)}: "
+                                  "objective 'evict' reads items with a context and a continuation, so every source "
+                                  "must be kind: synthetic (fidelity gives plain text; niah_*, document_qa, "
+                                  "dialogue_memory give questions)")
         if cfg.train.batch_size != 1:
-            raise ConfigError(f"train.batch_size = {cfg.train.batch_size}{_where('train.batch_size', lines, source)}: objective "
-                              "'evict' reads one item a micro-step; set train.batch_size: 1 and raise train.grad_accum instead")
+            raise ConfigError(f"train.batch_size = {cfg.train.batch_size}{_where('train.batch_size', lines, source)}: "
+                              "objective 'evict' reads one item a micro-step; set train.batch_size: 1 and raise "
+                              "train.grad_accum instead")
         if cfg.lora.enabled:
-            raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or loss.objective: distill")
+            raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or "
+                              "loss.objective: distill")
     if cfg.gates.widen_to is not None and not cfg.gates.init_from:
-        raise ConfigError(f"gates.widen_to = {cfg.gates.widen_to}{_where('gates.widen_to', lines, source)}: it widens the gates "
-                          "of gates.init_from; set init_from, or set gates.gate_hidden to train new gates of that width")
+        raise ConfigError(f"gates.widen_to = {cfg.gates.widen_to}{_where('gates.widen_to', lines, source)}: it widens "
+                          "the gates of gates.init_from; set init_from, or set gates.gate_hidden to train new gates of "
+                          "that width")
     if cfg.loss.rank_weight and cfg.loss.objective != "evict":
-        raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the ranking loss "
-                          "needs a context and a continuation (objective 'evict'); set loss.objective: evict or remove it")
+        raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the "
+                          "ranking loss needs a context and a continuation (objective 'evict'); set loss.objective: "
+                          "evict or remove it")
     for i, src in enumerate(cfg.data.sources):
         if src.rank_weight != 1 and not cfg.loss.rank_weight:
-            raise ConfigError(f"data.sources.{i}.rank_weight = {src.rank_weight:g}{_where(f'data.sources.{i}', lines, source)}: it "
-                              "multiplies loss.rank_weight, which is 0 (no ranking loss); set loss.rank_weight or remove it")
+            raise ConfigError(f"data.sources.{i}.rank_weight = {src.rank_weight:g}"
+                              f"{_where(f'data.sources.{i}', lines, source)}: it multiplies loss.rank_weight, which is "
+                              "0 (no ranking loss); set loss.rank_weight or remove it")
     if cfg.loss.rank_weight and cfg.data.sources and not any(src.rank_weight for src in cfg.data.sources):
         raise ConfigError(f"data.sources: every source has rank_weight 0{_where('data.sources', lines, source)}, so "
-                          f"loss.rank_weight = {cfg.loss.rank_weight:g} trains nothing; give one source rank_weight > 0 or set loss.rank_weight: 0")
+                          f"loss.rank_weight = {cfg.loss.rank_weight:g} trains nothing; give one source "
+                          "rank_weight > 0 or set loss.rank_weight: 0")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
     if problem := template_variables_problem(cfg.data.chat_template_kwargs):
@@ -435,7 +452,8 @@ def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str,
         raise ConfigError(f"{key}.length = {length}{_where(key + '.length', lines, source)}: must be in [64, "
                           f"data.seq_len - 32 = {seq_len - 32}] so an item (context, question, answer) fits one row")
     if src.params is not None and not isinstance(src.params, dict):
-        raise ConfigError(f"{key}.params must be a mapping of the task's options{_where(key + '.params', lines, source)}")
+        raise ConfigError(f"{key}.params must be a mapping of the task's options"
+                          f"{_where(key + '.params', lines, source)}")
 
 
 def resolve_config_path(path: str | Path) -> Path:

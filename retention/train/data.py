@@ -67,8 +67,8 @@ def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[list[in
             continue
         at = text.find(shown, cursor)
         if at < 0:
-            raise DataError(f"the chat template does not render a {m['role']} turn's text as given ({shown[:40]!r}...), "
-                            "so its assistant tokens cannot be found")
+            raise DataError(f"the chat template does not render a {m['role']} turn's text as given "
+                            f"({shown[:40]!r}...), so its assistant tokens cannot be found")
         if m["role"] == "assistant":
             spans.append((at, at + len(shown)))
         cursor = at + len(shown)
@@ -87,7 +87,8 @@ def synthetic_items(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, se
     from retention.eval.tasks import generate
 
     length = source.length if source.length is not None else seq_len - 128
-    return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train", **(source.params or {}))
+    return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train",
+                    **(source.params or {}))
 
 
 def held_out_count(n: int, fraction: float) -> int:
@@ -111,12 +112,14 @@ def synthetic_conversations(source: SourceConfig, tokenizer: PreTrainedTokenizer
     """
     from tqdm.auto import tqdm
 
-    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"synthetic {source.path}", unit="item", leave=False):
+    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"synthetic {source.path}", unit="item",
+                     leave=False):
         reply = synthetic_reply(item)
         if item.messages is not None:
             yield [*item.messages, {"role": "user", "content": item.question}, {"role": "assistant", "content": reply}]
         else:
-            yield [{"role": "user", "content": item.context + "\n\n" + item.question}, {"role": "assistant", "content": reply}]
+            yield [{"role": "user", "content": item.context + "\n\n" + item.question},
+                   {"role": "assistant", "content": reply}]
 
 
 def tokenize_source(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, min_tokens: int,
@@ -125,7 +128,8 @@ def tokenize_source(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, mi
     their point when cut: the packer keeps each one inside a single row) and ``weight`` (the source's
     distillation weight)."""
     docs = []
-    raws = synthetic_conversations(source, tokenizer, seq_len or 1024) if source.kind == "synthetic" else iter_source(source)
+    raws = (synthetic_conversations(source, tokenizer, seq_len or 1024) if source.kind == "synthetic"
+            else iter_source(source))
     for raw in raws:
         if source.kind == "text":
             ids = tokenizer(raw, add_special_tokens=False)["input_ids"]
@@ -134,8 +138,8 @@ def tokenize_source(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, mi
             ids, mask = tokenize_chat(tokenizer, raw)
         whole = source.kind == "synthetic"
         if whole and seq_len is not None and len(ids) > seq_len:
-            raise DataError(f"a synthetic {source.path} item has {len(ids)} tokens, more than data.seq_len = {seq_len}: "
-                            "lower the source's length")
+            raise DataError(f"a synthetic {source.path} item has {len(ids)} tokens, more than "
+                            f"data.seq_len = {seq_len}: lower the source's length")
         if len(ids) >= min_tokens and any(mask):
             docs.append({"input_ids": ids, "loss_mask": mask, "whole": whole, "weight": float(source.weight)})
     if not docs:
@@ -152,7 +156,8 @@ def template_key(tokenizer: PreTrainedTokenizerBase) -> str | None:
 
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
-        [DATA_FORMAT, [{k: v for k, v in vars(s).items() if k != "rank_weight"} for s in cfg.sources], cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
+        [DATA_FORMAT, [{k: v for k, v in vars(s).items() if k != "rank_weight"} for s in cfg.sources],
+         cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
          cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None, template_key(tokenizer)],
         sort_keys=True,
     )
@@ -258,7 +263,8 @@ def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     B, T = ids.shape
     start = pos.flatten() == 0
     cu = torch.cat([start.nonzero().flatten(), torch.tensor([B * T])]).to(torch.int32)
-    out = {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]), "cu_seqlens": cu}
+    out = {"input_ids": ids, "position_ids": pos, "loss_mask": torch.tensor([r.loss_mask for r in rows]),
+           "cu_seqlens": cu}
     if any(r.loss_weight is not None for r in rows):
         out["loss_weight"] = torch.tensor([r.loss_weight or [1.0] * T for r in rows], dtype=torch.float32)
     return out

@@ -90,7 +90,8 @@ def source_examples(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, se
     from .data import synthetic_items
 
     out: list[EvictionExample] = []
-    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"evict {source.path}", unit="item", leave=False):
+    for item in tqdm(synthetic_items(source, tokenizer, seq_len), desc=f"evict {source.path}", unit="item",
+                     leave=False):
         out.append(example_from_item(tokenizer, item))
     return out
 
@@ -145,7 +146,8 @@ def eviction_u(log_betas: list[torch.Tensor], sink: int) -> list[torch.Tensor]:
     return us
 
 
-def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int, tau: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int,
+                   tau: float) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per layer ``(1, H, T)`` additive attention bias ``log sigmoid((u - u_B) / tau)`` for a global top-B.
 
     ``log_betas``: per layer ``(1, H, T)`` gate scores of a ``T``-token context (<= 0), ranked by
@@ -291,9 +293,11 @@ class ExampleStream:
     fraction drawn from ``fractions`` by a per-(epoch, position) seed; ranks take disjoint slices. The loop
     reads it as it reads :class:`retention.train.data.PackedStream` (``next_batch``, ``state_dict``)."""
 
-    def __init__(self, examples: list[EvictionExample], fractions: list[float], seed: int, rank: int = 0, world: int = 1):
+    def __init__(self, examples: list[EvictionExample], fractions: list[float], seed: int, rank: int = 0,
+                 world: int = 1):
         if not examples:
-            raise ValueError("no eviction examples: objective 'evict' needs synthetic sources (data.sources kind: synthetic)")
+            raise ValueError("no eviction examples: objective 'evict' needs synthetic sources "
+                             "(data.sources kind: synthetic)")
         self.examples, self.fractions, self.seed = examples, list(fractions), seed
         self.rank, self.world, self.position = rank, world, 0
 

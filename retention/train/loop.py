@@ -33,8 +33,8 @@ from retention.models import cache_dir, load_model, looks_like_a_path
 from retention.templates import with_template_variables
 
 from .checkpoint import (DEEPSPEED_STATE, StopRequests, check_resume_fits, deepspeed_processes, find_checkpoint,
-                         load_deepspeed_state, run_settings, save_checkpoint, save_deepspeed_state, set_aside_old_checkpoints,
-                         set_rng_state)
+                         load_deepspeed_state, run_settings, save_checkpoint, save_deepspeed_state,
+                         set_aside_old_checkpoints, set_rng_state)
 from .config import Config
 from .data import PackedStream, build_data, collate_any
 from .multimodal_data import build_multimodal, shows_images
@@ -96,7 +96,8 @@ def budget_entries(cfg: Config, model: nn.Module) -> tuple[float, str]:
     tc = text_config_of(model)
     streams = tc.num_hidden_layers * tc.num_key_value_heads
     total = budget_total(cfg, streams)
-    return (total / streams if cfg.loss.capacity_form == "per_head" else float(total)), capacity_budget_text(cfg, streams)
+    return ((total / streams if cfg.loss.capacity_form == "per_head" else float(total)),
+            capacity_budget_text(cfg, streams))
 
 
 def capacity_budget_text(cfg: Config, streams: int) -> str:
@@ -186,26 +187,33 @@ def run_facts(cfg: Config) -> dict[str, str]:
     if note := init_from_note(cfg):
         facts["init_from"] = note
         if cfg.gates.widen_to is not None:
-            facts["init_from"] += f"; each gate MLP widened to {cfg.gates.widen_to} hidden units (new units' readout from 0)"
+            facts["init_from"] += (f"; each gate MLP widened to {cfg.gates.widen_to} hidden units "
+                                   "(new units' readout from 0)")
     if any(src.weight != 1 for src in cfg.data.sources):
         # the card's training-KL rows are then the source-weighted mean; held-out rows are always the plain mean
-        facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each source's positions by its "
-                                 "data weight; held_out_kl is the plain mean over the held-out rows")
+        facts["kl_weighting"] = ("the training-KL rows (first_kl, final_kl, kl_last_10_steps) weight each "
+                                 "source's positions by its data weight; held_out_kl is the plain mean over the "
+                                 "held-out rows")
     if cfg.loss.objective == "evict":
-        facts["objective"] = (f"eviction-aware distillation (retention/train/evict.py): each item's continuation read over a relaxed global "
-                              f"top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, budgets "
-                              f"{', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; held-out KL over the hard top-B "
-                              f"at {cfg.loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
+        facts["objective"] = (f"eviction-aware distillation (retention/train/evict.py): each item's continuation "
+                              f"read over a relaxed global top-B of its prefilled context, tau {cfg.loss.evict_tau:g}, "
+                              f"budgets {', '.join(f'{f:g}' for f in cfg.loss.evict_fractions)} of the context; "
+                              f"held-out KL over the hard top-B at {cfg.loss.evict_fractions[0]:g} (not comparable "
+                              "with a distill stage's soft-decay KL)")
         if cfg.loss.rank_weight:
-            scope = "global " if cfg.loss.rank_scope == "global" else ""  # layer / head: the gates' split, described below
-            facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention oracle's "
-                                   f"{scope}top-B (retention.train.evict.future_rank_loss, tau {cfg.loss.rank_tau:g}"
-                                   + (", ranked by the attention of the distilled positions only" if cfg.loss.rank_queries == "targets" else "")
+            # layer / head: the gates' split, described below
+            scope = "global " if cfg.loss.rank_scope == "global" else ""
+            facts["objective"] += (f"; plus {cfg.loss.rank_weight:g} x a ranking loss against the future-attention "
+                                   f"oracle's {scope}top-B (retention.train.evict.future_rank_loss, "
+                                   f"tau {cfg.loss.rank_tau:g}"
+                                   + (", ranked by the attention of the distilled positions only"
+                                      if cfg.loss.rank_queries == "targets" else "")
                                    + (f", within each {cfg.loss.rank_scope} at the gates' own split of the budget"
                                       if cfg.loss.rank_scope != "global" else "")
                                    + ")")
     if cfg.gates.sink:
-        facts["sink"] = f"the first {cfg.gates.sink} tokens of each sequence never decayed (the inference policy keeps them)"
+        facts["sink"] = (f"the first {cfg.gates.sink} tokens of each sequence never decayed "
+                         "(the inference policy keeps them)")
     return facts
 
 
@@ -234,7 +242,8 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
         "first_kl": round(history[0]["kl"], 5) if history else None,
         "kl_last_10_steps": round(float(np.mean([r["kl"] for r in tail])), 5) if tail else None,
         "capacity_last_10_steps": round(float(np.mean([r["capacity"] for r in tail])), 5) if tail else None,
-        "soft_cache_entries_last_10_steps": round(float(np.mean([r["soft_cache_entries"] for r in tail]))) if tail else None,
+        "soft_cache_entries_last_10_steps": (round(float(np.mean([r["soft_cache_entries"] for r in tail])))
+                                             if tail else None),
     }
     if meta.get("before"):
         training["held_out_kl_before"] = round(meta["before"]["kl"], 5)
@@ -258,7 +267,8 @@ def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            return None, "no tracker: tensorboard is not installed (pip install tensorboard, or set train.tracker: wandb)"
+            return None, ("no tracker: tensorboard is not installed "
+                          "(pip install tensorboard, or set train.tracker: wandb)")
         return "tensorboard", None
     import importlib.util
 
@@ -269,7 +279,8 @@ def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
 
 
 def train(
-    cfg: Config, resume: str | None = None, push_to_hub_repo: str | None = None, model_and_processor: tuple | None = None
+    cfg: Config, resume: str | None = None, push_to_hub_repo: str | None = None,
+    model_and_processor: tuple | None = None,
 ) -> dict[str, Any]:
     """Run the configured training; returns a summary (losses, export path).
 
@@ -293,7 +304,8 @@ def check_positions(cfg: Config, model_config: Any) -> None:
                          f"(max_position_embeddings): use --set data.seq_len={limit} or less")
 
 
-def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_and_processor: tuple | None) -> dict[str, Any]:
+def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
+           model_and_processor: tuple | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
@@ -316,7 +328,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         check_gate_folder_target(cfg.export_dir())
     except FileExistsError as e:
         raise SystemExit(f"export.dir: {e} (--set export.dir=DIR)") from None
-    for source in cfg.data.sources:  # an unreadable local file or a missing Hub dataset fails now, not after the model loads
+    # an unreadable local file or a missing Hub dataset fails now, not after the model loads
+    for source in cfg.data.sources:
         check_local_source(source)
         check_hub_source(source)
     src = cfg.gates.init_from
@@ -337,7 +350,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             raise SystemExit(f"gates.widen_to = {cfg.gates.widen_to} is narrower than the {r} hidden units of {src}: "
                              f"widening keeps every unit; give a width >= {r} or remove widen_to")
         if cfg.gates.widen_to is not None and cfg.gates.widen_to > r:
-            start_gates = start_gates.widened(cfg.gates.widen_to, generator=torch.Generator().manual_seed(cfg.train.seed))
+            start_gates = start_gates.widened(cfg.gates.widen_to,
+                                              generator=torch.Generator().manual_seed(cfg.train.seed))
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() else "no"
@@ -370,7 +384,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         check_positions(cfg, unwrap(model).config)
     else:
         model, processor = load_model(
-            cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision, attn_implementation=cfg.model.attn_implementation
+            cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision,
+            attn_implementation=cfg.model.attn_implementation,
         )
     # the data renders with the config's template variables (a copy: the model's own tokenizer stays as it was)
     processor = with_template_variables(processor, cfg.data.chat_template_kwargs)
@@ -379,7 +394,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
-        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(
                 model,
@@ -391,7 +407,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         gates = start_gates
     else:
         g = cfg.gates
-        gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init, activation=g.activation)
+        gates = GateConfig.for_model(model, variant=g.variant, gate_hidden=g.gate_hidden, bias_init=g.bias_init,
+                                     activation=g.activation)
     attachment = attach_gates(model, gates)
     attachment.sink = cfg.gates.sink
     if cfg.lora.enabled:  # attach_gates froze the base; LoRA weights co-train with the gates
@@ -411,13 +428,15 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     # objective "evict": one item (context + continuation) a micro-step; otherwise packed rows
     if evicting:
         train_rows, eval_rows = load_examples(cfg.data, tokenizer, cache=cache_dir() / "data")
-        stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+        stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, accelerator.process_index,
+                               accelerator.num_processes)
     else:
         if any(shows_images(s) for s in cfg.data.sources):
             train_rows, eval_rows = build_multimodal(cfg.data, processor, cache=cache_dir() / "data")
         else:
             train_rows, eval_rows = build_data(cfg.data, tokenizer, cache=cache_dir() / "data")
-        stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index, accelerator.num_processes)
+        stream = PackedStream(train_rows, cfg.train.batch_size, cfg.data.seed, accelerator.process_index,
+                              accelerator.num_processes)
 
     # -- optimizer: only trainable (gate, optional LoRA) parameters ----------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
@@ -437,8 +456,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         try:
             attachment.gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
         except RuntimeError as e:  # gates of another shape (a changed init_from or widen_to)
-            raise SystemExit(f"--resume {ckpt}: its gates do not fit the ones this config builds ({e}); resume with the "
-                             "settings the run started with, or start a fresh run") from None
+            raise SystemExit(f"--resume {ckpt}: its gates do not fit the ones this config builds ({e}); resume "
+                             "with the settings the run started with, or start a fresh run") from None
         if (ckpt / "trainable.safetensors").is_file():
             named = dict(model.named_parameters())
             with torch.no_grad():
@@ -475,9 +494,12 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
     if main:
         n = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves each rank a shard (numel 0)
-        world = f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})" if accelerator.num_processes > 1 else "1 process"
-        data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, budget {budget_text}" if evicting else
-                     f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens")
+        world = (f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})"
+                 if accelerator.num_processes > 1 else "1 process")
+        data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, "
+                     f"budget {budget_text}" if evicting else
+                     f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of "
+                     f"{cfg.data.seq_len} tokens")
         print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; {data_text}; {world}")
         if not eval_rows:  # reported as missing, not as NaN numbers
             print("[retention] no held-out " + ("items" if evicting else "rows") + ": "
@@ -491,7 +513,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         """Sum over this rank / count over all ranks, times the world size (DDP averages gradients):
         the gradient equals one process's pooled mean over the same global batch."""
         n = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
-        return total * accelerator.num_processes / torch.where(n > 0, n, torch.ones_like(n))  # counts may be weights < 1
+        # counts may be weights < 1
+        return total * accelerator.num_processes / torch.where(n > 0, n, torch.ones_like(n))
 
     def evict_losses(example, fraction: float, weighted: bool = True):
         """Objective ``evict``: KL over an item's continuation read over a relaxed global top-B of its context;
@@ -509,7 +532,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                                        reduction="sum", weights=weights)
         kl = global_mean(kl_sum, kl_n)
         # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
-        cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"], "capacity_terms": 1}
+        cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"],
+                     "capacity_terms": 1}
         loss = kl
         if ranking:  # the gates' keep decisions against the future-attention oracle's top-B (global or per layer)
             rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]), attachment.sink,
@@ -536,7 +560,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             h_s, h_t, lm_head, batch["loss_mask"], cfg.loss.kl_temperature, cfg.loss.kl_chunk, reduction="sum",
             weights=batch.get("loss_weight") if weighted else None,
         )
-        cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"], reduction="sum")
+        cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"],
+                                           reduction="sum")
         kl, cap = global_mean(kl_sum, kl_n), global_mean(cap_sum, cap_stats["capacity_terms"])
         loss = kl + cfg.loss.capacity_weight * cap
         if cfg.loss.ce_weight:
@@ -553,7 +578,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
         with torch.no_grad():
             for i in range(0, min(len(eval_rows), cfg.train.eval_batches * cfg.train.batch_size), cfg.train.batch_size):
                 # objective evict: each held-out item at the first listed budget fraction
-                batch = (eval_rows[i], cfg.loss.evict_fractions[0]) if evicting else collate_any(eval_rows[i : i + cfg.train.batch_size])
+                batch = ((eval_rows[i], cfg.loss.evict_fractions[0]) if evicting
+                         else collate_any(eval_rows[i : i + cfg.train.batch_size]))
                 _, kl, cap, cap_stats, log_betas = losses(batch, weighted=False)
                 # every rank evaluates the same rows, so each rank's share of the "global" mean is that mean
                 vals["kl"].append(float(kl))
@@ -571,7 +597,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                   f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}"
                   + (f", oracle top-B recall {before['rank_recall']:.3f}" if "rank_recall" in before else ""))
 
-    row_tokens = (sum(len(e.head) + len(e.tail) for e in train_rows) / len(train_rows)) if evicting else cfg.data.seq_len
+    row_tokens = ((sum(len(e.head) + len(e.tail) for e in train_rows) / len(train_rows)) if evicting
+                  else cfg.data.seq_len)
     tokens_per_step = round(cfg.train.batch_size * row_tokens * cfg.train.grad_accum * accelerator.num_processes)
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
     t_start = time.perf_counter()
@@ -602,7 +629,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             history.append(record)
             elapsed = time.perf_counter() - t_start
             bar.set_postfix(kl=f"{record['kl']:.4f}", cap=f"{record['capacity']:.3f}",
-                            cache=f"{record['soft_cache_entries']:.0f}", tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
+                            cache=f"{record['soft_cache_entries']:.0f}",
+                            tok_s=f"{tokens_per_step * (step - start_step) / elapsed:.0f}")
             bar.update(1)
             if accelerator.trackers:
                 per_layer = {f"beta_{stat.split('_')[1]}/layer_{i:02d}": v for stat in ("beta_mean", "beta_std")
@@ -610,8 +638,10 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                 accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
             if main and step % cfg.train.log_every == 0:
                 per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
-                ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} " if "rank_recall" in record else "")
-                tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} capacity {record['capacity']:.4f} {ranked}"
+                ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} "
+                          if "rank_recall" in record else "")
+                tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} "
+                           f"capacity {record['capacity']:.4f} {ranked}"
                            f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_rows:
                 held, held_step = evaluate(), step
@@ -629,15 +659,16 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
             stopping = asked or (cfg.train.stop_after is not None and step >= cfg.train.stop_after)
             saving = step % cfg.train.save_every == 0 or step == cfg.train.steps or stopping
             shards = None
-            if saving and plugin is not None:  # every rank writes its optimizer shard (collective), then main moves them in
+            # every rank writes its optimizer shard (collective), then main moves them in
+            if saving and plugin is not None:
                 shards = out_dir / "checkpoints" / f".step-{step}.{DEEPSPEED_STATE}"
                 save_deepspeed_state(distiller, shards)
                 accelerator.wait_for_everyone()
             with gathered(accelerator, params) if saving else contextlib.nullcontext():  # the gates and any LoRA
                 if main and saving:
-                    save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler, stream, step,
-                                    history, extra_trainable(model), before=before, deepspeed_state=shards,
-                                    settings=run_settings(cfg))
+                    save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler,
+                                    stream, step, history, extra_trainable(model), before=before,
+                                    deepspeed_state=shards, settings=run_settings(cfg))
                 if main and saving:
                     old = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
                     for p in old[: -cfg.train.keep_checkpoints]:
@@ -647,7 +678,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                 accelerator.wait_for_everyone()
                 if main:
                     why = "when interrupted" if asked else "as asked"
-                    print(f"[retention] stopped after step {step} {why}, checkpoint {out_dir / 'checkpoints' / f'step-{step}'} "
+                    print(f"[retention] stopped after step {step} {why}, "
+                          f"checkpoint {out_dir / 'checkpoints' / f'step-{step}'} "
                           "written; continue with --resume")
                 accelerator.end_training()
                 return {"steps": step, "stopped_early": True, "history": history}
@@ -656,7 +688,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
     # the last step's held-out pass already scored these gates: no second pass over the same items
     after = (held if held_step == step else evaluate()) if eval_rows else {}
     summary: dict[str, Any] = {
-        "steps": step, "first_kl": history[0]["kl"] if history else None, "final_kl": history[-1]["kl"] if history else None,
+        "steps": step, "first_kl": history[0]["kl"] if history else None,
+        "final_kl": history[-1]["kl"] if history else None,
         "final_capacity": history[-1]["capacity"] if history else None, "tokens_per_step": tokens_per_step,
     }
     if after:
@@ -688,7 +721,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None, model_
                                 ("rank_recall", "oracle top-B recall")):
                     if k in before and k in after:
                         print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
-            print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ") + f"gates exported to {export_dir}")
+            print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ")
+                  + f"gates exported to {export_dir}")
             if repo:
                 print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
     accelerator.end_training()

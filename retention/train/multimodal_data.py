@@ -175,7 +175,8 @@ class EncodedConversations:
         for r in self.rows[i]:
             messages, root = self.records[r]
             enc = encode_multimodal(self.processor, messages, self.seq_len, root)
-            if enc is None or sum(int(p["input_ids"].shape[1]) for p in parts) + enc["input_ids"].shape[1] > self.seq_len:
+            if (enc is None
+                    or sum(int(p["input_ids"].shape[1]) for p in parts) + enc["input_ids"].shape[1] > self.seq_len):
                 continue  # longer than its estimate (should not happen): leave it out rather than overflow
             parts.append(enc)
         if not parts:
@@ -186,7 +187,8 @@ class EncodedConversations:
 def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Encoded conversations -> one packed row (see :class:`EncodedConversations`)."""
     lengths = [int(p["input_ids"].shape[1]) for p in parts]
-    out = {k: torch.cat([p[k] for p in parts], dim=1) for k in ("input_ids", "loss_mask", "mm_token_type_ids") if k in parts[0]}
+    out = {k: torch.cat([p[k] for p in parts], dim=1) for k in ("input_ids", "loss_mask", "mm_token_type_ids")
+           if k in parts[0]}
     for k in ("pixel_values", "image_grid_thw"):
         present = [p[k] for p in parts if k in p]
         if present:
@@ -239,7 +241,8 @@ def image_task_conversations(source: SourceConfig, processor: ProcessorMixin,
         for text, reply, shown in turns:
             messages += [user(text, shown), {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
         conversations.append(messages + [user(item.question, asked),
-                                         {"role": "assistant", "content": [{"type": "text", "text": synthetic_reply(item)}]}])
+                                         {"role": "assistant",
+                                          "content": [{"type": "text", "text": synthetic_reply(item)}]}])
     return conversations
 
 
@@ -258,12 +261,14 @@ def build_multimodal(cfg: DataConfig, processor: ProcessorMixin,
             records += [(m, None) for m in image_task_conversations(source, processor, cfg.seq_len)]
             continue
         local = Path(source.path)
-        root = Path(source.image_root) if source.image_root else local.parent if local.is_file() else local if local.is_dir() else None
+        root = (Path(source.image_root) if source.image_root else local.parent if local.is_file()
+                else local if local.is_dir() else None)
         records += [(to_messages(record), root) for record in iter_source(source)]
     if not records:
         raise DataError(f"the multimodal sources {[s.path for s in cfg.sources]} hold no conversations")
     key = hashlib.sha256(json.dumps([[vars(s) for s in cfg.sources], len(records), len(processor.tokenizer),
-                                     getattr(processor.tokenizer, "name_or_path", ""), template_key(processor.tokenizer)],
+                                     getattr(processor.tokenizer, "name_or_path", ""),
+                                     template_key(processor.tokenizer)],
                                     sort_keys=True).encode()).hexdigest()[:16]
     target = None if cache is None else cache / f"mm-lengths-{key}.json"
     if target is not None and target.is_file():
@@ -277,7 +282,8 @@ def build_multimodal(cfg: DataConfig, processor: ProcessorMixin,
             atomic_write_bytes(target, json.dumps(lengths).encode())
     rows = pack_lengths(lengths, cfg.seq_len, cfg.seed)
     if not rows:
-        raise DataError(f"no multimodal conversation fits data.seq_len = {cfg.seq_len} (shortest: {min(lengths)} tokens)")
+        raise DataError(f"no multimodal conversation fits data.seq_len = {cfg.seq_len} "
+                        f"(shortest: {min(lengths)} tokens)")
     n_eval = max(1, int(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 and len(rows) > 1 else 0
     train = EncodedConversations(records, rows[: len(rows) - n_eval], processor, cfg.seq_len)
     held = EncodedConversations(records, rows[len(rows) - n_eval :], processor, cfg.seq_len)

@@ -88,7 +88,8 @@ def chat_turns(turns: Any, where: str) -> list[dict[str, Any]]:
         elif "from" in t and "value" in t:
             out.append({"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]})
         else:
-            raise DataError(f"{where}: a turn needs role and content (or ShareGPT's from and value), got keys {sorted(t)}")
+            raise DataError(f"{where}: a turn needs role and content (or ShareGPT's from and value), "
+                            f"got keys {sorted(t)}")
     return out
 
 
@@ -123,7 +124,8 @@ def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
     files = sorted(glob.glob(str(p / "**" / "*"), recursive=True)) if p.is_dir() else [str(p)]
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES[kind])]
     if not files:
-        raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files (or a folder of them)")
+        raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files "
+                        "(or a folder of them)")
     for f in files:
         if not f.endswith((".jsonl", ".json")):
             yield Path(f).read_text(encoding="utf-8", errors="replace")
@@ -159,15 +161,16 @@ def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
 
 def check_local_source(source: SourceConfig) -> None:
     """Read a local source's first record (DataError naming the problem): before the model loads, not after. A path
-    that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub id."""
+    that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub
+    id."""
     if source.kind == "synthetic" or source.path in BUILTIN_CORPORA:
         return
     path = Path(source.path).expanduser()
     if path.exists():
         next(iter(_local_records(str(path), source.kind, source.field)), None)
     elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
-        raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing file or "
-                        f"folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
+        raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing "
+                        f"file or folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
 
 
 def check_hub_source(source: SourceConfig) -> None:
@@ -185,8 +188,8 @@ def check_hub_source(source: SourceConfig) -> None:
     try:
         HfApi().dataset_info(source.path, timeout=10)
     except GatedRepoError:
-        raise DataError(f"data source {source.path!r} is a gated Hub dataset: accept its terms on its Hub page and log in "
-                        "(huggingface-cli login, or HF_TOKEN)") from None
+        raise DataError(f"data source {source.path!r} is a gated Hub dataset: accept its terms on its Hub page and "
+                        "log in (huggingface-cli login, or HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise DataError(f"data source {source.path!r}: the Hub has no such dataset, or it is private (log in with "
                         f"HF_TOKEN); give a Hub dataset id (owner/name), a local file or folder, or a builtin corpus "

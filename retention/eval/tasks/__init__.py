@@ -33,7 +33,8 @@ TASKS = {
     "document_qa": document_qa,
     "dialogue_memory": dialogue_memory,
     "fidelity": fidelity,
-    "image_memory": image_memory,  # vision-language models: photos early in a dialogue (retention.eval.multimodal runs it)
+    # vision-language models: photos early in a dialogue (retention.eval.multimodal runs it)
+    "image_memory": image_memory,
 }
 
 

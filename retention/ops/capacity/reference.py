@@ -87,13 +87,15 @@ class CapacitySumRef(torch.autograd.Function):
         return grad.to(log_beta.dtype), None, None
 
 
-def capacity_sum_ref(log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
+def capacity_sum_ref(log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                     reduce: bool = True) -> torch.Tensor:
     """Blocked reference: ``(B, T)`` if ``reduce`` else ``(B, N, T)`` float32; differentiable in ``log_beta``."""
     _check(log_beta)
     return CapacitySumRef.apply(log_beta, cu_seqlens, reduce)
 
 
-def capacity_sum_naive(log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
+def capacity_sum_naive(log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                       reduce: bool = True) -> torch.Tensor:
     """Brute force with autograd, materialising every (t, i) pair in ``log_beta``'s dtype. For tests only."""
     _check(log_beta)
     B, N, T = log_beta.shape

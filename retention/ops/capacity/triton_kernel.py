@@ -71,7 +71,8 @@ def _cap_bwd(
     b, t0, slen, iblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
     ri = iblk * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = ri < slen
-    lb = tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0).to(tl.float32) * 1.4426950408889634
+    lb = (tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0).to(tl.float32)
+          * 1.4426950408889634)
     DS_row = DS + b * sdb + n * sdn + t0 * sdt
     acc = tl.zeros([BLOCK_I], tl.float32)
     for s0 in range((iblk * BLOCK_I // BLOCK_T) * BLOCK_T, slen, BLOCK_T):
@@ -146,5 +147,6 @@ def capacity_sum_triton(
 
     _check(log_beta)
     if log_beta.device.type != "cuda" and not _INTERPRET:
-        raise ValueError("the Triton capacity kernel needs CUDA tensors (or TRITON_INTERPRET=1); use backend='reference'")
+        raise ValueError("the Triton capacity kernel needs CUDA tensors (or TRITON_INTERPRET=1); "
+                         "use backend='reference'")
     return CapacitySumTriton.apply(log_beta, cu_seqlens, reduce, streams_per_program)

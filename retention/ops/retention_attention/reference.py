@@ -51,7 +51,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_beta: torch.Te
     B, Tq, Hq, D = q.shape
     Bk, Tk, Hkv, Dk = k.shape
     if k.shape != v.shape or Bk != B or Dk != D:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)} in batch and head_dim")
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)} in batch and "
+                         "head_dim")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if Tq > Tk:

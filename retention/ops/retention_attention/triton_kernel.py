@@ -161,7 +161,8 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, sdb, sdt, sdh, n_tok, Tq, Hq, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _delta_kernel(O, DO, DELTA, sdb, sdt, sdh, n_tok, Tq, Hq, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     """``delta[b, h, t] = sum_d dout * out`` in fp32; ``out`` is contiguous, ``dout`` strided."""
     h = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -222,7 +223,8 @@ def _dkdv_kernel(
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(K + b * skb + (t0 + rn)[:, None] * skt + hk * skh + rd[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + (t0 + rn)[:, None] * svt + hk * svh + rd[None, :], mask=kv_mask, other=0.0)
-    lb = tl.load(LB + b * slbb + hk * slbh + (t0 + rn) * slbt, mask=mask_n, other=0.0).to(tl.float32) * 1.4426950408889634
+    lb = (tl.load(LB + b * slbb + hk * slbh + (t0 + rn) * slbt, mask=mask_n, other=0.0).to(tl.float32)
+          * 1.4426950408889634)
     rk = rn.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -297,7 +299,8 @@ def _dq_kernel(
                    0, lo, klen, qk_scale, BLOCK_N, False, PREC)
     dq = _dq_inner(dq, q, do, lse, delta, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d,
                    lo, hi, klen, qk_scale, BLOCK_N, True, PREC)
-    tl.store(DQ + (b * Tq + t0 + rm)[:, None] * (Hq * D) + h * D + rd[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(DQ + (b * Tq + t0 + rm)[:, None] * (Hq * D) + h * D + rd[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=q_mask)
 
 
 # ----------------------------------------------------------------------------------------------
