@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, as eval/results/gpu-h100/ was made: the compiled-kernel tests, then the three
-# benchmarks (and the CUDA-graph ceiling of a decode step), each output also written to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
+# benchmarks (and the CUDA-graph ceiling of a decode step, and the prefill cost of the cache), each output also written
+# to OUT_DIR. Costs do not depend on the weights, so MODEL may be a
 # randomly initialised copy of the model (retention/eval/random_copy.py) where the weights cannot be brought along; a
 # MODEL folder is also the model of the GPU chat tests (RETENTION_GPU_MODEL), which otherwise need the embedded one.
 #
@@ -29,3 +30,5 @@ $PY -m retention.eval.bench_decode --model "$MODEL" --contexts 2048 4096 8192 --
   | tee "$OUT/bench_decode.txt"
 $PY -m retention.eval.bench_graph_ceiling --model "$MODEL" --context 4096 --budget 512 --new 32 --repeats 4 --dtype bfloat16 2>&1 \
   | tee "$OUT/bench_graph_ceiling.txt"
+$PY -m retention.eval.bench_prefill --model "$MODEL" --contexts 4096 16384 --chunk 0 --dtype bfloat16 --repeats 3 2>&1 \
+  | tee "$OUT/bench_prefill.txt"

@@ -2,8 +2,10 @@
 
 CPU / reference path: the layer's pages are gathered into a padded ``(B, H_kv, Lmax, D)`` layout with
 a validity mask; the G query heads of a KV group are folded into the query axis so one batched SDPA
-call covers every head (no Python loop over heads). On CUDA, single-token decoding goes through the
-Triton paged kernel (:mod:`retention.cache.triton_decode`) without materialising the padded copy.
+call covers every head (no Python loop over heads). While nothing has been evicted or padded (a prompt's
+first chunks) the mask is plain lower-right causal, and SDPA runs without one built per head. On CUDA,
+single-token decoding goes through the Triton paged kernel (:mod:`retention.cache.triton_decode`) without
+materialising the padded copy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def padded_attention(
     valid: torch.Tensor,
     query_pos: torch.Tensor,
     scale: float,
+    held: int | None = None,
 ) -> torch.Tensor:
     """Causal attention by true positions.
 
@@ -27,10 +30,24 @@ def padded_attention(
     ``(B, H, L)`` int64 (-1 = padding token); ``valid`` ``(B, H, L)`` bool; ``query_pos`` ``(B, Q)``
     (-1 = padding token). Query ``q`` sees valid keys with ``0 <= pos <= query_pos[q]``. Returns
     ``(B, Q, Hq, D)`` (transformers' attention-output layout).
+
+    ``held=N`` is the caller's word (read on the host, so no device sync) that nothing was evicted or padded: every
+    stream's first N entries are positions ``0..N-1`` in order (the rest of ``L`` is the padded view's invalid
+    tail) and the queries are positions ``N-Q..N-1``. The mask is then lower-right causal over those N, so
+    ``key_pos``, ``valid`` and ``query_pos`` go unread and SDPA gets no per-head mask (one 4k-token prompt
+    chunk of SmolLM2 on 2 CPU cores: about 5x faster per layer).
     """
     B, Hq, Q, D = query.shape
     H = keys.shape[1]
     G = Hq // H
+    if held is not None:
+        # each query head reads its KV head's copy (heads h*G .. h*G+G-1 share KV head h, as the fold below)
+        k, v = (t[:, :, :held].to(query.dtype).repeat_interleave(G, dim=1) for t in (keys, values))
+        # square: plain causal; one query (decoding): every key; else the last Q keys causal, the rest all seen
+        # (torch.nn.attention.bias.causal_lower_right would import Triton into every process that imports this)
+        mask = None if Q in (1, held) else torch.ones(Q, held, dtype=torch.bool, device=query.device).tril(held - Q)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, is_causal=Q == held > 1, scale=scale)
+        return out.transpose(1, 2)
     q = query.reshape(B, H, G * Q, D)
     ok = valid[:, :, None, :] & (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= query_pos[:, None, :, None])
     # padding queries see nothing; give them every valid key so their (unused) output stays finite

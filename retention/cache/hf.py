@@ -186,7 +186,8 @@ class RetentionCache(Cache):
         self.store: PagedKVStore | None = None
         self._seen = [0] * self.num_layers
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._views: dict[int, tuple[Any, torch.Tensor]] = {}
+        # per layer, from update to attend: (padded view or None, query positions, held: see padded_attention)
+        self._views: dict[int, tuple[Any, torch.Tensor | None, int | None]] = {}
         self._last_query_len = 0
         self._pad_entries: torch.Tensor | None = None  # (B,) padding entries not yet dropped (host)
         self._forward_pads: torch.Tensor | None = None  # (B,) padding tokens of this forward (host), None: none
@@ -288,7 +289,7 @@ class RetentionCache(Cache):
         if self._static is not None:  # a decode step GraphDecoder planned: no host work, so a graph can record it
             self.store.write(self._static["slots"][layer_idx], key_states.reshape(B * H, D),
                              value_states.reshape(B * H, D), log_beta.reshape(B * H), self._static["pos"])
-            self._views[layer_idx] = (None, None)
+            self._views[layer_idx] = (None, None, None)
             return key_states, value_states
         t0 = self._seen[layer_idx]
         if layer_idx == 0:
@@ -316,10 +317,13 @@ class RetentionCache(Cache):
             self.peak_entries = max(self.peak_entries, int(self.store.host_lengths.sum()))
         if self._paged_decode(key_states, T):
             # the Triton kernel reads the pages in place: no padded copy; attention ignores these
-            self._views[layer_idx] = (None, pos)
+            self._views[layer_idx] = (None, pos, None)
             return key_states, value_states
         view = self.store.gather_layer(layer_idx)
-        self._views[layer_idx] = (view, pos.to(key_states.device, non_blocking=True))  # pageable: no wait
+        # nothing evicted or padded yet (host counts, no sync): every stream holds positions 0..seen-1 in order
+        seen = self._seen[layer_idx]
+        held = seen if not bool(self._pad_entries.any()) and self.store.shortest(layer_idx) == seen else None
+        self._views[layer_idx] = (view, pos.to(key_states.device, non_blocking=True), held)  # pageable: no wait
         return view.keys, view.values
 
     def _paged_decode(self, key_states: torch.Tensor, T: int) -> bool:
@@ -332,7 +336,7 @@ class RetentionCache(Cache):
 
     def retention_attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention of ``query`` ``(B, Hq, Q, D)`` over the layer's kept entries -> ``(B, Q, Hq, D)``."""
-        view, qpos = self._views.pop(layer)
+        view, qpos, held = self._views.pop(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if view is None:  # paged decode: one query per stream, every kept entry is in its past
             from .flash import flash_paged_decode
@@ -355,7 +359,7 @@ class RetentionCache(Cache):
             return out.reshape(B, Hq, D)[:, None]
         if self.policy.needs_queries:
             self.policy.observe(layer, query, view, qpos)
-        return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale)
+        return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale, held=held)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (not entries kept): positions after eviction stay true positions."""

@@ -185,6 +185,10 @@ class PagedKVStore:
         """Entries in the longest stream of ``layer``, read on the host (no device sync)."""
         return int(self.host_lengths[self._cached_streams(layer)[1]].max())
 
+    def shortest(self, layer: int) -> int:
+        """Entries in the shortest stream of ``layer``, read on the host (no device sync)."""
+        return int(self.host_lengths[self._cached_streams(layer)[1]].min())
+
     def gather(self, rows: torch.Tensor, with_kv: bool = True, longest: int | None = None) -> PaddedView:
         """Entries of ``rows`` ``(R,)`` padded to the longest: tensors shaped ``(R, Lmax[, D])``.
         ``longest``: that length when the caller knows it on the host (spares a device sync)."""

@@ -1,0 +1,48 @@
+"""retention/eval/bench_prefill.py on a tiny model: every setting runs, and ``masked`` really is the masked path."""
+
+import pytest
+
+from retention.cache import attention
+from retention.eval import bench_decode, bench_prefill
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    from tiny_models import tiny_llama
+
+    import retention
+
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: (tiny_llama(), None))
+    monkeypatch.setattr(bench_decode, "real_text_ids", lambda tok, n: [i % 100 for i in range(n)])
+
+
+def test_the_prefill_bench_runs_as_its_command(tiny, capsys):
+    assert bench_prefill.main(["--contexts", "24", "40", "--chunk", "16", "--repeats", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill in 16-token chunks" in out and "median of 2 interleaved rounds" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(r[0].strip("| "), r[1]) for r in rows] == [(n, s) for n in ("24", "40") for s in bench_prefill.SETTINGS]
+    assert all(r[3] == "1.00x |" for r in rows if r[1] == "plain")
+
+
+def test_masked_turns_the_mask_free_path_off_and_back_on(monkeypatch):
+    from retention.cache import hf
+
+    calls = []
+
+    def spy(*args, held=None):
+        calls.append(held)
+        return attention.padded_attention(*args, held=held)
+
+    monkeypatch.setattr(hf, "padded_attention", spy)
+    with bench_prefill.masked_attention():
+        hf.padded_attention(*_args(), held=5)  # what the cache asks for while nothing is evicted
+    assert hf.padded_attention is spy and calls == [None]
+
+
+def _args():
+    import torch
+
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4)
+    pos = torch.arange(5).expand(1, 1, 5)
+    return q, k, k, pos, torch.ones(1, 1, 5, dtype=torch.bool), torch.arange(5)[None], 0.5
