@@ -125,6 +125,19 @@ def test_an_installed_copy_asks_for_a_configs_path_instead_of_a_bare_name(instal
             assert usage.startswith(f"usage: {prog} "), usage[:200]
 
 
+def test_the_inference_path_imports_no_triton():
+    """Importing the cache, the chat, the policies and the gates imports no Triton: the kernels' modules load on a
+    CUDA tensor's first use, so a CPU process pays no Triton import and a process may still choose the interpreter
+    (``TRITON_INTERPRET=1``, read when Triton loads) afterwards. ``torch.nn.attention.bias`` imports Triton, so
+    the cache builds its lower-right causal mask itself."""
+    probe = ("import sys\n"
+             "from retention import RetentionCache, RetentionChat, GlobalGatesPolicy, attach_gates, load_gates\n"
+             "import retention.cache.hf, retention.cache.attention, retention.chat, retention.policies\n"
+             "assert 'triton' not in sys.modules, 'triton was imported'\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_the_inference_classes_import_from_the_top_level_without_slowing_import_retention():
     """``from retention import RetentionChat, RetentionCache, ...`` gives the classes the README imports from their
     modules; ``import retention`` alone still does not import transformers (they load on first use)."""
