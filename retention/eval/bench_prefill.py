@@ -21,7 +21,7 @@ import argparse
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -58,18 +58,13 @@ def prefill_ms(model: PreTrainedModel, ids: list[int], setting: str, chunk: int)
     step = chunk or x.shape[1]
     mode = "teacher" if setting == "bare" else "score"
     with torch.no_grad(), model.retention.use_mode(mode):
-        with masked_attention() if setting == "masked" else _nothing():
+        with masked_attention() if setting == "masked" else nullcontext():
             sync()
             t = time.perf_counter()
             for s in range(0, x.shape[1], step):
                 model(input_ids=x[:, s : s + step], **cache_kwargs(cache), use_cache=True)
             sync()
     return (time.perf_counter() - t) * 1e3
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def main(argv: list[str] | None = None) -> int:
