@@ -89,3 +89,6 @@ def test_the_command_refuses_a_model_without_gates_before_loading_it(capsys):
     with pytest.raises(SystemExit):
         norm_probe.main(["1", "--length", "30"])
     assert "a context of at least 50 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        norm_probe.main(["0"])
+    assert "items" in capsys.readouterr().err

@@ -121,18 +121,20 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retention.cli import positive_int
+
     ap = argparse.ArgumentParser(prog="python -m retention.eval.norm_probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("items", nargs="?", type=int, default=8, help="fidelity items to probe (default 8)")
+    ap.add_argument("items", nargs="?", type=positive_int, default=8, help="fidelity items to probe (default 8)")
     ap.add_argument("--model", default="smollm2-135m", help="model spec, as the eval harness takes it")
     ap.add_argument("--gates", default=None,
                     help="gate checkpoint (folder or Hub id); default: the model's shipped gates")
-    ap.add_argument("--length", type=int, default=4096, help="context tokens per item (default 4096)")
+    ap.add_argument("--length", type=positive_int, default=4096, help="context tokens per item (default 4096)")
     ap.add_argument("--seed", type=int, default=31,
                     help="item seed (default 31, untouched by training and the goal sets)")
     args = ap.parse_args(argv)
-    if args.items < 1 or args.length < 10 * (SINKS + 1):
-        ap.error(f"need at least 1 item and a context of at least {10 * (SINKS + 1)} tokens "
-                 f"(got {args.items} items of {args.length}); the probe keeps 10% past {SINKS} sinks")
+    if args.length < 10 * (SINKS + 1):
+        ap.error(f"--length: need a context of at least {10 * (SINKS + 1)} tokens (got {args.length}); "
+                 f"the probe keeps 10% past {SINKS} sinks")
     gates = args.gates or shipped_gates(args.model)
     if gates is None:
         ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
