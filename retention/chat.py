@@ -90,13 +90,33 @@ def read_transcript(path: str | Path) -> dict[str, Any]:
     ids, vocab = data["ids"], data["vocab"]
     if not isinstance(ids, list) or not ids:
         raise ChatInputError(f"{path} holds an empty conversation: nothing to resume")
-    if not isinstance(vocab, int) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+    if not _is_int(vocab) or not all(_is_int(i) and 0 <= i < vocab for i in ids):
         raise ChatInputError(f"{path} holds token ids outside its vocabulary ({vocab}): the file is damaged")
+    if not isinstance(data["model"], str) or not isinstance(data["reply_ended"], bool):
+        raise ChatInputError(f"{path} holds a model that is no name or a reply_ended that is no true/false: the file "
+                             "is damaged")
+    messages = data["messages"]
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in messages)):
+        raise ChatInputError(f"{path} holds messages that are no list of {{role, content}}: the file is damaged")
+    roles = [m.get("role") for m in messages]
+    turns = roles[1:] if roles[0] == "system" else roles
+    if not turns or len(turns) % 2 or turns != ["user", "assistant"] * (len(turns) // 2):
+        raise ChatInputError(f"{path} holds messages that do not go (system,) user, assistant, ... ending with a "
+                             f"reply, as save() writes them (got {', '.join(map(str, roles))[:120]}): the file is "
+                             "damaged")
+    if not isinstance(data["image_turns"], list):
+        raise ChatInputError(f"{path} holds image_turns that are no list: the file is damaged")
     for t in data["image_turns"]:
-        if not (isinstance(t, dict) and isinstance(t.get("start"), int) and isinstance(t.get("length"), int)
+        if not (isinstance(t, dict) and _is_int(t.get("start")) and _is_int(t.get("length"))
                 and 0 <= t["start"] < t["start"] + t["length"] <= len(ids) and isinstance(t.get("images"), list)):
             raise ChatInputError(f"{path} holds an image turn that does not fit its token ids: the file is damaged")
     return data
+
+
+def _is_int(value: Any) -> bool:
+    """An int read from JSON, not a true/false (``bool`` is an ``int`` in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, list[str]]]]:
@@ -117,10 +137,14 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
         raise ChatInputError(f"{path} holds no messages: give a list of {{role, content}} (or ShareGPT conversations)")
     messages = []
     for k, m in enumerate(data):
-        role, content = roles.get(m.get("role", m.get("from"))), m.get("content", m.get("value"))
+        said, content = m.get("role", m.get("from")), m.get("content", m.get("value"))
+        role = roles.get(said) if isinstance(said, str) else None
         if role is None or content is None:
             raise ChatInputError(f"{path}, message {k}: give each message a role (user, assistant or system) and a "
-                                 f"content, got {sorted(m)}")
+                                 f"content, got {sorted(m)}" + (f" (role {said!r})" if said is not None else ""))
+        if not isinstance(content, (str, list)):
+            raise ChatInputError(f"{path}, message {k}: a content is text or a list of parts, got "
+                                 f"{type(content).__name__} {content!r:.60}")
         text, images = content, []
         if isinstance(content, list):
             content = [{"type": "text", "text": c} if isinstance(c, str) else c for c in content]
@@ -272,6 +296,7 @@ class RetentionChat:
         if system is not None:
             _check_text("system", system, ChatSetupError)
         _check_generation_options(model, generation_kwargs, ChatSetupError)
+        _check_generation_values(generation_kwargs, ChatSetupError)
         self.model, self.processor = model, processor
         self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
@@ -293,6 +318,9 @@ class RetentionChat:
             if attachment is not None and attachment.gates is not gates:
                 attachment.detach()
                 attachment = None
+        elif asked_untrained and attachment is not None:  # "untrained" means untrained, whatever is attached
+            attachment.detach()
+            attachment = None
         if attachment is None:
             if gates is None and not asked_untrained:
                 warnings.warn(
@@ -320,11 +348,23 @@ class RetentionChat:
         # replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
         # same planned steps eagerly, which is how the CPU tests check the path
         self.cuda_graphs, self._graph_replay, self._decoder = cuda_graphs, True, None
-        self.reset()
+        self._streaming = False  # a stream() is between its first and last piece: no other turn may start
+        self._clear()
 
     # -- session state -----------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a new conversation (the cache's pages go back to its pool)."""
+        self._refuse_while_streaming("reset()")
+        self._clear()
+
+    def _refuse_while_streaming(self, what: str) -> None:
+        """:class:`ChatInputError` while an earlier :meth:`stream` is still open: its generation runs on this chat's
+        cache and its reply is committed when it ends, so nothing else may change the conversation meanwhile."""
+        if self._streaming:
+            raise ChatInputError(f"{what}: an earlier stream() is still open (its reply is being generated into this "
+                                 "chat's cache); read it to the end or close() it first (the reply so far is kept)")
+
+    def _clear(self) -> None:
         self.cache.reset()
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
         self.ids = torch.empty(1, 0, dtype=torch.long, device=self.device)
@@ -398,10 +438,11 @@ class RetentionChat:
         fed live), so the budget and policy are this chat's own: a conversation saved without a budget can go on
         under one. The file is checked before anything changes: a transcript of another tokenizer, or one with
         images for a text-only model, is a :class:`ChatInputError` and the current conversation stays."""
+        self._refuse_while_streaming("resume()")
         data = self._read_transcript(Path(path))
         ids = torch.tensor([data["ids"]], dtype=torch.long, device=self.device)
         turns = [{**t, "images": [_png_image(s) for s in t["images"]]} for t in data["image_turns"]]
-        self.reset()
+        self._clear()
         self._warn_past_positions(ids.shape[1])
         self._refeed(ids, turns)
         self.messages = data["messages"]
@@ -438,7 +479,7 @@ class RetentionChat:
                       f"{self.ids.shape[1]:,} tokens again", stacklevel=3)
         ids, turns, messages, ended, warned = (self.ids, self._image_turns, self.messages, self._last_reply_ended,
                                                self._warned_positions)
-        self.reset()
+        self._clear()
         self._decoder = None
         try:
             self._refeed(ids, turns)
@@ -494,6 +535,7 @@ class RetentionChat:
         """Add a user turn (with images for vision-language models) and a reply given, not generated: a known
         history (a benchmark's earlier turns, another chat's log) fed through this chat's cache as if the model
         had said ``reply`` and then stopped. Its tokens compete for the budget like any others."""
+        self._refuse_while_streaming("add_turn()")
         images = list(images or [])
         _check_text("the reply", reply)
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
@@ -532,9 +574,13 @@ class RetentionChat:
         the cache and the history stay in step and the chat goes on."""
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
+        from .cache.hf import is_count
+
+        self._refuse_while_streaming("a new turn")
         images = list(images or [])
         _check_generation_options(self.model, generation_kwargs, ChatInputError)
         kwargs = {**self.generation_kwargs, **generation_kwargs}
+        _check_generation_values(kwargs, ChatInputError)
         assisted = sorted(k for k in _ASSISTED if kwargs.get(k) is not None)
         if assisted and self.cache.get_seq_length() > 0:
             # transformers' assisted decoding feeds the whole prompt on its first forward, whatever the cache
@@ -550,62 +596,69 @@ class RetentionChat:
                     "samples call model.generate with a RetentionCache directly (it supports both)"
                 )
         kwargs.setdefault("max_new_tokens", self.max_new_tokens)
-        if (kwargs["max_new_tokens"] or 0) < 1:
-            raise ChatInputError(f"max_new_tokens must be at least 1, got {kwargs['max_new_tokens']}")
+        if not is_count(kwargs["max_new_tokens"]) or kwargs["max_new_tokens"] < 1:
+            raise ChatInputError(f"max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
+        kwargs["max_new_tokens"] = int(kwargs["max_new_tokens"])
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
-        self._repair()
-        full = torch.cat([self.ids, turn["input_ids"]], dim=1)
-        self._own_positions()
-        if "pixel_values" in turn:
-            self._prefill_multimodal(turn)
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self._warn_past_positions(full.shape[1] + kwargs["max_new_tokens"])
-        uncached = full.shape[1] - self.cache.get_seq_length()
-        if uncached > self.chunk_size:
-            kwargs["prefill_chunk_size"] = self.chunk_size
-        result: dict[str, Any] = {}
-        stop = threading.Event()
-
-        class _StopWhenAsked(StoppingCriteria):
-            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
-                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
-
-        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), _StopWhenAsked()])
-
-        graphs = self.cuda_graphs and self._graphs_decode(kwargs)
-
-        def run() -> None:
-            try:
-                with torch.no_grad():
-                    if graphs:
-                        result["out"] = self._graph_generate(full, kwargs, streamer)
-                        return
-                    result["out"] = self.model.generate(
-                        input_ids=full,
-                        attention_mask=torch.ones_like(full),
-                        **cache_kwargs(self.cache),
-                        streamer=streamer,
-                        pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                        **kwargs,
-                    )
-            except BaseException as e:  # re-raised in the caller's thread
-                result["error"] = e
-                streamer.end()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
+        self._streaming = True  # until this turn is committed (or fails): see _refuse_while_streaming
         try:
-            yield from streamer
-        except BaseException:  # the caller stopped early: generation must end before the cache is touched again
-            stop.set()
+            self._repair()
+            full = torch.cat([self.ids, turn["input_ids"]], dim=1)
+            self._own_positions()
+            if "pixel_values" in turn:
+                self._prefill_multimodal(turn)
+            streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self._warn_past_positions(full.shape[1] + kwargs["max_new_tokens"])
+            uncached = full.shape[1] - self.cache.get_seq_length()
+            if uncached > self.chunk_size:
+                kwargs["prefill_chunk_size"] = self.chunk_size
+            result: dict[str, Any] = {}
+            stop = threading.Event()
+
+            class _StopWhenAsked(StoppingCriteria):
+                def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+                    return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool,
+                                      device=input_ids.device)
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []),
+                                                                 _StopWhenAsked()])
+
+            graphs = self.cuda_graphs and self._graphs_decode(kwargs)
+
+            def run() -> None:
+                try:
+                    with torch.no_grad():
+                        if graphs:
+                            result["out"] = self._graph_generate(full, kwargs, streamer)
+                            return
+                        result["out"] = self.model.generate(
+                            input_ids=full,
+                            attention_mask=torch.ones_like(full),
+                            **cache_kwargs(self.cache),
+                            streamer=streamer,
+                            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                            **kwargs,
+                        )
+                except BaseException as e:  # re-raised in the caller's thread
+                    result["error"] = e
+                    streamer.end()
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            try:
+                yield from streamer
+            except BaseException:  # the caller stopped early: generation must end before the cache is touched again
+                stop.set()
+                thread.join()
+                if "out" in result:
+                    self._commit(full, result["out"], turn, kwargs)
+                raise
             thread.join()
-            if "out" in result:
-                self._commit(full, result["out"], turn, kwargs)
-            raise
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        self._commit(full, result["out"], turn, kwargs)
+            if "error" in result:
+                raise result["error"]
+            self._commit(full, result["out"], turn, kwargs)
+        finally:
+            self._streaming = False
 
     def _warn_past_positions(self, tokens: int) -> None:
         """Warn once per conversation when it may run past the model's positions: the cache stays within its
@@ -841,6 +894,37 @@ def _check_text(what: str, text: Any, error: type[Exception] = ChatInputError) -
     template)."""
     if not isinstance(text, str):
         raise error(f"{what} must be a str, got {type(text).__name__}: {text!r:.60}")
+
+
+# the ranges generate's logits processors accept, checked before a turn starts (they raise only once it runs);
+# the sampling ones matter only when sampling, as generate ignores them otherwise
+GENERATION_RANGES: dict[str, tuple[str, Callable[[float], bool], bool]] = {
+    "temperature": ("above 0 (for greedy replies leave out sampling)", lambda v: v > 0, True),
+    "top_k": ("an integer >= 0 (0: every token)", lambda v: v >= 0 and float(v).is_integer(), True),
+    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1, True),
+    "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1, True),
+    "repetition_penalty": ("above 0 (1 changes nothing, above 1 discourages repeats)", lambda v: v > 0, False),
+}
+
+
+def generation_value_problem(name: str, value: Any) -> str | None:
+    """What is wrong with a sampling setting's ``value`` (``"must be ..., got ..."``), or ``None`` when generate
+    takes it; :data:`GENERATION_RANGES` names the settings."""
+    import math
+    import numbers
+
+    allowed, ok, _ = GENERATION_RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        return f"must be {allowed}, got {value!r}"
+    return None
+
+
+def _check_generation_values(options: dict[str, Any], error: type[Exception]) -> None:
+    """``error`` naming the first setting of ``options`` (a reply's merged generate options) out of its range."""
+    for name, (_, _, sampling) in GENERATION_RANGES.items():
+        if options.get(name) is not None and (options.get("do_sample") or not sampling):
+            if problem := generation_value_problem(name, options[name]):
+                raise error(f"{name} {problem}")
 
 
 # generate() keywords that are neither GenerationConfig fields nor in its signature

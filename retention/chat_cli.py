@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .attach import unwrap
-from .chat import ChatInputError, ChatSetupError, RetentionChat, read_history, read_transcript
+from .chat import (ChatInputError, ChatSetupError, RetentionChat, generation_value_problem, read_history,
+                   read_transcript)
 from .templates import template_variables_problem
 
 CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /save FILE writes the "
@@ -85,6 +86,7 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
                 print(f"error: unknown command {command}; {CHAT_COMMANDS}", file=sys.stderr)
             continue
         text = line[1:] if line.startswith("//") else line
+        turns, shown = len(chat.messages), []
         try:
             try:
                 with warnings.catch_warnings(record=True) as caught:  # shown as a line, not a source location
@@ -93,9 +95,15 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
                         for piece in chat.stream(text, pending):
                             _show_warnings(caught)
                             print(piece, end="", flush=True)
+                            shown.append(piece)
                     finally:
                         _show_warnings(caught)
             except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat (the reply so far is kept)
+                # the streamer holds back a word's start, and tokens made before the stop landed are kept too: show
+                # the reply as kept, so the screen and a /save agree
+                kept = chat.messages[-1]["content"] if len(chat.messages) > turns else "".join(shown)
+                said = "".join(shown)
+                print(kept[len(said):] if kept.startswith(said) else f"\n[kept as the reply: {kept}]", end="")
                 print(" [stopped]", end="")
             print()
             print(_memory_line(chat.memory()))
@@ -147,12 +155,17 @@ def _chat_command(args: argparse.Namespace) -> int:
         return 2
     model, processor = load_model(args.model, device=device, dtype=dtype)
     try:
-        chat = RetentionChat(
-            model, processor, args.gates if gates is None else gates, budget_tokens=args.budget,
-            chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens,
-            system=args.system or (history[0] if history else None), policy=policy,
-            cuda_graphs=args.cuda_graphs, chat_template_kwargs=template, **generation,
-        )
+        with warnings.catch_warnings(record=True) as caught:  # printed as lines, as in the chat loop
+            warnings.simplefilter("always")
+            try:
+                chat = RetentionChat(
+                    model, processor, args.gates if gates is None else gates, budget_tokens=args.budget,
+                    chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens,
+                    system=args.system or (history[0] if history else None), policy=policy,
+                    cuda_graphs=args.cuda_graphs, chat_template_kwargs=template, **generation,
+                )
+            finally:
+                _show_warnings(caught)
     except (ChatSetupError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -185,15 +198,11 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     given = [f"--{k.replace('_', '-')}" for k, v in sampling.items() if v is not None]
     if given and not args.sample:
         raise ValueError(f"{', '.join(given)} apply when sampling: add --sample (replies are greedy without it)")
-    ranges = {"temperature": (args.temperature, "above 0 (for greedy replies leave out --sample)",
-                              lambda v: v > 0),
-              "top_p": (args.top_p, "in (0, 1]", lambda v: 0 < v <= 1),
-              "min_p": (args.min_p, "in [0, 1]", lambda v: 0 <= v <= 1),
-              "repetition_penalty": (args.repetition_penalty, "above 0 (1 changes nothing, above 1 discourages "
-                                     "repeats)", lambda v: v > 0)}
-    for name, (value, allowed, ok) in ranges.items():
-        if value is not None and not ok(value):
-            raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(args, name)
+        if value is not None and (problem := generation_value_problem(name, value)):
+            problem = problem.replace("leave out sampling", "leave out --sample")
+            raise ValueError(f"--{name.replace('_', '-')} {problem}")
     options = {k: v for k, v in sampling.items() if k != "seed" and v is not None}
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty

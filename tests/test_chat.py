@@ -280,7 +280,7 @@ class _ScriptedChat:
 
     def __init__(self, multimodal: bool, refuse: str | None = None):
         self.multimodal, self.refuse, self.sent, self.resets = multimodal, refuse, [], 0
-        self.model = torch.nn.Linear(1, 1)
+        self.model, self.messages = torch.nn.Linear(1, 1), []
 
     def stream(self, text, images):
         if text == self.refuse:
@@ -379,6 +379,54 @@ def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
     chat_loop(chat, ["story", "and then?"])
     out = capsys.readouterr().out
     assert [t for t, _ in chat.sent] == ["story", "and then?"] and "once upon [stopped]" in out
+
+
+def test_ctrl_c_shows_the_reply_as_kept(capsys):
+    """The streamer holds back a word's start, and tokens made before the stop lands are kept as well: the screen
+    showed "I [stopped]" where the history (and a /save) kept "In the". The loop now prints the rest of the kept reply
+    before [stopped]."""
+    from retention.chat_cli import chat_loop
+
+    class Interrupted(_ScriptedChat):
+        def stream(self, text, images):
+            yield "I"
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "In the"}]
+            raise KeyboardInterrupt
+
+    chat_loop(Interrupted(multimodal=False), ["story"])
+    assert "In the [stopped]" in capsys.readouterr().out
+
+
+def test_no_turn_starts_while_a_stream_is_open(smollm2):
+    """A send() while an earlier stream() was still open ran two generations on one cache (a shape error, or the
+    process aborted), or committed the old reply after the newer turn. Every turn, reset and resume is now refused
+    until the stream ends; closing it keeps the reply so far, in order."""
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=16, max_new_tokens=8)
+    chat.send("My name is Ada.")
+    stream = chat.stream("Tell me a story.")
+    next(stream)
+    for call, what in ((lambda: chat.send("What is my name?"), "a new turn"), (lambda: chat.add_turn("a", "b"),
+                       "add_turn"), (chat.reset, "reset"), (lambda: chat.resume("x.json"), "resume")):
+        with pytest.raises(ChatInputError, match=f"{what}.*an earlier stream.. is still open"):
+            call()
+    stream.close()
+    assert chat.messages[-2]["content"] == "Tell me a story."
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1  # the cache holds the conversation, no more
+    chat.send("What is my name?")
+    assert [m["content"] for m in chat.messages[::2]] == ["My name is Ada.", "Tell me a story.", "What is my name?"]
+    chat.reset()  # open again once the stream is done
+    chat.model.retention.detach()
+
+
+def test_untrained_means_untrained_whatever_is_attached(smollm2):
+    """RetentionChat(model, tok, "untrained") on a model that already held trained gates kept them silently."""
+    model, tok = smollm2
+    trained = RetentionChat(model, tok, budget_tokens=8, max_new_tokens=2).attachment.gates
+    chat = RetentionChat(model, tok, "untrained", budget_tokens=8, max_new_tokens=2)
+    untrained = RetentionGates(GateConfig.for_model(model), seed=0).fingerprint()
+    assert trained.fingerprint() != untrained and chat.attachment.gates.fingerprint() == untrained
+    chat.model.retention.detach()
 
 
 def test_typed_lines_prompt_until_ctrl_d(monkeypatch, capsys):
@@ -503,7 +551,12 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
 
 @pytest.mark.parametrize("kwargs,words", [({"num_beams": 2}, "num_beams=2: a chat keeps one reply per turn"),
                                           ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
-                                          ({"max_new_tokens": 0}, "max_new_tokens must be at least 1, got 0"),
+                                          ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
+                                          ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer >= 1, got 2.5"),
+                                          ({"do_sample": True, "temperature": 0.0}, "temperature must be above 0"),
+                                          ({"do_sample": True, "top_k": -1}, "top_k must be an integer >= 0"),
+                                          ({"do_sample": True, "top_p": float("nan")}, "top_p must be in"),
+                                          ({"repetition_penalty": 0}, "repetition_penalty must be above 0"),
                                           ({"top_kk": 5}, "unknown option.s. top_kk")])
 def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs(smollm2, kwargs, words):
     """They failed inside generate's thread with transformers' streamer errors ("TextStreamer only supports batch
@@ -675,6 +728,14 @@ def test_a_transcript_that_cannot_be_resumed_is_refused_and_the_chat_stays(smoll
         "images.json": ({**good, "image_turns": [{"start": 0, "length": 2, "images": []}]}, "is a text-only model"),
         "turns.json": ({**good, "image_turns": [{"start": 0, "length": 10**6, "images": []}]},
                        "does not fit its token"),
+        # the messages were read unchecked: a traceback (TypeError, a Jinja error) once the model had loaded
+        "text.json": ({**good, "messages": "x"}, "messages that are no list"),
+        "none.json": ({**good, "messages": []}, "messages that are no list"),
+        "bare.json": ({**good, "messages": [{"role": "user"}]}, "messages that are no list"),
+        "order.json": ({**good, "messages": good["messages"][:1]}, "do not go .system,. user, assistant"),
+        "bot.json": ({**good, "messages": [{**m, "role": "bot"} for m in good["messages"]]}, "do not go"),
+        "ended.json": ({**good, "reply_ended": "no"}, "reply_ended that is no true/false"),
+        "bools.json": ({**good, "ids": [True, False]}, "outside its vocabulary"),
     }
     for name, (content, words) in cases.items():
         if content is not None:
@@ -837,7 +898,10 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
                           {"role": "assistant", "content": "ok"}],
            "saved.json": {"format": "retention-chat"},
            # was an AttributeError
-           "parts.json": [{"role": "user", "content": [3]}, {"role": "assistant", "content": "ok"}]}
+           "parts.json": [{"role": "user", "content": [3]}, {"role": "assistant", "content": "ok"}],
+           # a TypeError (unhashable role), and a number or a dict fed as its repr
+           "listrole.json": [{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "x"}],
+           "number.json": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}
     Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
     bad["shown.json"] = [{"role": "user", "content": [{"type": "image", "image": "photo.png"},
                                                       {"type": "text", "text": "What is this?"}]},
@@ -845,7 +909,8 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
     words = {"open.json": "end with a reply", "roles.json": "give each message a role",
              "photo.json": "nowhere.png not found", "saved.json": "--resume",
              "shown.json": "smollm2-135m is a text-only model",
-             "parts.json": "parts.json, message 0: a content list holds"}
+             "parts.json": "parts.json, message 0: a content list holds",
+             "listrole.json": "give each message a role", "number.json": "a content is text or a list of parts"}
     for name, data in bad.items():
         (tmp_path / name).write_text(json.dumps(data))
         assert main(["chat", "--history", str(tmp_path / name)]) == 2

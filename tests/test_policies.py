@@ -292,6 +292,14 @@ def test_a_dropped_cache_is_freed_at_once_without_the_cyclic_gc(name, params):
     ("gates_snapkv", {"share": "0.25"}, "share must be a number, got '0.25'"),
     ("h2o", {"recent": -1}, "recent must be >= 0"),
     ("cake", {"gamma": -1.0}, "gamma must be >= 0"),
+    # NaN passed every "< 0" check (garbage replies under cake); an even kernel failed in max_pool while generating
+    ("cake", {"gamma": float("nan")}, "gamma must be a finite number, got nan"),
+    ("global_gates", {"key_weight": float("inf")}, "key_weight must be a finite number, got inf"),
+    ("restkv", {"beta": float("nan")}, "beta must be a finite number"),
+    *[(name, {"kernel": k}, f"kernel must be odd and >= 1 .1: no pooling., got {k}")
+      for name in ("snapkv", "adakv", "criticalkv", "cake", "lava", "defensivekv", "layer_defensivekv", "gates_snapkv")
+      for k in (2, 0)],
+    (None, {}, "unknown policy None"),
 ])
 def test_a_parameter_of_the_wrong_kind_or_sign_is_named(name, params, problem):
     """A float window, a string kernel from a hand-written config, a negative H2O window or CAKE weight were taken

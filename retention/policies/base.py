@@ -96,6 +96,7 @@ class EvictionPolicy(ABC):
 
     def validate(self) -> None:
         import dataclasses
+        import math
         import numbers
 
         for f in dataclasses.fields(self) if dataclasses.is_dataclass(self) else ():
@@ -107,6 +108,11 @@ class EvictionPolicy(ABC):
             if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):  # window=2.5, "7"
                 raise ValueError(f"{f.name} must be {'an integer' if kind is numbers.Integral else 'a number'}, "
                                  f"got {value!r}")
+            if kind is numbers.Real and not math.isfinite(value):  # NaN passes every "< 0" check below
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            # every policy that max-pools its scores over neighbours (SnapKV and its kin) names the width kernel
+            if f.name == "kernel" and (value < 1 or value % 2 == 0):
+                raise ValueError(f"kernel must be odd and >= 1 (1: no pooling), got {value}")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(f"budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
         if self.mode not in MODES:

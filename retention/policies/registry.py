@@ -53,7 +53,7 @@ def policy_params(name: str) -> list[str]:
 
 def get_policy(name: str, **params: Any) -> EvictionPolicy:
     """Build a policy: ``get_policy("snapkv", window=32, mode="streaming")``."""
-    key = name.lower().replace("-", "_")
+    key = name.lower().replace("-", "_") if isinstance(name, str) else None
     if key not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available: {sorted(POLICIES)}")
     allowed = policy_params(key)

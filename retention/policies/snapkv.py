@@ -35,10 +35,5 @@ class SnapKVPolicy(WindowPolicy):
     kernel: int = 7
     name: str = "snapkv"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd and >= 1, got {self.kernel}")
-
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         return pooled_window_scores(query, view, query_pos, self.window, self.kernel)
