@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .gates import RetentionGates, check_gate_folder_target
+from .gates import RetentionGates, check_gate_folder_target, nonfinite_tensors
 from .hub import HubError, checkpoint_folder, export_gates, local_checkpoint
 
 
@@ -57,36 +57,61 @@ def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] 
     return out
 
 
+def _per_source(values: Sequence[object]) -> str | None:
+    """``None`` when every source has the same value, else a line listing each source's (``source i: value``)."""
+    if len({json.dumps(v, sort_keys=True, default=str) for v in values}) == 1:
+        return None
+    return "differs by source: " + "; ".join(f"source {i}: {v or 'n/a'}" for i, v in enumerate(values))
+
+
 def average_checkpoints(
     paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None
 ) -> Path:
     """Load checkpoints (folders or Hub repos), average them, and export the mean to ``out`` atomically.
 
-    The card and ``config.json`` record the sources and weights; base model and budget are taken from the
-    first checkpoint, and the sources must share the base model."""
+    The card and ``config.json`` record the sources and weights; the sources must share the base model and be
+    distinct checkpoints (one named twice is refused: weight it with ``weights``). A budget or base revision the
+    sources do not share is written per source, never as the first one's. Sources with NaN or inf weights, or a
+    non-finite mean, are refused before anything is written."""
     weights = normalised_weights(weights, len(paths))  # a lone checkpoint or bad weights fail before any download
     out = Path(out).expanduser()
     check_gate_folder_target(out)  # and an --out that holds other files (it is replaced whole)
-    # a source named by its folder, by a file in it (gates.safetensors) or by "~/..."
-    source = next((p for p in paths if (local := local_checkpoint(p)) is not None and local.resolve() == out.resolve()),
-                  None)
+    # a source named by its folder, by a file in it (gates.safetensors) or by "~/..."; a Hub repo id by itself
+    local_folders = [local_checkpoint(p) for p in paths]
+    keys = [str(p) if local is None else str(local.resolve()) for p, local in zip(paths, local_folders)]
+    source = next((p for p, local in zip(paths, local_folders) if local and local.resolve() == out.resolve()), None)
     if source is not None:  # replaced whole: the source's own gates, card and plots would be gone
         raise FileExistsError(f"--out {out} is one of the checkpoints averaged ({source}): writing the mean there "
                               "replaces those gates; choose a new folder")
+    twice = next(((i, j) for j in range(len(keys)) for i in range(j) if keys[i] == keys[j]), None)
+    if twice is not None:  # the mean of a set with itself is that set again, recorded as a soup it is not
+        i, j = twice
+        raise ValueError(f"{paths[i]} and {paths[j]} are the same checkpoint ({keys[i]}): averaging gates with "
+                         "themselves gives them back unchanged; name each checkpoint once (to count one more, "
+                         "give it a larger --weights value)")
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
-    gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # names a missing file
+    gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # a missing file, NaN / inf weights
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
     if len(bases) > 1:
         raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "
                          "average only gates of one base model")
     gates = average_gates(gate_sets, weights)
+    bad = nonfinite_tensors(gates.state_dict())
+    if bad:  # finite sources should not give this, but a NaN mean must never be written as a checkpoint
+        raise ValueError(f"the weighted mean of {', '.join(map(str, paths))} holds NaN or inf in {', '.join(bad)}: "
+                         f"nothing written to {out}")
     recipe = " + ".join(f"{w:.3g} x {p}" for w, p in zip(weights, paths))
-    first = configs[0]
-    return export_gates(
-        gates, out, base_model=bases.pop(), base_revision=first.get("base_revision"), budget=first.get("budget"),
-        training={"averaged_from": recipe, **{f"source {i}": c.get("training", {}).get("config", "n/a")
-                                              for i, c in enumerate(configs)}},
+    budgets = [c.get("budget") for c in configs]
+    revisions = [c.get("base_revision") for c in configs]
+    revisions_differ = _per_source(revisions)
+    training = {"averaged_from": recipe, **{f"source {i}": c.get("training", {}).get("config", "n/a")
+                                            for i, c in enumerate(configs)}}
+    if revisions_differ:  # no one revision is the mean's: base_revision stays empty, the card says why
+        training["base_revision"] = revisions_differ
+    return export_gates(  # a budget the sources share is the mean's; else each source's, not the first one's
+        gates, out, base_model=bases.pop(), base_revision=None if revisions_differ else revisions[0],
+        budget=_per_source(budgets) or budgets[0], training=training,
     )
 
 

@@ -23,7 +23,7 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -247,7 +247,19 @@ class RetentionGates(nn.Module):
         except (SafetensorError, RuntimeError) as e:  # a cut-off download; tensors of another layout than the config's
             raise GateCheckpointError(f"{weights} cannot be loaded into the gates config.json describes ({e}); "
                                       "re-export or re-download the checkpoint") from None
+        if bad := nonfinite_tensors(gates.state_dict()):  # NaN scores would evict at random, without a word
+            raise GateCheckpointError(
+                f"gate checkpoint {path}: its weights hold NaN or inf ({', '.join(bad)}), so the training run that "
+                "wrote it most likely diverged; train again with a lower train.lr, or export an earlier checkpoint "
+                "of that run (python train.py --config CONFIG --export RUN/checkpoints/step-N, one from before the "
+                "loss went NaN)")
         return gates
+
+
+def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The tensors of ``state`` that hold NaN or inf, each as ``name (k of n values)``; empty when all are finite."""
+    return [f"{name} ({bad} of {t.numel()} values)" for name, t in state.items()
+            if (bad := int((~torch.isfinite(t)).sum()))]
 
 
 def is_gate_folder(path: str | Path) -> bool:

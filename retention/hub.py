@@ -162,7 +162,8 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
 
 def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None,
                revision: str | None = None) -> RetentionGates:
-    """Load gates from a folder or a Hub repo (safetensors only); with ``model``, check they fit it."""
+    """Load gates from a folder or a Hub repo (safetensors only; NaN or inf weights refused); with ``model``, check
+    they fit it."""
     gates = RetentionGates.from_pretrained(checkpoint_folder(path_or_repo_id, revision))
     if model is not None:
         from .attach import check_gates_match

@@ -1,14 +1,18 @@
 """Averaging gate checkpoints: the weighted mean of every parameter, written as an ordinary checkpoint."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from retention.average import average_checkpoints, average_gates
 from retention.cli import main
 from retention.gates import GateConfig, RetentionGates
 from retention.hub import export_gates, load_gates
+from retention.models import shipped_checkpoint
 from tiny_models import tiny_llama
 
 
@@ -118,4 +122,72 @@ def test_a_single_checkpoint_is_refused_before_it_is_read(tmp_path):
     # the path does not exist: the count is named first, not a missing file
     with pytest.raises(ValueError, match="at least two gate sets, got 1"):
         average_checkpoints([tmp_path / "a"], tmp_path / "soup")
+    assert not (tmp_path / "soup").exists()
+
+
+def _nan_copy(src: Path, dest: Path) -> Path:
+    """A copy of the checkpoint ``src`` at ``dest`` with its ``w`` tensor all NaN, as a diverged run exports."""
+    shutil.copytree(src, dest)
+    state = load_file(dest / "gates.safetensors")
+    state["w"] = torch.full_like(state["w"], float("nan"))
+    save_file(state, dest / "gates.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_average_refuses_a_source_with_nan_weights_before_writing(tmp_path, capsys):
+    """A diverged run's NaN gates were averaged into a NaN checkpoint, exit 0."""
+    shipped = shipped_checkpoint("smollm2-135m-trimkv")
+    nan = _nan_copy(shipped, tmp_path / "nan-gates")
+    assert main(["average", str(shipped), str(nan), "--out", str(tmp_path / "soup")]) == 2
+    err = capsys.readouterr().err
+    assert str(nan) in err and "w (2880 of 2880 values)" in err and "diverged" in err and "train.lr" in err
+    assert not (tmp_path / "soup").exists()
+
+
+def test_average_refuses_a_non_finite_mean(tmp_path, monkeypatch):
+    import retention.average
+
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama")
+
+    def overflowing(gate_sets, weights=None):  # finite sources, a mean that is not (e.g. an overflow)
+        out = average_gates(gate_sets, weights)
+        with torch.no_grad():
+            out.W1.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(retention.average, "average_gates", overflowing)
+    with pytest.raises(ValueError, match=r"holds NaN or inf in W1 \("):
+        average_checkpoints([pa, pb], tmp_path / "soup")
+    assert not (tmp_path / "soup").exists()
+
+
+def test_average_of_sources_at_different_budgets_states_each_budget(tmp_path):
+    """The card and config said the first source's budget ("96 entries per KV head") for a mean with a 384 one."""
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama", budget="96 entries", base_revision="r1")
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama", budget="384 entries", base_revision="r2")
+    out = average_checkpoints([pa, pb], tmp_path / "soup")
+    cfg = json.loads((out / "config.json").read_text())
+    want = "differs by source: source 0: 96 entries; source 1: 384 entries"
+    assert cfg["budget"] == want and f"| training budget | {want} |" in (out / "README.md").read_text()
+    # no one base revision is the mean's: none claimed, each recorded
+    assert cfg["base_revision"] is None
+    assert cfg["training"]["base_revision"] == "differs by source: source 0: r1; source 1: r2"
+    # shared facts are stated once, as before
+    pc = export_gates(_gates(2), tmp_path / "c", base_model="tiny-llama", budget="96 entries", base_revision="r1")
+    cfg = json.loads((average_checkpoints([pa, pc], tmp_path / "soup2") / "config.json").read_text())
+    assert cfg["budget"] == "96 entries" and cfg["base_revision"] == "r1" and "base_revision" not in cfg["training"]
+
+
+def test_average_refuses_one_checkpoint_named_twice(tmp_path, capsys, monkeypatch):
+    """`retention average A A` wrote A's gates back as a "soup" of two sources; refused before anything is read."""
+    import retention.average
+
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama")
+    monkeypatch.setattr(retention.average, "checkpoint_folder", lambda p: pytest.fail("read a checkpoint first"))
+    for same in (str(pa), str(pa / "gates.safetensors"), str(tmp_path / "b" / ".." / "a")):
+        assert main(["average", str(pa), str(pb), same, "--out", str(tmp_path / "soup")]) == 2
+        err = capsys.readouterr().err
+        assert f"and {same} are the same checkpoint ({pa.resolve()})" in err and "--weights" in err
     assert not (tmp_path / "soup").exists()

@@ -325,3 +325,33 @@ def test_push_names_a_missing_folder_and_finds_the_shipped_checkpoint_by_name(fa
     shipped = shipped_gates("smollm2-135m")
     assert sent["gates.safetensors"] == (shipped / "gates.safetensors").read_bytes()
     assert {"README.md", "config.json"} <= set(sent)
+
+
+def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
+    """A copy of the checkpoint ``src`` at ``dest`` whose tensors named in ``values`` have their first value set."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    state = load_file(dest / "gates.safetensors")
+    for name, value in values.items():
+        state[name].view(-1)[0] = value
+    save_file(state, dest / "gates.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_a_checkpoint_with_nan_or_inf_weights_is_refused(tmp_path):
+    """A diverged run exported all-NaN gates and load_gates returned them without a word (every score NaN)."""
+    from retention.gates import RetentionGates
+    from retention.models import shipped_checkpoint
+
+    shipped = shipped_checkpoint("smollm2-135m-trimkv")
+    bad = _with_bad_values(shipped, tmp_path / "diverged", W1=float("nan"), b=float("inf"))
+    for load in (load_gates, RetentionGates.from_pretrained):  # what `retention average` and the chat read
+        with pytest.raises(GateCheckpointError) as e:
+            load(bad)
+        msg = str(e.value)
+        assert str(bad) in msg and "W1 (1 of" in msg and "b (1 of" in msg and "b1" not in msg
+        assert "diverged" in msg and "train.lr" in msg and "--export RUN/checkpoints/step-N" in msg
+    assert load_gates(shipped).config.variant == "trimkv"  # finite gates load as before

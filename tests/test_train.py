@@ -19,6 +19,7 @@ from retention.models import embedded_model_dir
 from tiny_models import tiny_llama
 from retention.train.config import load_config
 from retention.train.loop import init_from_note, train
+from retention.train.sources import DataError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -240,6 +241,35 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tiny_setup, tmp_path
     assert "held checkpoints" not in capsys.readouterr().out  # a resume moves nothing
     assert [r["step"] for r in resumed["history"]] == list(range(1, 9))
     assert [r["loss"] for r in resumed["history"][:4]] == [r["loss"] for r in part["history"]]
+    # a fresh run that fails once the model has loaded (too few rows) used to have moved them already, so the
+    # --resume that followed found nothing: they stay until the run is about to write its own
+    with pytest.raises(DataError, match="packed rows for a global batch"):
+        train(load_config(cfg_file, over + ["train.steps=8", "train.batch_size=100000"]))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4", "step-8"]
+    assert len(list((tmp_path / "run").glob("checkpoints-before-*"))) == 1
+    # continuing another folder's checkpoint is a new run here: this folder's own are set aside, not mixed in
+    here = load_config(cfg_file, over + ["train.steps=8", "train.lr=0.01"])
+    other_file, other = config_for(tiny_setup, tmp_path / "other")  # rewrites tiny.yaml
+    train(load_config(other_file, other + ["train.steps=4", "train.lr=0.01"]))
+    train(here, resume=str(tmp_path / "other" / "checkpoints" / "step-4"))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-8"]
+    assert len(list((tmp_path / "run").glob("checkpoints-before-*"))) == 2
+
+
+def test_the_logged_rate_is_the_one_the_step_used_and_a_diverged_run_writes_nothing(tiny_setup, tmp_path):
+    """Each step logged the next step's learning rate; a run whose loss went NaN went on to export NaN gates."""
+    from retention.train.loop import lr_lambda
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    cfg = load_config(cfg_file, over + ["train.steps=4", "train.warmup_steps=2"])
+    run = train(cfg)
+    f = lr_lambda(cfg)
+    assert [r["lr"] for r in run["history"]] == pytest.approx([0.05 * f(k) for k in range(4)])
+    assert run["history"][0]["lr"] == pytest.approx(0.025)  # warm-up's first step: half the rate
+    with pytest.raises(SystemExit, match="the run diverged; lower train.lr"):
+        train(load_config(cfg_file, over + [f"train.output_dir={tmp_path / 'nan'}", "train.lr=1e36",
+                                            "train.clip=0"]))
+    assert not list((tmp_path / "nan").glob("checkpoints/step-*")) and not (tmp_path / "nan" / "final").exists()
 
 
 def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, monkeypatch):
@@ -356,6 +386,34 @@ def test_export_an_unfinished_run(tiny_setup, tmp_path):
     assert retention_main(["train", "--config", str(cfg_file), "--set", "train.steps=8", "--export", "--to",
                            str(tmp_path / "again")]) == 0
     assert load_gates(tmp_path / "again").fingerprint() == gates.fingerprint()
+
+
+def test_export_flags_that_would_go_unread_are_refused_or_acted_on(tiny_setup, tmp_path, capsys, monkeypatch):
+    """--to without --export started a whole fresh run; --export dropped --push_to_hub and --resume silently; and an
+    export under another config wrote that config's facts (tokens seen, data) into the card."""
+    import retention.hub as hub
+    from retention.train import main
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    train(load_config(cfg_file, over + ["train.steps=4"]))
+    for argv, words in (([ "--to", str(tmp_path / "x")], "--to names the folder an --export writes"),
+                        (["--export", "--resume"], "--export takes the checkpoint itself")):
+        with pytest.raises(SystemExit) as stop:
+            main(["--config", str(cfg_file), "--set", "train.steps=4", *argv])
+        assert stop.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "checkpoints", "final", "history.json"]  # nothing trained again, nothing set aside
+    with pytest.raises(SystemExit, match=r"--export .*step-4: the config changed since the run started "
+                                         r"\(data.seq_len 32 -> 64\); export with the config"):
+        main(["--config", str(cfg_file), "--set", "train.steps=4", "--set", "data.seq_len=64", "--export", "--to",
+              str(tmp_path / "y")])
+    assert not (tmp_path / "y").exists()
+    pushed = []
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(hub, "push_to_hub", lambda path, repo: pushed.append((Path(path), repo)) or "https://hf.co/c")
+    assert main(["--config", str(cfg_file), "--set", "train.steps=4", "--export", "--to", str(tmp_path / "z"),
+                 "--push_to_hub", "me/gates"]) == 0
+    assert pushed == [(tmp_path / "z", "me/gates")] and "pushed: https://hf.co/c" in capsys.readouterr().out
 
 
 def test_retention_train_is_listed_and_hands_its_arguments_to_the_training_command(capsys):

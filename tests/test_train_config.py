@@ -151,3 +151,32 @@ def test_output_folders_under_home_are_the_users_home(tmp_path):
     cfg = load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  output_dir: ~/runs/x\n"),
                       ["export.dir=~/gates/x"])
     assert cfg.train.output_dir == str(Path.home() / "runs" / "x") and cfg.export_dir() == Path.home() / "gates" / "x"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["train=3", "train.steps=1"], r"--set train.steps=1: train is 3, not a section with keys"),
+    (["data.sources.5.path=x"], r"data.sources is a list of 1: give an index from 0 to 0 in place of '5'"),
+    (["data.sources.x.path=x"], r"in place of 'x'"),
+    (["data.sources.-1.max_docs=0"], r"in place of '-1'"),
+    (["train..steps=1"], r"'train..steps' is not a dotted key"),
+])
+def test_an_override_through_a_value_or_past_a_list_is_named(tmp_path, overrides, words):
+    """These were a TypeError, an IndexError or a ValueError from int() instead of a config error."""
+    p = write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources: [{kind: text, path: /x}]\n")
+    with pytest.raises(ConfigError, match=words):
+        load_config(p, overrides)
+
+
+def test_a_file_that_is_no_mapping_a_key_set_twice_and_infinite_numbers_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="must be a mapping of sections .model:, data:, train:, ....; got a list|"
+                                          "must be a mapping of sections"):
+        load_config(write(tmp_path, "- train\n- data\n"), ["train.steps=3"])  # was a ValueError from int("train")
+    # YAML keeps the last of two: steps: 1 then steps: 2 ran 2 steps without a word
+    with pytest.raises(ConfigError, match=r"train.steps is set twice in .*c.yaml \(lines 4 and 5\): keep one"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  steps: 1\n  steps: 2\n"))
+    # inf passed the "> 0" check and trained NaN gates
+    for given in ("train.lr=.inf", "train.lr=inf", "loss.capacity_weight=.inf"):
+        with pytest.raises(ConfigError, match=f"{given.split('=')[0]} must be a finite number"):
+            load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\n"), [given])
+    with pytest.raises(ConfigError, match="data.seq_len must be >= 2"):  # every row would be dropped
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\n"), ["data.seq_len=1"])

@@ -26,17 +26,37 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     parser.add_argument("--to", default=None, metavar="DIR",
                         help="with --export: the folder to write (default: export.dir)")
     args = parser.parse_args(argv)
+    if args.to is not None and args.export is None:  # else a whole fresh run started, and --to went unread
+        parser.error("--to names the folder an --export writes: add --export (no training), or set export.dir "
+                     "(--set export.dir=DIR) for where a training run exports")
+    if args.export is not None and args.resume is not None:
+        parser.error("--export takes the checkpoint itself (--export latest, or --export CHECKPOINT_FOLDER): "
+                     "drop --resume")
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
         parser.exit(2, f"config error: {e}\n")
     if args.export is not None:
+        from retention.hub import HubError
+
         from .loop import export_checkpoint
 
+        repo = args.push_to_hub or cfg.export.push_to_hub
         try:
-            print(f"[retention] gates exported to {export_checkpoint(cfg, args.export, args.to)}")
+            if repo:  # a missing token fails before anything is written
+                from retention.hub import check_push_target
+
+                check_push_target(repo)
+            dest = export_checkpoint(cfg, args.export, args.to)
+            print(f"[retention] gates exported to {dest}")
+            if repo:
+                from retention.hub import push_to_hub
+
+                print(f"[retention] pushed: {push_to_hub(dest, repo)}")
         except (FileNotFoundError, FileExistsError) as e:  # no such checkpoint; --to a folder of other files
             parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
+        except HubError as e:  # no token, a repo id that cannot be
+            parser.exit(2, f"error: {e}\n")
         return 0
     from retention.cli import user_errors
 

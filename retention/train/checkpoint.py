@@ -215,10 +215,13 @@ def run_settings(cfg: Config) -> dict[str, Any]:
     return json.loads(json.dumps(flat, default=str))
 
 
-def check_resume_fits(cfg: Config, ckpt: Path) -> None:
+def check_resume_fits(cfg: Config, ckpt: Path, flag: str = "--resume") -> None:
     """SystemExit naming the difference when the config changed since the run started in a way that changes its loss
     curve (``data.seq_len``, ``train.lr``...; anything but :data:`RESUME_MAY_CHANGE`), or, for checkpoints from
-    before the config was saved with them, when ``ckpt`` holds gates of another variant, width or activation."""
+    before the config was saved with them, when ``ckpt`` holds gates of another variant, width or activation.
+    ``flag="--export"``: the same check before an export, whose model card states the run's settings."""
+    redo = ("resume with the settings the run started with, or start a fresh run" if flag == "--resume" else
+            "export with the config the run was trained with (the card states its settings)")
     try:
         state = json.loads((ckpt / "state.json").read_text())
     except (OSError, ValueError):
@@ -229,9 +232,9 @@ def check_resume_fits(cfg: Config, ckpt: Path) -> None:
                          if k not in RESUME_MAY_CHANGE and state["config"].get(k) != now.get(k))
         if changed:
             diff = "; ".join(f"{k} {state['config'].get(k)!r} -> {now.get(k)!r}" for k in changed)
-            raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
-                             "settings the run started with, or start a fresh run (only train.steps, stop_after, "
-                             "save_every, logging, trackers and export settings may change on --resume)")
+            raise SystemExit(f"{flag} {ckpt}: the config changed since the run started ({diff}); {redo} (only "
+                             "train.steps, stop_after, save_every, logging, trackers and export settings may change "
+                             f"on {flag})")
         return
     if cfg.gates.init_from:
         return
@@ -242,8 +245,8 @@ def check_resume_fits(cfg: Config, ckpt: Path) -> None:
     changed = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
     if changed:
         diff = ", ".join(f"gates.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        raise SystemExit(f"--resume {ckpt}: the config changed since the run started ({diff}); resume with the "
-                         f"settings the run started with (--set gates.<key>=<its value>), or start a fresh run")
+        raise SystemExit(f"{flag} {ckpt}: the config changed since the run started ({diff}); {redo} "
+                         "(--set gates.<key>=<its value>)")
 
 
 def find_checkpoint(output_dir: Path, resume: str) -> Path:

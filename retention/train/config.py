@@ -7,6 +7,7 @@ of the YAML file it came from.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -233,14 +234,17 @@ NON_NEGATIVE = {
 }
 
 
-def _lines(text: str) -> dict[str, int]:
-    """Dotted key -> 1-based line in the YAML text (list items as ``key.0.sub``)."""
+def _lines(text: str, source: str) -> dict[str, int]:
+    """Dotted key -> 1-based line in the YAML text (list items as ``key.0.sub``); ConfigError for a key set twice."""
     out: dict[str, int] = {}
 
     def walk(node, prefix):
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 key = f"{prefix}{k.value}"
+                if key in out:  # YAML keeps the last silently: a setting written twice is a mistake either way
+                    raise ConfigError(f"{key} is set twice in {source} (lines {out[key]} and {k.start_mark.line + 1}): "
+                                      "keep one")
                 out[key] = k.start_mark.line + 1
                 walk(v, key + ".")
         elif isinstance(node, yaml.SequenceNode):
@@ -293,6 +297,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
                               f"got {value!r}") from None
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{key} must be an integer{where}, got {value!r}")
+        if not math.isfinite(num):  # inf passed every "> 0" check (train.lr=inf trained NaN gates)
+            raise ConfigError(f"{key} must be a finite number{where}, got {value!r}")
         return num
     if tp is str:
         if not isinstance(value, (str, int, float)):
@@ -353,6 +359,8 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                 check(key, value)
 
     walk(cfg, "")
+    if cfg.data.seq_len < 2:  # a row distils each token's next: one token has none (every row would be dropped)
+        raise ConfigError(f"data.seq_len must be >= 2{_where('data.seq_len', lines, source)}, got {cfg.data.seq_len}")
     b = cfg.budget
     unset = b.tokens_per_head is None and b.global_entries is None
     if cfg.loss.objective == "evict" and unset:
@@ -472,22 +480,31 @@ def resolve_config_path(path: str | Path) -> Path:
 
 
 def _apply_override(data: dict, assignment: str) -> str:
+    """Set ``key=value`` (dotted; list entries by index, ``data.sources.0.path``) in the YAML ``data``; returns the
+    key. ConfigError naming the ``--set`` when the path runs through a value or past a list's end."""
     if "=" not in assignment:
         raise ConfigError(f"--set needs key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
+    key = key.strip()
     value = yaml.safe_load(raw) if raw else None
-    node = data
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment}: {key!r} is not a dotted key such as train.steps")
+    node: Any = data
+    for depth, p in enumerate(parts):
+        here = ".".join(parts[:depth]) or "the config"
         if isinstance(node, list):
-            node = node[int(p)]
+            if not p.isdigit() or int(p) >= len(node):
+                raise ConfigError(f"--set {assignment}: {here} is a list of {len(node)}: give an index from 0 to "
+                                  f"{len(node) - 1} in place of {p!r}")
+            p = int(p)  # type: ignore[assignment]
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment}: {here} is {node!r}, not a section with keys")
+        if depth == len(parts) - 1:
+            node[p] = value
         else:
-            node = node.setdefault(p, {})
-    if isinstance(node, list):
-        node[int(parts[-1])] = value
-    else:
-        node[parts[-1]] = value
-    return key.strip()
+            node = node.setdefault(p, {}) if isinstance(node, dict) else node[p]
+    return key
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -498,9 +515,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         text, source = p.read_text(), str(p)
     try:
         data = yaml.safe_load(text) or {}
-        lines = _lines(text) if text else {}
+        lines = _lines(text, source) if text else {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a mapping of sections (model:, data:, train:, ...), got a "
+                          f"{type(data).__name__}: see configs/smollm2.yaml")
     for assignment in overrides:
         key = _apply_override(data, assignment)
         lines[key] = f"--set {assignment}"  # type: ignore[assignment]

@@ -289,8 +289,9 @@ class PackedStream:
     def __init__(self, rows: list[PackedRow], batch_size: int, seed: int, rank: int = 0, world: int = 1):
         if len(rows) < batch_size * world:
             raise DataError(
-                f"only {len(rows)} packed rows for a global batch of {batch_size * world}: add data or lower "
-                "data.seq_len / train.batch_size"
+                f"only {len(rows)} packed rows for a global batch of {batch_size * world}: add data, lower "
+                "train.batch_size, or change data.seq_len (shorter rows are more rows, but a row with no position "
+                "to distil is dropped)"
             )
         self.rows, self.batch_size, self.seed, self.rank, self.world = rows, batch_size, seed, rank, world
         self.position = 0

@@ -226,9 +226,11 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     from retention.models import EMBEDDED_MODELS
 
     ckpt = find_checkpoint(Path(cfg.train.output_dir), checkpoint)
+    check_resume_fits(cfg, ckpt, flag="--export")  # the card's facts (tokens seen, data, budget) come from cfg
     meta = json.loads((ckpt / "state.json").read_text())
     gates = RetentionGates(GateConfig(**meta["gate_config"]))
     gates.load_state_dict(load_file(str(ckpt / "gates.safetensors")))
+    check_finite_gates(gates.parameters(), f"{ckpt}'s gates")
     gc, history, step = gates.config, meta["history"], meta["step"]
     streams = gc.num_layers * gc.num_kv_heads
     if cfg.loss.objective == "evict":
@@ -256,6 +258,15 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
                  budget=budget_text, training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
     return dest
+
+
+def check_finite_gates(params: Iterable[torch.Tensor], what: str) -> None:
+    """SystemExit before gates holding NaN or inf are written (a checkpoint, an export): the run diverged, and such
+    gates would evict at random (every comparison with NaN is false)."""
+    bad = sum(int((~torch.isfinite(p.detach())).sum()) for p in params)
+    if bad:
+        raise SystemExit(f"{what} hold {bad:,} NaN or infinite weights: the run diverged; lower train.lr (or set "
+                         "train.clip), then start again or --resume an earlier checkpoint; nothing was written")
 
 
 def _make_tracker(cfg: Config) -> tuple[str | None, str | None]:
@@ -375,8 +386,6 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     )
     set_seed(cfg.train.seed)
     main = accelerator.is_main_process
-    if not resume and main:
-        set_aside_old_checkpoints(out_dir)
 
     # -- model and gates --------------------------------------------------------------------------
     if model_and_processor is not None:
@@ -600,6 +609,10 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     row_tokens = ((sum(len(e.head) + len(e.tail) for e in train_rows) / len(train_rows)) if evicting
                   else cfg.data.seq_len)
     tokens_per_step = round(cfg.train.batch_size * row_tokens * cfg.train.grad_accum * accelerator.num_processes)
+    # a fresh run (or one continued from another folder's checkpoint) moves this folder's earlier checkpoints aside
+    # only now, once the model and data have loaded: a run that fails or is stopped before this leaves them in place
+    if main and (ckpt is None or ckpt.parent.resolve() != (out_dir / "checkpoints").resolve()):
+        set_aside_old_checkpoints(out_dir)
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not main, desc="train", unit="step")
     t_start = time.perf_counter()
     start_step = step
@@ -607,6 +620,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     # Ctrl-C / SIGTERM in the loop: stop after the step with a checkpoint; after it (held-out pass, export) as usual
     with StopRequests(announce=main) as stop_requests:
         while step < cfg.train.steps:
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler steps after it)
             for _ in range(cfg.train.grad_accum):
                 with accelerator.accumulate(distiller):
                     loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
@@ -623,9 +637,15 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
             loss, kl, cap = (accelerator.reduce(x.detach(), "mean") for x in (loss, kl, cap))
             record = {
                 "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
-                "lr": scheduler.get_last_lr()[0], **cap_stats,
+                "lr": lr, **cap_stats,
                 "beta_mean": float(np.mean(bstats["beta_mean"])),
             }
+            if not math.isfinite(record["loss"]):  # diverged: every later step and the export would be NaN too
+                bar.close()
+                raise SystemExit(f"step {step}: the loss is {record['loss']} (KL {record['kl']}, capacity "
+                                 f"{record['capacity']}) at train.lr {lr:g}: the run diverged; lower train.lr (or "
+                                 "set train.clip), then start again or --resume an earlier checkpoint; nothing of "
+                                 "this step was saved")
             history.append(record)
             elapsed = time.perf_counter() - t_start
             bar.set_postfix(kl=f"{record['kl']:.4f}", cap=f"{record['capacity']:.3f}",
@@ -665,6 +685,8 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
                 save_deepspeed_state(distiller, shards)
                 accelerator.wait_for_everyone()
             with gathered(accelerator, params) if saving else contextlib.nullcontext():  # the gates and any LoRA
+                if saving:  # on every rank (the same whole weights), so all stop together
+                    check_finite_gates(params, f"step {step}'s gates")
                 if main and saving:
                     save_checkpoint(out_dir / "checkpoints" / f"step-{step}", attachment.gates, optimizer, scheduler,
                                     stream, step, history, extra_trainable(model), before=before,
@@ -705,6 +727,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     summary.update(run_facts(cfg))
     export_dir = cfg.export_dir()
     with gathered(accelerator, params):  # ZeRO-3: whole gates and LoRA weights to write
+        check_finite_gates(params, "the trained gates")  # on every rank, as for checkpoints
         if main:
             base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
             export_gates(
