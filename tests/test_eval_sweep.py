@@ -533,6 +533,104 @@ def test_a_model_that_cannot_load_is_an_error_not_a_traceback(tmp_path, capsys):
     assert err.startswith("python -m retention.eval run: error: cannot load model") and "no config.json" in err
 
 
+def test_budgets_must_be_a_list_as_lengths_and_tasks_are(tmp_path):
+    """A scalar was iterated (TypeError: 'float' object is not iterable) and budgets: null reached the sweep."""
+    p = tmp_path / "c.yaml"
+    for text, fix in (("budgets: 0.2\nmethods: [full, snapkv]\n", "[0.2]"), ("budgets: 10%\n", "[10%]"),
+                      ("budgets: {tokens: 64}\n", None), ("budgets: null\nmethods: [full]\n", "[]")):
+        p.write_text("model: tiny-llama-random\n" + text)
+        with pytest.raises(EvalConfigError, match=r"^budgets: must be a list of budgets") as e:
+            load_eval_config(p)
+        assert fix is None or str(e.value).endswith(f"write budgets: {fix}")
+
+
+def test_a_config_that_is_not_yaml_is_a_config_error(tmp_path):
+    """It was a yaml.ScannerError traceback."""
+    p = tmp_path / "c.yaml"
+    p.write_text("model: [tiny-llama-random\nbudgets: 0.1\n")
+    with pytest.raises(EvalConfigError, match=r"^config: .*c.yaml is not valid YAML"):
+        load_eval_config(p)
+
+
+def test_gates_that_are_no_path_are_config_errors(tmp_path):
+    """`gates: 3` reached the checkpoint lookup as a number (TypeError in retention.hub); a method's own gates too."""
+    p = tmp_path / "c.yaml"
+    for text, match in (
+        ("gates: 3\n", r"^gates: must be a gate checkpoint folder, a Hub repo id or 'untrained', got 3 \(quote"),
+        ("gates: ''\n", r"^gates: must be .* got ''; or leave it out"),
+        ("gates: [a]\n", r"^gates: must be .* got \['a'\]; or leave it out"),
+        ("methods: [full, {name: trimkv, gates: 3}]\n", r"^methods: trimkv: gates must be .* got 3"),
+        ("methods: [full, {name: trimkv, gates: ''}]\n", r"^methods: trimkv: gates must be .* got ''"),
+    ):
+        p.write_text("model: tiny-llama-random\n" + text)
+        with pytest.raises(EvalConfigError, match=match):
+            load_eval_config(p)
+
+
+def _sweep_config(tmp_path, **keys) -> Path:
+    """A one-item sweep of the tiny model into tmp_path/out, ``keys`` replacing its own."""
+    import yaml
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "tiny-llama-random", "output": str(tmp_path / "out"),
+                                   "tasks": ["niah_single"], "lengths": [128], "items": 1, "max_new_tokens": 4,
+                                   "methods": ["full"], **keys}))
+    return cfg
+
+
+@pytest.mark.parametrize("task, length, fix", [("niah_single", 16384, "under 16380, leaving room for the question"),
+                                               ("niah_single", 100000, "under 16380"),
+                                               ("fidelity", 16360, "at most 16352")])
+def test_a_length_past_the_models_positions_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, task,
+                                                                              length, fix):
+    """Read from the model's config (tiny-llama-random: 16384 positions), counting the tokens fed after the context
+    (max_new_tokens: 4, a fidelity continuation: 32): such rows scored positions the model never trained on, with only
+    transformers' warning, and a length far past them ran until killed."""
+    import retention.eval.models
+    from retention.eval.cli import main
+
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg = _sweep_config(tmp_path, tasks=[task], lengths=[256, length])
+    assert main(["run", "--config", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: lengths: {length} context tokens of {task}" in err and "tiny-llama-random's 16384 positions "
+            f"(max_position_embeddings): lower lengths to {fix}" in err)
+
+
+def test_an_item_past_the_models_positions_is_refused_before_any_row(tmp_path, monkeypatch):
+    """A length just under the limit passes the check from the config, but the item's chat template, question and
+    reply take it past: the items are measured before any is scored, and the length the error names runs."""
+    import retention.eval.runner
+    from retention.eval.models import load_eval_model
+
+    model, tok = load_eval_model("tiny-llama-random")
+    monkeypatch.setattr(model.config, "max_position_embeddings", 160)
+    scored = []
+    run = retention.eval.runner.run_item_budgets
+    monkeypatch.setattr(retention.eval.runner, "run_item_budgets", lambda *a, **k: scored.append(1) or run(*a, **k))
+    cfg = load_eval_config(_sweep_config(tmp_path, lengths=[128, 150]))
+    with pytest.raises(EvalConfigError, match=r"lengths: 150: item niah_single-eval-150-0-0 of niah_single runs to "
+                                              r"\d+ tokens, past tiny-llama-random's 160 positions") as e:
+        run_sweep(cfg, (model, tok), progress=False)
+    assert not scored and not (tmp_path / "out").exists()
+    fits = int(re.search(r"lower lengths to (\d+) or less", str(e.value)).group(1))
+    assert 64 <= fits < 128
+    rows = read_results(run_sweep(load_eval_config(_sweep_config(tmp_path, lengths=[fits])), (model, tok),
+                                  progress=False))
+    assert len(rows) == 1 and scored
+
+
+@pytest.mark.parametrize("problem", ["gates", "model", "lengths"])
+def test_a_run_refused_before_it_starts_leaves_no_output_folder(tmp_path, capsys, problem):
+    """The output folder used to be made first, so a typo left an empty folder behind."""
+    from retention.eval.cli import main
+
+    keys = {"gates": {"gates": str(tmp_path / "no-such-gates"), "methods": ["full", "global_gates"]},
+            "model": {"model": str(tmp_path)}, "lengths": {"lengths": [100000]}}[problem]
+    assert main(["run", "--config", str(_sweep_config(tmp_path, **keys)), "--quiet"]) == 2
+    assert "error: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
     from retention.eval.cli import main
 

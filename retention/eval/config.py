@@ -83,6 +83,16 @@ def _fail(key: str, msg: str) -> None:
     raise EvalConfigError(f"{key}: {msg}")
 
 
+def _gates_problem(gates: Any) -> str | None:
+    """What is wrong with a ``gates:`` value (top level or a method's), or ``None``: YAML reads ``gates: 3`` as a
+    number, which would reach the checkpoint lookup as a path and fail there with a TypeError."""
+    if gates is None or (isinstance(gates, str) and gates):
+        return None
+    number = isinstance(gates, (int, float)) and not isinstance(gates, bool)
+    return (f"must be a gate checkpoint folder, a Hub repo id or 'untrained', got {gates!r}"
+            + (f" (quote a folder named by a number: gates: \"{gates}\")" if number else ""))
+
+
 def validate(cfg: EvalConfig) -> EvalConfig:
     """Check every key; raise :class:`EvalConfigError` naming the first bad one."""
     for key, allowed in (("protocol", PROTOCOLS), ("prefill", PREFILLS), ("split", SPLITS), ("source", SOURCES)):
@@ -96,6 +106,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
                         "folder path (an existing sweep's folder resumes it)")
     if not isinstance(cfg.model, str) or not cfg.model:
         _fail("model", "give an embedded name (smollm2-135m), tiny-llama-random, a Hub id or a local folder")
+    if problem := _gates_problem(cfg.gates):
+        _fail("gates", f"{problem}; or leave it out (the gates shipped for the model, untrained otherwise)")
     if cfg.dtype is not None and cfg.dtype not in MODEL_DTYPES:
         _fail("dtype", f"{cfg.dtype!r} is not allowed; choose one of {list(MODEL_DTYPES)} (or leave it out: float32)")
     problem = device_problem(cfg.device) if cfg.device is not None else None
@@ -143,6 +155,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail("methods", f"a method entry takes 'name', 'params', 'label' and 'gates', got {sorted(spec)}")
         if spec["name"] not in available_methods():
             _fail("methods", f"unknown method {spec['name']!r}; available: {available_methods()}")
+        if problem := _gates_problem(spec.get("gates")):
+            _fail("methods", f"{spec['name']}: gates {problem}")
         try:
             labels.append(make_method(spec).label)
         except (ValueError, TypeError) as e:
@@ -155,6 +169,10 @@ def validate(cfg: EvalConfig) -> EvalConfig:
                              f"{cfg.prefill!r}); run the other tasks in a config of their own")
     if len(set(labels)) != len(labels):
         _fail("methods", f"labels must be distinct (set 'label' on repeated methods), got {labels}")
+    if not isinstance(cfg.budgets, list):  # as lengths and tasks: a list, even of one
+        fix = "[]" if cfg.budgets is None else f"[{cfg.budgets}]"
+        _fail("budgets", f"must be a list of budgets (fractions 0.1 or \"10%\", {{tokens: N}}, {{entries: N}}; [] for "
+                         f"the full cache alone), got {cfg.budgets!r}: write budgets: {fix}")
     if any(m.uses_budget for m in cfg.method_list()) and not cfg.budgets:
         _fail("budgets", "policy methods need at least one budget")
     for b in cfg.budgets or []:
@@ -186,7 +204,10 @@ def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
         if not alt.is_file():
             raise EvalConfigError(f"config: {str(path)!r} not found (also looked in {CONFIG_DIR})")
         p = alt
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise EvalConfigError(f"config: {p} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise EvalConfigError(f"config: {p} must hold a mapping of keys, got {type(data).__name__}")
     data.update(overrides)

@@ -26,6 +26,26 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
 
 
+def eval_model_config(spec: str) -> Any:
+    """A sweep's model config without its weights (what fails or is refused before they load): a tiny model's from
+    :data:`TINY_MODELS`, any other's from :func:`retention.models.load_config` (its errors name the fix)."""
+    if spec in TINY_MODELS:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**TINY_MODELS[spec])
+    from retention.models import load_config
+
+    return load_config(spec, check_support=False)[0]  # support is checked where the weights load
+
+
+def max_positions(config: Any) -> int | None:
+    """The positions the text decoder was built for (``max_position_embeddings``; ``None`` when it names none), read as
+    training's ``check_positions`` and the chat read them."""
+    from retention.attach import text_config
+
+    return getattr(text_config(config), "max_position_embeddings", None)
+
+
 def load_eval_model(spec: str, dtype: str | None = None, device: str | None = None, seed: int = 0) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a model spec, in eval mode; ``(model, processor)`` for a vision-language model."""
     if spec in TINY_MODELS:

@@ -22,10 +22,12 @@ from retention.models import is_multimodal
 from .config import EvalConfig
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import PolicyCache
+from .models import max_positions
 from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
                          shares_history)
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
 from .tasks import Item, generate
+from .tasks.base import count_tokens, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -225,9 +227,7 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
 
 def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: bool) -> Path:
     out_dir = Path(cfg.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
-    _drop_torn_tail(results)
     from retention.cli import check_gates_source
 
     for source in [cfg.gates, *(getattr(m, "gates", None) for m in cfg.method_list())]:
@@ -236,16 +236,23 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         if spec.name in HUB_TASKS:
             for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:
                 check_images(hub_task_items(spec.name, None, length, cfg.items, **spec.params))
-    _check_shows_images(cfg, None if model_and_tokenizer is None else unwrap(model_and_tokenizer[0]).config)
-    if model_and_tokenizer is None:
-        from .models import load_eval_model
+    from .models import eval_model_config, load_eval_model
 
+    # the model's config, not its weights: a model that cannot load, or cannot run the config, fails first
+    config = eval_model_config(cfg.model) if model_and_tokenizer is None else unwrap(model_and_tokenizer[0]).config
+    _check_shows_images(cfg, config)
+    _check_lengths_fit(cfg, config)
+    if model_and_tokenizer is None:
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     model, processor = prepare_model(cfg, *model_and_tokenizer)
     tok = getattr(processor, "tokenizer", processor)  # a vision-language model's processor holds its tokenizer
     gate_ids = {m.label: m.gates_id(model) for m in cfg.method_list()}
     settings = sweep_settings(cfg)
     items = _sweep_items(cfg, tok)
+    _check_items_fit(cfg, items, tok, config)
+    # the folder only now: a sweep refused above leaves no empty output folder behind
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _drop_torn_tail(results)
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
     done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas)}
     jobs = list(_jobs(cfg, items, done))
@@ -287,24 +294,82 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     return results
 
 
-def _check_shows_images(cfg: EvalConfig, config: Any | None) -> None:
+def _check_shows_images(cfg: EvalConfig, config: Any) -> None:
     """EvalConfigError when the config's image tasks (:data:`retention.eval.multimodal.IMAGE_TASKS`) meet a text-only
-    model: read from the model's config (``config``, or the one :func:`retention.models.load_config` reads without
-    the weights), before the model loads."""
+    model: read from the model's config (:func:`retention.eval.models.eval_model_config`), before the model loads."""
     shown = sorted({s.name for s in cfg.task_specs() if s.name in IMAGE_TASKS})
-    if not shown:
-        return
-    if config is None:
-        from retention.models import load_config
-
-        from .models import TINY_MODELS
-
-        config = None if cfg.model in TINY_MODELS else load_config(cfg.model, check_support=False)[0]
-    if config is None or not is_multimodal(config):
+    if shown and not is_multimodal(config):
         from .config import EvalConfigError
 
         raise EvalConfigError(f"{cfg.model} is a text-only model, but {shown} show images: give a vision-language "
                               "model (model: Qwen/Qwen3-VL-4B-Instruct) or leave those tasks out")
+
+
+def _tokens_after_context(cfg: EvalConfig, spec: Any) -> tuple[int, str]:
+    """The fewest tokens a text task's item adds to its ``length`` context, and what they are: a fidelity item's
+    continuation, a generated task's reply (``max_new_tokens``); a Hub set's reply length comes with its records."""
+    if spec.name == "fidelity":
+        import inspect
+
+        from .tasks import TASKS
+
+        n = spec.params.get("continuation", inspect.signature(TASKS["fidelity"]).parameters["continuation"].default)
+        return n, f"its continuation of {n} tokens"
+    if spec.name in HUB_TASKS:
+        return 1, "the question and the reply"
+    return cfg.max_new_tokens, f"the question and a reply of up to {cfg.max_new_tokens} tokens (max_new_tokens)"
+
+
+def _check_lengths_fit(cfg: EvalConfig, config: Any) -> None:
+    """EvalConfigError, before the weights load, for a text task's length that with the tokens fed after the context
+    (:func:`_tokens_after_context`) passes the model's positions: its rows would score positions the model never
+    trained on (RoPE past its range; transformers only warns), and a length far past them may never finish. Dialogues
+    with images are run and their rows marked ``past_positions`` (:mod:`retention.eval.multimodal`)."""
+    limit = max_positions(config)
+    if limit is None:
+        return
+    for spec in cfg.task_specs():
+        if spec.name in IMAGE_TASKS:
+            continue
+        after, what = _tokens_after_context(cfg, spec)
+        for length in cfg.lengths:
+            if length + after > limit:
+                from .config import EvalConfigError
+
+                fix = (f"at most {limit - after}" if spec.name == "fidelity"
+                       else f"under {limit - after}, leaving room for the question")
+                raise EvalConfigError(
+                    f"lengths: {length} context tokens of {spec.name}, with {what} after them, pass {cfg.model}'s "
+                    f"{limit} positions (max_position_embeddings): lower lengths to {fix}")
+
+
+def _check_items_fit(cfg: EvalConfig, items: list[tuple[str, int, Any]], tokenizer: Any, config: Any) -> None:
+    """:func:`_check_lengths_fit` on the items themselves, before any is scored: the whole prompt (chat template,
+    question, answer prefix) plus the reply's tokens, or a fidelity item's context and continuation."""
+    limit = max_positions(config)
+    if limit is None:
+        return
+    worst, after = None, 0  # the item furthest past the limit; the most tokens any item adds after its context
+    for task, length, item in items:
+        if is_multimodal_item(item):
+            continue
+        if item.metric == "fidelity":
+            shown, n = len(item.meta["context_ids"]), len(item.meta["context_ids"]) + len(item.meta["continuation_ids"])
+        else:  # shown: what `length` counts (the context, or the conversation so far), at most `length` tokens
+            text = item.context if item.messages is None else render_chat(tokenizer, item.messages)
+            shown = count_tokens(tokenizer, text)
+            n = len(context_and_prompt(tokenizer, item, cfg.protocol)[1]) + (item.max_new_tokens or cfg.max_new_tokens)
+        after = max(after, n - shown)
+        if n > limit and (worst is None or n > worst[0]):
+            worst = (n, task, length, item)
+    if worst is not None:
+        from .config import EvalConfigError
+
+        n, task, length, item = worst
+        raise EvalConfigError(
+            f"lengths: {length}: item {item.id} of {task} runs to {n} tokens, past {cfg.model}'s {limit} positions "
+            f"(max_position_embeddings); the chat template, question and reply (max_new_tokens), or a fidelity "
+            f"continuation, add up to {after} tokens to an item's context: lower lengths to {limit - after} or less")
 
 
 def _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids) -> None:
