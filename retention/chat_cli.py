@@ -88,17 +88,19 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
         text = line[1:] if line.startswith("//") else line
         turns, shown = len(chat.messages), []
         try:
+            reply = chat.stream(text, pending)
             try:
                 with warnings.catch_warnings(record=True) as caught:  # shown as a line, not a source location
                     warnings.simplefilter("always")
                     try:
-                        for piece in chat.stream(text, pending):
+                        for piece in reply:
                             _show_warnings(caught)
                             print(piece, end="", flush=True)
                             shown.append(piece)
                     finally:
                         _show_warnings(caught)
             except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat (the reply so far is kept)
+                reply.close()  # a Ctrl-C between pieces leaves the stream open: closing it keeps the reply
                 # the streamer holds back a word's start, and tokens made before the stop landed are kept too: show
                 # the reply as kept, so the screen and a /save agree
                 kept = chat.messages[-1]["content"] if len(chat.messages) > turns else "".join(shown)
