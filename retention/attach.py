@@ -323,14 +323,23 @@ class RetentionAttachment:
     # policy's attention sinks are kept); 0 leaves every token to the gates
     sink: int = 0
     _hooks: list[Any] = field(default_factory=list)
+    _unfrozen: list[nn.Parameter] = field(default_factory=list)  # base parameters attaching froze: detach thaws them
+    detached: bool = False
+
+    def _check_attached(self) -> None:
+        if self.detached:  # the hooks are gone: a student() forward would silently run the plain model
+            raise RuntimeError("these gates were detached from the model (detach()): attach them again with "
+                               "attach_gates(model, attachment.gates)")
 
     def set_mode(self, mode: str) -> None:
+        self._check_attached()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
 
     @contextlib.contextmanager
     def use_mode(self, mode: str) -> Iterator["RetentionAttachment"]:
+        self._check_attached()
         previous = self.mode
         self.set_mode(mode)
         try:
@@ -348,6 +357,7 @@ class RetentionAttachment:
 
     def log_betas(self) -> list[torch.Tensor]:
         """Per layer ``(B, H_kv, T)`` float32 from the last student forward."""
+        self._check_attached()
         out = [m._retention_state.log_beta for m in self.modules]
         if any(x is None for x in out):
             raise RuntimeError("no gate scores yet: run a forward pass in student mode first")
@@ -356,6 +366,7 @@ class RetentionAttachment:
     @contextlib.contextmanager
     def use_gates(self, gates: RetentionGates) -> Iterator["RetentionAttachment"]:
         """Context: score with other gates for the same model (e.g. comparing two checkpoints)."""
+        self._check_attached()
         check_gates_match(self.model, gates.config)
         previous = self.gates  # stays the registered submodule: the swap only changes who scores
         gates.to(device=next(previous.parameters()).device)
@@ -367,6 +378,7 @@ class RetentionAttachment:
 
     def reset(self) -> None:
         """Forget gate scores kept for decoding with a cache."""
+        self._check_attached()
         for m in self.modules:
             m._retention_state.log_beta = None
             m._retention_state.history = None
@@ -377,7 +389,13 @@ class RetentionAttachment:
             m._retention_state.past_mass_queries = None
 
     def detach(self) -> nn.Module:
-        """Remove hooks, gates and the attention override; return the plain model."""
+        """Remove hooks, gates and the attention override, and let the parameters attaching froze require grad
+        again; return the plain model. Detaching twice does nothing more; any other use afterwards raises."""
+        if self.detached:
+            return self.model
+        self.detached = True
+        for p in self._unfrozen:
+            p.requires_grad_(True)
         for h in self._hooks:
             h.remove()
         for m in self.modules:
@@ -411,6 +429,8 @@ def attach_gates(
     """
     base = unwrap(model)
     modules = attention_modules(model)  # validates the architecture first
+    if mode not in MODES:  # before the model is touched (frozen, a submodule added)
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if getattr(base, "retention", None) is not None:
         raise RuntimeError("this model already has retention gates attached; call model.retention.detach() first")
     if gates is None or isinstance(gates, GateConfig):
@@ -422,16 +442,17 @@ def attach_gates(
 
     param = next(base.parameters())
     gates.to(device=param.device)
-    if freeze_base:
-        for p in base.parameters():
-            p.requires_grad_(False)
+    unfrozen = [p for p in base.parameters() if p.requires_grad] if freeze_base else []
+    for p in unfrozen:
+        p.requires_grad_(False)
     base.retention_gates = gates
     for p in gates.parameters():
         p.requires_grad_(True)
 
     base_impl = modules[0].config._attn_implementation or "eager"
     name = _register(base_impl)
-    attachment = RetentionAttachment(model=model, gates=gates, modules=modules, base_impl=base_impl)
+    attachment = RetentionAttachment(model=model, gates=gates, modules=modules, base_impl=base_impl,
+                                     _unfrozen=unfrozen)
     attachment.set_mode(mode)
     for m in modules:
         m._retention_state = _LayerState(layer=m.layer_idx, attachment=attachment, base_fn=_base_function(m, base_impl))

@@ -324,9 +324,11 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if isinstance(dtype, str):
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)}")
+        if dtype not in MODEL_DTYPES:  # "int8" got past a torch-attribute check and failed inside transformers
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)} (or a torch.dtype)")
         dtype = getattr(torch, dtype)
+    if device is not None and (problem := device_problem(str(device))):  # before the weights load, not after
+        raise ValueError(f"device: {problem}")
     path = resolve_model_path(name_or_path)
     config, model_kwargs = load_config(name_or_path, revision=revision, check_support=check_support, **kwargs)
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,

@@ -232,6 +232,25 @@ def test_attach_twice_is_refused_and_detach_restores():
     attach_gates(plain)  # attaching again works
 
 
+def test_a_bad_mode_leaves_the_model_untouched_and_a_detached_handle_says_so():
+    """attach_gates(mode="bogus") raised only after freezing the base and adding the gates; after detach() the
+    handle's student() silently ran the plain model and a second detach() was an AttributeError."""
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        attach_gates(model, mode="bogus")
+    assert all(p.requires_grad for p in model.parameters()) and not hasattr(model, "retention_gates")
+    assert getattr(model, "retention", None) is None
+    att = attach_gates(model)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("retention_gates"))
+    att.detach()
+    assert all(p.requires_grad for p in model.parameters())  # the plain model, as it was before attaching
+    assert att.detach() is model  # twice: nothing more to do
+    for use in (lambda: att.student().__enter__(), lambda: att.teacher().__enter__(), att.log_betas, att.reset,
+                lambda: att.set_mode("score")):
+        with pytest.raises(RuntimeError, match="detached from the model"):
+            use()
+
+
 def test_student_generation_with_cache_matches_full_recompute():
     """Student mode keeps past gate scores for cached keys: cached decoding equals recomputing all."""
     model = tiny_llama()

@@ -177,6 +177,30 @@ def test_several_continuations_of_a_filled_cache():
     assert cache.evictions > 1 and torch.equal(got[0], one[0]) and torch.equal(got[1], one[0])
 
 
+def test_reset_starts_the_counters_again_and_odd_arguments_are_named():
+    """reset() kept the eviction rounds and peak of the earlier sequence; a fresh cache's report lacked most keys;
+    batch_repeat_interleave(0) emptied the batch; budget=[] failed only at the first forward."""
+    from retention.cache.hf import CacheBudgetError
+
+    model = _with_gates("llama")
+    prompt = torch.randint(1, 100, (1, 15), generator=torch.Generator().manual_seed(6))
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 4), slack=0)
+    fresh = cache.memory_report()
+    first = _generate(model, cache, input_ids=prompt, max_new_tokens=6, do_sample=False)
+    used = cache.memory_report()
+    assert set(fresh) == set(used) and fresh["kv_fraction"] == 1.0 and used["evictions"] > 0
+    cache.reset()
+    assert cache.memory_report()["evictions"] == 0 and cache.memory_report()["peak_entries"] == 0
+    again = _generate(model, cache, input_ids=prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(again, first) and cache.memory_report()["evictions"] == used["evictions"]
+    assert cache.get_seq_length(99) == 0  # a layer the model lacks holds nothing, as transformers' caches say
+    for bad in (0, 2.5, -1):
+        with pytest.raises(ValueError, match="whole number of copies >= 1"):
+            cache.batch_repeat_interleave(bad)
+    with pytest.raises(CacheBudgetError, match="budget is an empty list"):
+        RetentionCache(model, budget=[])
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copied_cache_continues_on_its_own(how):
     """transformers' prompt-reuse recipe: prefill once, ``copy.deepcopy`` the cache per continuation (or save it

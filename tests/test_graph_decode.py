@@ -109,6 +109,14 @@ def test_what_the_planned_step_cannot_decode_is_refused():
     decoder = GraphDecoder(model, cache)
     with pytest.raises(ValueError, match=r"ids of shape \(1, 1\)"):
         decoder.step(torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(TypeError, match="token ids .an integer tensor., got torch.float32"):
+        decoder.step(torch.zeros(1, 1))
+    cache.reset()  # a step used to decode the lone token at position 0 over an empty cache
+    with pytest.raises(RuntimeError, match="holds no tokens .it was reset.: prefill it again"):
+        decoder.step(torch.zeros(1, 1, dtype=torch.long))
+    with torch.no_grad():  # prefilled again, the same decoder goes on (RetentionChat keeps its decoder over resets)
+        model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    assert decoder.step(torch.zeros(1, 1, dtype=torch.long)).shape == (1, model.config.vocab_size)
     with pytest.raises(TypeError, match="RetentionCache"):
         GraphDecoder(model, object())
 

@@ -82,6 +82,20 @@ def test_unknown_model_is_a_clear_error():
         load_model("no such model")  # no Hub id either: refused without a network round trip
 
 
+def test_a_device_or_dtype_load_model_cannot_use_is_refused_before_the_weights_load(monkeypatch):
+    """device="cuda" without a GPU was torch's AssertionError after every weight had loaded; dtype="int8" got past
+    the name check and failed inside transformers."""
+    monkeypatch.setattr(models, "resolve_model_path", lambda *a, **k: pytest.fail("went on to load the model"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device: 'cuda', but torch sees no CUDA GPU here"):
+        load_model("smollm2-135m", device="cuda")
+    with pytest.raises(ValueError, match="'gpu' is not a device"):
+        load_model("smollm2-135m", device="gpu")
+    for dtype in ("int8", "float64", "auto"):
+        with pytest.raises(ValueError, match=f"unknown dtype '{dtype}'; use one of float32, bfloat16, float16"):
+            load_model("smollm2-135m", dtype=dtype)
+
+
 @pytest.mark.parametrize("name", ["./no-such-model", "/no/such/model", "~/no-such-model", "runs/a/no-such-model"])
 def test_a_path_that_does_not_exist_is_named_as_a_missing_folder(name, monkeypatch, tmp_path):
     """Was the Hub's "Repo id must use alphanumeric chars..." for a path no Hub id can be (./x, /x, ~/x, a/b/c)."""

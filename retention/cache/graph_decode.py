@@ -85,7 +85,11 @@ class GraphDecoder:
             raise ValueError(f"step takes one token per sequence, ids of shape ({self.batch}, 1); "
                              f"got {tuple(ids.shape)}")
         if store is None or store.batch != self.batch:
-            raise RuntimeError("the cache was reset or reordered since this decoder was built: build a new one")
+            raise RuntimeError("the cache was reordered since this decoder was built: build a new one")
+        if not c._seen[0]:  # reset since: a step would decode the lone token at position 0 as if it began a text
+            raise RuntimeError("the cache holds no tokens (it was reset): prefill it again before stepping")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"step takes token ids (an integer tensor), got {ids.dtype}")
         # what the cache's first layer does at the start of a forward
         c._maybe_evict(1)
         c._last_query_len, c._forward_pads = 1, None

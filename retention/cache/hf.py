@@ -225,6 +225,8 @@ class RetentionCache(Cache):
                 f"budget must be a number of entries (an int, or one int per sequence), got {budget!r}; "
                 "for a number of tokens in every layer and KV head use RetentionCache.budget_for(model, tokens=N)"
             )
+        if not values:  # [] passed every check below and failed at the first forward
+            raise CacheBudgetError("budget is an empty list: give one int per sequence, an int for all, or None")
         values = [int(b) for b in values]
         budget = values[0] if is_count(budget) else values
         if min(values, default=1) < 1:
@@ -265,6 +267,9 @@ class RetentionCache(Cache):
         B, H, T, D = key_states.shape
         pending = self._pending.pop(layer_idx, None)
         if pending is None:
+            if self.attachment.detached:
+                raise RuntimeError("RetentionCache got keys without gate scores: its model's gates were detached "
+                                   "(detach()); attach gates again and build a new cache, or use a plain cache")
             raise RuntimeError(
                 "RetentionCache got keys without gate scores: the retention attachment must be in 'score' "
                 f"mode while generating (attachment mode is {self.attachment.mode!r}); "
@@ -362,13 +367,18 @@ class RetentionCache(Cache):
         return padded_attention(query, view.keys, view.values, view.pos, view.valid, qpos, scale, held=held)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen (not entries kept): positions after eviction stay true positions."""
-        return self._seen[layer_idx]
+        """Tokens seen (not entries kept): positions after eviction stay true positions. A layer the model does
+        not have holds none (0, as transformers' caches answer)."""
+        return self._seen[layer_idx] if 0 <= layer_idx < self.num_layers else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self._seen[layer_idx] + query_length, 0
 
     def reset(self) -> None:
+        """Forget every sequence (the pages go back to the pool, which stays allocated) and the counters of
+        :meth:`memory_report`; the budget and policy stay. The cache then holds as many sequences as before: a
+        batch of another size needs a new cache."""
+        self.evictions, self.peak_entries = 0, 0
         if self.store is not None:
             self.store.clear()
         self._seen = [0] * self.num_layers
@@ -446,6 +456,9 @@ class RetentionCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Several continuations of each sequence (``num_return_sequences``, beams) from one prefill."""
+        if not is_count(repeats) or repeats < 1:  # 0 emptied the batch without a word
+            raise ValueError(f"batch_repeat_interleave takes a whole number of copies >= 1, got {repeats!r}")
+        repeats = int(repeats)
         if repeats == 1:
             return
         if self.store is None:  # nothing cached yet: only per-row budgets follow the new batch
@@ -547,8 +560,12 @@ class RetentionCache(Cache):
     def memory_report(self) -> "MemoryReport":
         """Entries kept per (sequence, layer, head), KV bytes in use vs a full cache, page slack: a dict that
         prints as a short summary (``print(cache.memory_report())``)."""
-        if self.store is None:
-            return MemoryReport(tokens_seen=0, kept_entries=0, kv_bytes=0, full_cache_bytes=0)
+        if self.store is None:  # the same keys as after use, so a caller's report["kv_fraction"] never fails
+            return MemoryReport(
+                tokens_seen=0, entries_per_head=torch.zeros(0, self.num_layers, self.num_kv_heads, dtype=torch.long),
+                kept_entries=0, full_cache_entries=0, kv_bytes=0, full_cache_bytes=0, kv_fraction=1.0, pages_in_use=0,
+                page_bytes_in_use=0, page_slack_entries=0, metadata_bytes=0, pool_capacity_bytes=0,
+                peak_entries=self.peak_entries, evictions=self.evictions)
         s = self.store
         elem = s.pool.keys.element_size()
         entry_bytes = 2 * self.head_dim * elem
