@@ -334,6 +334,13 @@ def load_model(
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
                   dtype=dtype or torch.float32, **model_kwargs)
     # the processor first: seconds, where the weights may take minutes, and it fails for reasons of its own
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    folder = Path(path) / (kwargs.get("subfolder") or "")
+    if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files):
+        # transformers would blame a missing sentencepiece or tiktoken install instead
+        raise ModelNotAvailableError(
+            f"{folder} holds no tokenizer (none of {', '.join(tokenizer_files)}): save it beside the model, e.g. "
+            f"AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(folder)!r})")
     if is_multimodal(config):
         processor = load_processor(path, config, revision=revision, **hub_kwargs(kwargs))
         model = AutoModelForImageTextToText.from_pretrained(path, **common)

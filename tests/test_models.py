@@ -117,6 +117,15 @@ def test_a_model_folder_under_home_loads_by_tilde(tmp_path, monkeypatch):
     assert model.config.num_hidden_layers == tiny_llama().config.num_hidden_layers and tok("hi").input_ids
 
 
+def test_a_model_folder_without_a_tokenizer_is_named_so(tmp_path):
+    """It was transformers' advice to install sentencepiece or tiktoken."""
+    from tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    with pytest.raises(models.ModelNotAvailableError, match="holds no tokenizer .none of tokenizer.json"):
+        load_model(str(tmp_path / "m"))
+
+
 def test_a_folder_that_is_no_model_is_a_clear_error(tmp_path):
     """Was transformers' "Unrecognized model in ..." traceback (a folder without config.json, or an unknown
     model_type)."""
