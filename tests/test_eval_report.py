@@ -182,7 +182,7 @@ def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
     s0 = _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5, "snapkv": [10.0] * 5})
     s1 = _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})
     rows, dropped = pool_rows({"s0": s0, "s1": s1})
-    assert dropped == ["snapkv"] and len(rows) == 20
+    assert dropped == ["snapkv: missing from s1"] and len(rows) == 20
     # each method's mean is over the same 10 items: 90 vs 70, and the interval is a real pooled one
     assert "| full cache | 80.0" in summary_table(rows) and "| global_gates | 70.0" in summary_table(rows)
     assert paired_gap_interval(rows, A, FULL, ["t"]) is not None
@@ -199,9 +199,99 @@ def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
     for p, rs in ((a, s0), (b, s1)):
         p.write_text("".join(__import__("json").dumps(r) + "\n" for r in rs))
     out, dropped = pool_results([a, b], tmp_path / "pooled" / "results.jsonl", methods=["full", "global_gates"])
-    assert dropped == ["snapkv"] and len(out.read_text().splitlines()) == 20
+    assert dropped == ["snapkv: not in --methods"] and len(out.read_text().splitlines()) == 20
     with pytest.raises(FileNotFoundError, match="results.jsonl of a sweep"):
         pool_results([a, tmp_path / "nope.jsonl"], tmp_path / "x.jsonl")
+
+
+def test_pool_keeps_only_the_cells_every_file_scored(tmp_path, capsys):
+    """A budget (or task) one file lacked was pooled from the other's items alone, against a full cache over
+    both: a gap of +10 whose paired interval, over the one file's items, was [-10, -10]."""
+    import json
+
+    from retention.eval.cli import main
+    from retention.eval.pool import pool_rows
+    from retention.eval.report import gap_points
+
+    s0 = _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})
+    s0 += [{**r, "budget": "fraction=0.2"} for r in _seed_rows(0, {"global_gates": [90.0] * 5})]
+    s1 = _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})
+    s1 += [{**r, "task": "u"} for r in _seed_rows(1, {"full": [50.0] * 5})]  # a task only s1 ran
+    rows, left_out = pool_rows({"s0": s0, "s1": s1})
+    assert {(r["method"], r["budget"], r["task"]) for r in rows} == {("full", "full", "t"), (*A, "t")}
+    assert left_out == ["full at full on u (4096): missing from s0", "global_gates at 20%: missing from s1"]
+    pts = gap_points(rows)["global_gates"]
+    assert [(round(kv), gap) for kv, gap, _, _ in pts] == [(10, -10.0)]
+    assert all(lo <= gap <= hi for _, gap, lo, hi in pts)  # the point and its interval are over the same items
+    with pytest.raises(ValueError, match="no \\(method, budget, task, length\\) is scored in every results file"):
+        pool_rows({"s0": [r for r in s0 if r["budget"] == "fraction=0.2"], "s1": s1})
+    a, b = _write_rows(tmp_path / "a.jsonl", s0), _write_rows(tmp_path / "b.jsonl", s1)
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "left out of the pool" in err and f"global_gates at 20%: missing from {b}" in err
+    assert len(json.loads("[" + ",".join((tmp_path / "p.jsonl").read_text().splitlines()) + "]")) == 20
+
+
+def test_pair_with_the_full_cache_first_is_the_mirror_of_full_second():
+    """`--pair full,X` said "(no budget that both methods of a pair ran)": only A's budgets were tried."""
+    from retention.eval.report import pair_table
+
+    rows = _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0, 0.0, 100.0, 100.0, 100.0])
+    rows += _rows("global_gates", "fraction=0.2", "t", [100.0] * 5)
+    table = pair_table(rows, [("full", "global_gates"), ("global_gates", "full")])
+    assert "(no budget" not in table
+    assert "| full - global_gates | 10% | +20.0 [+0.0, +60.0] | +20.0 |" in table
+    assert "| full - global_gates | 20% | +0.0 [+0.0, +0.0] | +0.0 |" in table
+    assert "| global_gates - full | 10% | -20.0 [-60.0, +0.0] | -20.0 |" in table
+
+
+def test_report_refuses_its_publish_options_before_writing_anything(tmp_path, capsys):
+    """`report` wrote report.md and the plots, then refused --card-section without --card and the like."""
+    from retention.eval.cli import main
+
+    rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [80.0] * 5))
+    (tmp_path / "not-a-card").mkdir()
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n")
+    card = _blank_card(tmp_path / "card")
+    other = _write_rows(tmp_path / "other.jsonl", [{**r, "gates_id": "0123abcd"} if r["method"] != "full" else r
+                                                   for r in _rows(*FULL, "t", [1.0]) + _rows(*A, "t", [1.0])])
+    out = tmp_path / "out"
+    for argv, words in (([str(rows), "--card-section", "Goal"], "give it with --card"),
+                        ([str(rows), "--replaces", "Goal"], "give --card-section too"),
+                        ([str(rows), "--card", str(tmp_path / "not-a-card")], "is not a gate checkpoint"),
+                        ([str(rows), "--readme", str(readme)], "has no <!-- results:start -->"),
+                        ([str(other), "--card", str(card)], "no row was scored by its gates")):
+        assert main(["report", *argv, "--out", str(out)]) == 2
+        assert words in capsys.readouterr().err
+        assert not out.exists() and not (tmp_path / "report.md").exists() and not list(tmp_path.glob("*.png"))
+    s0, s1 = _write_rows(tmp_path / "s0.jsonl", _seed_rows(0, {"full": [1.0]})), tmp_path / "s1.jsonl"
+    _write_rows(s1, _seed_rows(1, {"full": [1.0]}))
+    assert main(["pool", str(s0), str(s1), "--out", str(out / "p.jsonl"), "--card-section", "Goal"]) == 2
+    assert "give it with --card" in capsys.readouterr().err and not out.exists()
+
+
+def test_pool_out_folder_empty_methods_and_empty_report(tmp_path, capsys):
+    """`--out DIR/` wrote a file named DIR; `--methods ""` pooled every method; an empty file's report had no
+    "error:"."""
+    from retention.eval.cli import main
+
+    a = _write_rows(tmp_path / "a.jsonl", _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5}))
+    b = _write_rows(tmp_path / "b.jsonl", _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5}))
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "new") + "/"]) == 0
+    assert (tmp_path / "new" / "results.jsonl").is_file() and f"pooled: {tmp_path / 'new' / 'results.jsonl'}" in (
+        capsys.readouterr().out)
+    (tmp_path / "there").mkdir()
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "there")]) == 0
+    assert (tmp_path / "there" / "results.jsonl").is_file()
+    assert main(["report", str(tmp_path / "there")]) == 0  # the folder reads back as a sweep's
+    capsys.readouterr()
+    for empty in ("", " , "):
+        assert main(["pool", str(a), str(b), "--out", str(tmp_path / "m.jsonl"), "--methods", empty]) == 2
+        assert "error: --methods names no method" in capsys.readouterr().err and not (tmp_path / "m.jsonl").exists()
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["report", str(tmp_path / "empty.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'empty.jsonl'} holds no results")
 
 
 def test_pool_command_publishes_a_summary(tmp_path, capsys):

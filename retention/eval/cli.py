@@ -69,21 +69,21 @@ def _publish(args: argparse.Namespace, results) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .publish import check_publish_targets, check_rows_scored_by_card
     from .report import check_pairs, overview, parse_pairs, write_report
     from .runner import load_result_file, results_file
 
     args.results = str(results_file(args.results))  # a sweep's output folder names its results.jsonl
     try:
         rows = load_result_file(args.results)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not rows:
-        print(f"no results in {args.results}", file=sys.stderr)
-        return 2
-    try:
+        if not rows:
+            raise ValueError(f"{args.results} holds no results")
+        # before report.md and the plots: a refused --card or --readme should leave nothing half done
+        check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         check_pairs(parse_pairs(args.pair), {r["method"] for r in rows})
-    except ValueError as e:
+        if args.card:
+            check_rows_scored_by_card(rows, args.card)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = write_report(args.results, args.out)
@@ -94,12 +94,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace) -> int:
     from .pool import pool_results
+    from .publish import check_publish_targets
     from .report import check_pairs, overview, parse_pairs
     from .runner import read_results, results_file
 
     args.results = [str(results_file(p)) for p in args.results]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    # --methods "" is a list of no method, not "no filter": pool_rows refuses it
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else None
     try:
+        check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         inputs = {Path(p).resolve() for p in args.results}
         if args.summary and Path(args.summary).with_suffix(".jsonl").resolve() in inputs:
             raise ValueError(f"--summary {args.summary} copies the pooled rows to "
@@ -108,12 +111,13 @@ def _pool(args: argparse.Namespace) -> int:
         pairs = parse_pairs(args.pair)
         if methods:  # before pooling: a pair must be among the kept methods
             check_pairs(pairs, set(methods))
-        out, dropped = pool_results(args.results, args.out, methods)
+        out, left_out = pool_results(args.results, args.out, methods)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if dropped:
-        print(f"left out (not in every file, or not in --methods): {', '.join(dropped)}")
+    if left_out:  # so a summary is never read as covering what some file lacked
+        print("left out of the pool (a cell some file lacks would average other items than the cells beside it):"
+              "\n  " + "\n  ".join(left_out), file=sys.stderr)
     print(overview(read_results(out)))
     print(f"\npooled: {out} (python -m retention.eval report {out}: the table per task, length, method and budget)")
     return _publish(args, out)
@@ -202,7 +206,8 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     rep.set_defaults(func=_report)
     pool = sub.add_parser("pool", help="pool sweeps of the same tasks on different items (seeds) into one results file")
     pool.add_argument("results", nargs="+", help="results.jsonl files or sweep output folders (two or more)")
-    pool.add_argument("--out", required=True, help="the pooled results.jsonl to write")
+    pool.add_argument("--out", required=True,
+                      help="the pooled results.jsonl to write (a folder, or a path ending in /: its results.jsonl)")
     pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
     _publish_args(pool)
     pool.set_defaults(func=_pool)

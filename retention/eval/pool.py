@@ -2,46 +2,83 @@
 
 With a handful of items per task one item moves a score by many points; pooling sets that were run
 separately (each one resumable and published on its own) gives the summary, and its paired-bootstrap
-intervals, all the items at once. Only methods scored in every set are kept, so each method's mean is
-over the same items.
+intervals, all the items at once. Only the cells (method, budget, task, length) scored in every set are
+kept, so each method's mean at a budget, and its paired gap to another, is over the same items.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .budgets import parse_budget
 from .runner import jsonl, load_result_file, row_key
+
+Cell = tuple[str, str, str, int]  # method, budget key, task, length: what the summary averages over items
+
+
+def _cell(r: dict[str, Any]) -> Cell:
+    return r["method"], r["budget"], r["task"], r["length"]
+
+
+def _left_out(missing: dict[Cell, tuple[str, ...]], held: set[Cell]) -> list[str]:
+    """One line per method and the sets it is missing from, for the cells not pooled (cell -> the sets without
+    it; ``held``: every cell of any set): the whole method, some budgets, or a budget on some tasks only."""
+    from .report import budget_label
+
+    groups: dict[tuple[str, tuple[str, ...]], set[Cell]] = defaultdict(set)
+    for c, sets in missing.items():
+        groups[(c[0], sets)].add(c)
+    lines = []
+    for (method, sets), cells in sorted(groups.items()):
+        why = f"missing from {', '.join(sets)}"
+        mine = {c for c in held if c[0] == method}
+        if cells == mine:
+            lines.append(f"{method}: {why}")
+            continue
+        parts = []
+        for b in sorted({c[1] for c in cells}, key=lambda b: -1.0 if b == "full" else parse_budget(b).value):
+            at = {(c[2], c[3]) for c in cells if c[1] == b}
+            parts.append(budget_label(b) if at == {(c[2], c[3]) for c in mine if c[1] == b}
+                         else f"{budget_label(b)} on " + ", ".join(f"{t} ({n})" for t, n in sorted(at)))
+        lines.append(f"{method} at {('; ' if any(' on ' in p for p in parts) else ', ').join(parts)}: {why}")
+    return lines
 
 
 def pool_rows(sets: dict[str, list[dict[str, Any]]],
               methods: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
-    """``(rows, dropped)``: the rows of every set (name -> rows) of the methods scored in all of them
-    (or of ``methods``), each marked with its set (``pooled_from``), and the methods left out. Raises
-    ``ValueError`` naming the set and the fix when a set is empty, lacks a requested method, or holds a
-    row (same task, item, method, budget) that another set holds too: pooled items must be distinct
-    (different seeds)."""
+    """``(rows, left_out)``: the rows of every set (name -> rows) in the cells (method, budget, task, length)
+    that all of them scored (of ``methods`` only, if given), each marked with its set (``pooled_from``), and
+    one line per method saying what was left out and why. Raises ``ValueError`` naming the set and the fix when
+    a set is empty, lacks a requested method, holds a row (same task, item, method, budget) that another set
+    holds too (pooled items must be distinct: different seeds), or no cell is in every set."""
     if len(sets) < 2:
         raise ValueError("pooling needs two or more results files")
+    if methods is not None and not methods:
+        raise ValueError("--methods names no method: give comma-separated labels, or leave it out to keep every "
+                         "method scored in all the files")
     for name, rows in sets.items():
         if not rows:
             raise ValueError(f"{name} holds no results")
-    present = {name: {r["method"] for r in rows} for name, rows in sets.items()}
-    common = set.intersection(*present.values())
     if methods is not None:
-        for name, have in present.items():
+        for name, rows in sets.items():
+            have = {r["method"] for r in rows}
             if missing := [m for m in methods if m not in have]:
                 raise ValueError(f"{name} has no rows of {missing}: run those methods there, or leave them out of "
                                  "--methods")
-        keep = set(methods)
-    else:
-        keep = common
+    cells = {name: {_cell(r) for r in rows} for name, rows in sets.items()}
+    held = set.union(*cells.values())
+    wanted = {c for c in held if methods is None or c[0] in methods}
+    # a cell one set lacks would average other items than the cells beside it (a 20% mean over one seed's items
+    # against a full cache over all of them): only cells in every set are pooled
+    keep = wanted.intersection(*cells.values())
     if not keep:
-        raise ValueError("no method is scored in every results file: nothing to pool")
+        raise ValueError("no (method, budget, task, length) is scored in every results file: nothing to pool")
     rows, seen = [], {}
     for name, set_rows in sets.items():
         for r in set_rows:
-            if r["method"] not in keep:
+            if _cell(r) not in keep:
                 continue
             k = row_key(r)
             if k in seen and seen[k] != name:
@@ -49,20 +86,29 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]],
                                  f"{r['budget']}): pool sweeps of different items (another `seed:`)")
             seen[k] = name
             rows.append({**r, "pooled_from": name})
-    dropped = sorted(set.union(*present.values()) - keep)
-    return rows, dropped
+    left_out = [f"{m}: not in --methods" for m in sorted({c[0] for c in held - wanted})]
+    left_out += _left_out({c: tuple(n for n, have in cells.items() if c not in have) for c in wanted - keep}, held)
+    return rows, sorted(left_out)
+
+
+def pooled_path(out: str | Path) -> Path:
+    """The file ``--out`` names: ``out``, or the ``results.jsonl`` in it when it is a folder (an existing one, or
+    a path ending in a slash), as ``report`` reads a sweep's folder."""
+    text = str(out)
+    return Path(out) / "results.jsonl" if text.endswith(("/", "\\")) or Path(out).is_dir() else Path(out)
 
 
 def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | None = None) -> tuple[Path, list[str]]:
-    """Write the pooled rows of ``paths`` (results.jsonl files) to ``out``; returns ``(out, dropped methods)``."""
+    """Write the pooled rows of ``paths`` (results.jsonl files) to ``out`` (a folder: its results.jsonl);
+    returns ``(the file written, what was left out)``, as :func:`pool_rows`."""
     from retention.io import atomic_write_bytes
 
+    out = pooled_path(out)
     if len({Path(p).resolve() for p in paths}) < len(paths):
         raise ValueError("a results file is given twice: pool sweeps of different items (another `seed:`)")
-    if Path(out).resolve() in {Path(p).resolve() for p in paths}:
+    if out.resolve() in {Path(p).resolve() for p in paths}:
         raise ValueError(f"--out {out} is one of the files to pool: it would be replaced by the pool; give a new file")
-    rows, dropped = pool_rows({str(p): load_result_file(p) for p in paths}, methods)
-    out = Path(out)
+    rows, left_out = pool_rows({str(p): load_result_file(p) for p in paths}, methods)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, jsonl(rows).encode())
-    return out, dropped
+    return out, left_out

@@ -319,19 +319,22 @@ def check_pairs(pairs: list[tuple[str, str]], labels: set[str]) -> None:
 
 def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
     """The gap ``A - B`` for each ``(A, B)`` in ``pairs`` (method labels; ``full`` is the full cache) at
-    every budget both ran: mean over the tasks of :func:`summary_table` with its 95% paired-bootstrap
-    interval (:func:`paired_gap_interval`), then the gap on each task. Two learned methods are compared
-    on the same items, which the gaps of each to the full cache hide."""
+    every budget both ran (with ``full`` on either side: every budget of the other): mean over the tasks of
+    :func:`summary_table` with its 95% paired-bootstrap interval (:func:`paired_gap_interval`), then the gap
+    on each task. Two learned methods are compared on the same items, which the gaps of each to the full
+    cache hide."""
     means = _task_means(rows)
     tasks = _common_tasks(means)
     check_pairs(pairs, {m for m, _ in means})
     body = []
     for a, b in pairs:
-        for budget in sorted({k[1] for k in means if k[0] == a},
+        # the full cache ran at "full" only: against it, the gap is at each budget of the other method, either side
+        over = b if a == "full" else a
+        for budget in sorted({k[1] for k in means if k[0] == over},
                              key=lambda x: -1 if x == "full" else parse_budget(x).value):
-            ka = (a, budget)
+            ka = (a, "full") if a == "full" else (a, budget)
             kb = (b, "full") if b == "full" else (b, budget)
-            if kb not in means:
+            if ka not in means or kb not in means:
                 continue
             per_task = [means[ka][t] - means[kb][t] for t in tasks]
             ci = paired_gap_interval(rows, ka, kb, tasks)
