@@ -20,8 +20,8 @@ from .chat import (ChatInputError, ChatSetupError, RetentionChat, generation_val
 from .templates import template_variables_problem
 
 CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-language models), /save FILE writes the "
-                 "conversation (retention chat --resume FILE goes on with it), /memory, /reset, /help, /quit; begin a "
-                 "message with // to send one that starts with /; Ctrl-C stops a reply")
+                 "conversation (retention chat --resume FILE goes on with it), /memory, /reset, /help, /quit (or "
+                 "/exit); begin a message with // to send one that starts with /; Ctrl-C stops a reply")
 
 
 def _memory_line(report: dict[str, Any]) -> str:
