@@ -87,10 +87,12 @@ def read_transcript(path: str | Path) -> dict[str, Any]:
     missing = [k for k in ("model", "vocab", "messages", "ids", "reply_ended", "image_turns") if k not in data]
     if missing:
         raise ChatInputError(f"{path} lacks {', '.join(missing)}: it is not a whole saved conversation")
+    from .cache.hf import is_count  # an int, not a bool (JSON's true is an int in Python)
+
     ids, vocab = data["ids"], data["vocab"]
     if not isinstance(ids, list) or not ids:
         raise ChatInputError(f"{path} holds an empty conversation: nothing to resume")
-    if not _is_int(vocab) or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+    if not is_count(vocab) or not all(is_count(i) and 0 <= i < vocab for i in ids):
         raise ChatInputError(f"{path} holds token ids outside its vocabulary ({vocab}): the file is damaged")
     if not isinstance(data["model"], str) or not isinstance(data["reply_ended"], bool):
         raise ChatInputError(f"{path} holds a model that is no name or a reply_ended that is no true/false: the file "
@@ -108,15 +110,10 @@ def read_transcript(path: str | Path) -> dict[str, Any]:
     if not isinstance(data["image_turns"], list):
         raise ChatInputError(f"{path} holds image_turns that are no list: the file is damaged")
     for t in data["image_turns"]:
-        if not (isinstance(t, dict) and _is_int(t.get("start")) and _is_int(t.get("length"))
+        if not (isinstance(t, dict) and is_count(t.get("start")) and is_count(t.get("length"))
                 and 0 <= t["start"] < t["start"] + t["length"] <= len(ids) and isinstance(t.get("images"), list)):
             raise ChatInputError(f"{path} holds an image turn that does not fit its token ids: the file is damaged")
     return data
-
-
-def _is_int(value: Any) -> bool:
-    """An int read from JSON, not a true/false (``bool`` is an ``int`` in Python)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, list[str]]]]:
