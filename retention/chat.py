@@ -166,20 +166,14 @@ def read_history(path: str | Path) -> tuple[str | None, list[tuple[str, str, lis
     return system, [(u[1], a[1], u[2]) for u, a in zip(messages[::2], messages[1::2])]
 
 
-def _png_base64(image: Any, index: int, start: int) -> str:
-    """An image sent with a turn (a PIL image or a file path) as base64 PNG: the transcript keeps its pixels."""
+def _png_base64(image: Any) -> str:
+    """An image of a turn (a PIL image, as :func:`_turn_images` made it) as base64 PNG: the transcript keeps its
+    pixels."""
     import base64
     import io
 
-    from PIL import Image
-
-    if isinstance(image, (str, Path)):
-        image = Image.open(Path(image).expanduser())
-    if not isinstance(image, Image.Image):
-        raise ChatInputError(f"image {index} of the turn at token {start} is a {type(image).__name__}: save() stores "
-                             "PIL images and image files; send images as either to save the conversation")
     buf = io.BytesIO()
-    image.convert("RGB").save(buf, format="PNG")
+    image.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -187,9 +181,42 @@ def _png_image(data: str) -> Any:
     import base64
     import io
 
-    from PIL import Image
+    from .images import open_rgb
 
-    return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+    return open_rgb(io.BytesIO(base64.b64decode(data)))
+
+
+def _turn_images(images: Any, read: bool = True) -> list[Any]:
+    """A turn's images as RGB PIL images read now (:func:`retention.images.as_rgb`), so the turn, its saved
+    transcript and a resumed chat show the same pixels whatever later happens to the files: ``images`` a list of PIL
+    images and image paths (``str`` or ``Path``), or one of them alone. :class:`ChatInputError` naming the entry
+    that is neither, or a file that is missing or no image. ``read=False`` (a text-only model, which refuses any
+    image by name) only makes the list."""
+    from PIL import Image, UnidentifiedImageError
+
+    from .images import as_rgb, open_rgb
+
+    if images is None:
+        return []
+    if isinstance(images, (str, Path, Image.Image)):  # one image: a bare path string was split into characters
+        images = [images]
+    if not isinstance(images, (list, tuple)):
+        raise ChatInputError(f"images must be a list of PIL images or image paths, got {type(images).__name__}")
+    if not read:
+        return list(images)
+    out = []
+    for k, image in enumerate(images):
+        if isinstance(image, Image.Image):
+            out.append(as_rgb(image))
+        elif isinstance(image, (str, Path)):
+            try:
+                out.append(open_rgb(image))
+            except (OSError, UnidentifiedImageError) as e:  # missing, a folder, not an image
+                raise ChatInputError(f"image {k} ({image}) cannot be read as an image: {e}") from None
+        else:  # an array would chat but never save, and None or a number failed deep in the processor
+            raise ChatInputError(f"image {k} is a {type(image).__name__}: give a PIL image or an image file's path "
+                                 "(an array: PIL.Image.fromarray(array))")
+    return out
 
 
 def _load_gates(gates: RetentionGates | str | Path | None, model: nn.Module) -> RetentionGates | None:
@@ -421,8 +448,7 @@ class RetentionChat:
             "messages": self.messages,
             "ids": self.ids[0].tolist(),
             "reply_ended": self._last_reply_ended,
-            "image_turns": [{**t, "images": [_png_base64(im, i, t["start"]) for i, im in enumerate(t["images"])]}
-                            for t in self._image_turns],
+            "image_turns": [{**t, "images": [_png_base64(im) for im in t["images"]]} for t in self._image_turns],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(data, ensure_ascii=False).encode())
@@ -533,7 +559,7 @@ class RetentionChat:
         history (a benchmark's earlier turns, another chat's log) fed through this chat's cache as if the model
         had said ``reply`` and then stopped. Its tokens compete for the budget like any others."""
         self._refuse_while_streaming("add_turn()")
-        images = list(images or [])
+        images = _turn_images(images, read=self.multimodal)
         _check_text("the reply", reply)
         turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
@@ -574,7 +600,7 @@ class RetentionChat:
         from .cache.hf import is_count
 
         self._refuse_while_streaming("a new turn")
-        images = list(images or [])
+        images = _turn_images(images, read=self.multimodal)
         _check_generation_options(self.model, generation_kwargs, ChatInputError)
         kwargs = {**self.generation_kwargs, **generation_kwargs}
         _check_generation_values(kwargs, ChatInputError)

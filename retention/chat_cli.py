@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -75,10 +74,10 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
             elif command == "/image" and not arg.strip():
                 print("error: /image needs a path: /image photo.jpg", file=sys.stderr)
             elif command == "/image":
-                from PIL import Image
+                from .images import open_rgb
 
                 try:
-                    pending.append(Image.open(Path(arg.strip()).expanduser()).convert("RGB"))
+                    pending.append(open_rgb(arg.strip()))
                     print(f"[{len(pending)} image(s) attached to the next message]")
                 except OSError as e:
                     print(f"error: cannot open image: {e}", file=sys.stderr)
@@ -175,11 +174,9 @@ def _chat_command(args: argparse.Namespace) -> int:
     if args.resume and not _start_from(chat, lambda: chat.resume(args.resume), "resumed", args.resume, where=""):
         return 2
     if history is not None:
-        from PIL import Image
-
         def feed() -> None:
             for text, reply, images in history[1]:
-                chat.add_turn(text, reply, images=[Image.open(p).convert("RGB") for p in images])
+                chat.add_turn(text, reply, images=images)  # paths: the chat reads them as every turn's images
 
         if not _start_from(chat, feed, "fed", args.history, where=f"{args.history}: "):  # images for a text-only model
             return 2

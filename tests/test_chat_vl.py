@@ -145,6 +145,54 @@ def test_a_saved_conversation_with_photos_resumes_with_its_images(tmp_path, monk
     assert "smollm2-135m is a text-only model" in capsys.readouterr().err
 
 
+def test_a_turns_images_are_read_once_and_saved_as_shown(tmp_path):
+    """save() read image files again, so a file changed after its turn was saved with pixels the model never saw (and
+    a deleted one made the chat unsavable); a transparent image was laid on white live but on black when saved; a
+    Path, a bare image and a bad entry were raw library errors."""
+    import warnings
+
+    import numpy as np
+    from PIL import Image
+
+    from retention.chat import ChatInputError
+    from retention.images import as_rgb
+
+    proc = tiny_qwen3_vl_processor()
+    model = tiny_qwen3_vl_for(proc)
+    shown = photos(1)[0]
+    clear = np.array(shown.convert("RGBA"))
+    clear[..., 3] = 60  # mostly transparent: white shows through as the processor composites it
+    clear = Image.fromarray(clear)
+    path = tmp_path / "a.png"
+    shown.save(path)
+
+    def chat():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # untrained gates, on purpose
+            return RetentionChat(model, proc, budget_tokens=None, max_new_tokens=3, min_new_tokens=3)
+
+    live, ref = chat(), chat()
+    live.send("Look.", images=path)  # a bare Path, not in a list
+    live.send("And this?", images=[clear])
+    ref.send("Look.", images=[shown])
+    ref.send("And this?", images=[as_rgb(clear)])
+    Image.new("RGB", shown.size, (0, 200, 30)).save(path)  # the file changes after its turn...
+    saved = live.save(tmp_path / "chat.json")
+    path.unlink()  # ...then goes: the conversation still saves
+    live.save(tmp_path / "again.json")
+    resumed = chat()
+    resumed.resume(saved)
+    assert resumed.send("Well?") == ref.send("Well?")
+    assert np.array_equal(np.array(resumed._image_turns[1]["images"][0]), np.array(as_rgb(clear)))
+    assert np.array(as_rgb(clear)).mean() > np.array(clear.convert("RGB")).mean() + 50  # white, not black, beneath
+    for bad, words in (([tmp_path / "nowhere.png"], "image 0 .*nowhere.png. cannot be read as an image"),
+                       ([str(tmp_path / "chat.json")], "cannot be read as an image"),
+                       ([None], "image 0 is a NoneType"), ([np.zeros((8, 8, 3), "uint8")], "is a ndarray"),
+                       (5, "images must be a list")):
+        with pytest.raises(ChatInputError, match=words):
+            live.send("x", images=bad)
+
+
 def test_the_memory_report_counts_the_image_entries_kept():
     """A vision-language chat's memory report says how many image entries it keeps: all of them without a budget,
     fewer under one (images compete with text), as a count over every kept entry's token finds."""

@@ -111,13 +111,13 @@ class History:
 
     def __init__(self, model: PreTrainedModel, processor: ProcessorMixin, item: Item, policy: Any, chunk: int,
                  max_new_tokens: int, entries: int | None = None) -> None:
-        from PIL import Image
+        from retention.images import open_rgb
 
         from retention.attach import unwrap
         from retention.chat import RetentionChat
 
         base = unwrap(model)
-        self.pictures = [Image.open(p).convert("RGB") for p in image_files(item)]
+        self.pictures = [open_rgb(p) for p in image_files(item)]
         gates = "untrained" if getattr(base, "retention", None) is None else None  # full: any gates, none scoring
         self.chat = RetentionChat(model, processor, gates, policy=policy, chunk_size=chunk,
                                   max_new_tokens=max_new_tokens, system=_system(item))

@@ -29,16 +29,18 @@ def image_tokens(processor: ProcessorMixin, height: int, width: int) -> int:
 def _load_image(ref: Any, root: Path | None):
     from PIL import Image
 
+    from retention.images import as_rgb, open_rgb  # transparency as the chat and the eval read it
+
     if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
+        return as_rgb(ref)
     if isinstance(ref, dict) and ref.get("bytes") is not None:  # HF datasets Image feature
         import io
 
-        return Image.open(io.BytesIO(ref["bytes"])).convert("RGB")
+        return open_rgb(io.BytesIO(ref["bytes"]))
     path = Path(ref["path"] if isinstance(ref, dict) else ref)
     if not path.is_absolute() and root is not None:
         path = root / path
-    return Image.open(path).convert("RGB")
+    return open_rgb(path)
 
 
 def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[bool]:
