@@ -7,6 +7,7 @@ revision, budget, training summary) and ``README.md`` (a model card with Hub met
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -209,7 +210,9 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     path = local
     missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
     if missing:
-        raise HubError(f"{path} is not a gate checkpoint: missing {missing} (export it first)")
+        how = (f"python train.py --config CONFIG --export {path} --to DIR, then push DIR"
+               if (path / "state.json").is_file() else "export it first")  # a run's checkpoints/step-N
+        raise HubError(f"{path} is not a gate checkpoint: missing {missing} ({how})")
     check_push_target(repo_id, token)
     figures = card_figures(path)
     absent = [f for f in figures if not (path / f).is_file()]
@@ -226,11 +229,27 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
         )
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        hint = "set HF_TOKEN to a token with write access" if status in (401, 403) else "check the repo id"
-        raise HubError(f"uploading to {repo_id!r} failed (HTTP {status}): {hint}") from None
-    except OSError as e:  # no network
-        raise HubError(f"cannot reach the Hub to upload {repo_id!r}: {e}; check your network") from None
+        hint = ("the Hub failed: try again later" if status is not None and status >= 500 else
+                f"set HF_TOKEN to a token with write access to {repo_id.split('/')[0]!r}" if status in (401, 403)
+                else "check the repo id")
+        said = getattr(e, "server_message", None) or str(e).splitlines()[0]  # the Hub's own reason
+        raise HubError(f"uploading to {repo_id!r} failed (HTTP {status}: {said}): {hint}") from None
+    except _network_errors() as e:  # no network, a timeout
+        raise HubError(f"cannot reach the Hub to upload {repo_id!r}: {e}; check your network, then run "
+                       f"retention push {path} {repo_id}") from None
     return str(getattr(info, "commit_url", info))
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the network fails: OSError (requests, before huggingface_hub 1.0), and the
+    transport errors of the httpx client newer versions use (a ConnectError or ReadTimeout is no OSError)."""
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
 
 
 def _push_command(args: argparse.Namespace) -> int:

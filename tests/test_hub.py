@@ -211,6 +211,8 @@ class FakeHub:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         path = request.url.path
+        if self.status is None:  # no network: the client's transport error, which is no OSError
+            raise httpx.ConnectError("[Errno -2] Name or service not known", request=request)
         if self.status != 200:
             return httpx.Response(self.status, json={"error": "denied"}, request=request)
         if path == "/api/repos/create":
@@ -291,6 +293,27 @@ def test_push_unauthorised_is_a_clear_error(checkpoint, fake_hub):
     fake_hub(status=401)
     with pytest.raises(HubError, match="HTTP 401.*HF_TOKEN"):
         push_to_hub(path, "me/gates")
+
+
+def test_a_server_failure_or_no_network_is_a_clear_error_that_says_what_to_do(checkpoint, fake_hub, tmp_path):
+    """A dropped connection was an httpx ConnectError traceback (huggingface_hub 2.x's client raises no OSError), an
+    HTTP 500 was blamed on the repo id, and the Hub's own reason was dropped."""
+    path, _, _ = checkpoint
+    fake_hub(status=500)
+    with pytest.raises(HubError, match=r"HTTP 500: denied\): the Hub failed: try again later"):
+        push_to_hub(path, "me/gates")
+    fake_hub(status=403)
+    with pytest.raises(HubError, match=r"HTTP 403: denied\): set HF_TOKEN to a token with write access to 'me'"):
+        push_to_hub(path, "me/gates")
+    fake_hub(status=None)
+    with pytest.raises(HubError, match=f"cannot reach the Hub .*Name or service not known.*retention push {path} "
+                                       "me/gates"):
+        push_to_hub(path, "me/gates")
+    (tmp_path / "step-2").mkdir()  # a run's checkpoint: the message names the export that makes it pushable
+    for name in ("gates.safetensors", "state.json"):
+        (tmp_path / "step-2" / name).write_text("{}")
+    with pytest.raises(HubError, match="python train.py --config CONFIG --export .*step-2 --to DIR, then push DIR"):
+        push_to_hub(tmp_path / "step-2", "me/gates")
 
 
 def test_push_without_a_token_or_with_a_bad_repo_id_sends_nothing(checkpoint, fake_hub, monkeypatch, tmp_path):

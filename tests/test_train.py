@@ -287,6 +287,22 @@ def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
+def test_an_upload_that_fails_after_the_run_says_where_the_gates_are(tiny_setup, tmp_path, monkeypatch):
+    import retention.train.loop as loop
+    from retention.hub import HubError
+
+    def offline(path, repo):
+        raise HubError(f"cannot reach the Hub to upload {repo!r}: no network")
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(loop, "push_to_hub", offline)
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"no network; the trained gates are exported to .*run/final \(retention push "
+                                         r".*run/final me/gates uploads them later\)"):
+        train(load_config(cfg_file, over + ["train.steps=2"]), push_to_hub_repo="me/gates")
+    assert load_gates(tmp_path / "run" / "final").config.variant == "global"
+
+
 def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
     import retention.train.loop as loop
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
 
         from .loop import export_checkpoint
 
-        repo = args.push_to_hub or cfg.export.push_to_hub
+        repo, dest = args.push_to_hub or cfg.export.push_to_hub, None
         try:
             if repo:  # a missing token fails before anything is written
                 from retention.hub import check_push_target
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
                 print(f"[retention] pushed: {push_to_hub(dest, repo)}")
         except (FileNotFoundError, FileExistsError) as e:  # no such checkpoint; --to a folder of other files
             parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
-        except HubError as e:  # no token, a repo id that cannot be
-            parser.exit(2, f"error: {e}\n")
+        except HubError as e:  # no token, a repo id that cannot be, no network
+            kept = f"; the gates are exported to {dest}" if dest is not None else ""
+            parser.exit(2, f"error: {e}{kept}\n")
         return 0
     from retention.cli import user_errors
 

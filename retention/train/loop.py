@@ -747,7 +747,13 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
             print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ")
                   + f"gates exported to {export_dir}")
             if repo:
-                print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
+                from retention.hub import HubError
+
+                try:
+                    print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
+                except HubError as e:  # the run itself is done: say where its gates are
+                    raise SystemExit(f"{e}; the trained gates are exported to {export_dir} (retention push "
+                                     f"{export_dir} {repo} uploads them later)") from None
     accelerator.end_training()
     summary["export_dir"] = str(export_dir)
     summary["history"] = history
