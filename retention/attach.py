@@ -48,6 +48,10 @@ class UnsupportedModelError(ValueError):
     """The base model's architecture has no retention-gate support."""
 
 
+class GatesMismatchError(ValueError):
+    """Gates built for a base model of other shapes (layers, KV heads, hidden size) than the one given."""
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under PEFT / DDP / DeepSpeed wrappers."""
     seen = set()
@@ -491,7 +495,7 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
     have = (config.num_layers, config.num_kv_heads, config.hidden_size)
     if want != have:
-        raise ValueError(
+        raise GatesMismatchError(
             "gates do not match this model: gates have (layers, kv_heads, hidden) = "
             f"{have}, the model has {want}; use gates trained for this base model "
             f"({config.base_model or 'unknown base'})"

@@ -167,7 +167,7 @@ def non_negative_int(text: str) -> int:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors whose message names the problem and the fix: a command prints them, not a traceback."""
-    from .attach import UnsupportedModelError
+    from .attach import GatesMismatchError, UnsupportedModelError
     from .cache.hf import CacheBudgetError
     from .chat import ChatInputError, ChatSetupError
     from .gates import GateCheckpointError
@@ -175,8 +175,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .io import FolderBusyError
     from .models import ModelNotAvailableError
 
-    errors = (CacheBudgetError, ChatInputError, ChatSetupError, FolderBusyError, GateCheckpointError, HubError,
-              ModelNotAvailableError, UnsupportedModelError)
+    errors = (CacheBudgetError, ChatInputError, ChatSetupError, FolderBusyError, GateCheckpointError,
+              GatesMismatchError, HubError, ModelNotAvailableError, UnsupportedModelError)
     # `retention eval`: a Hub set (or its images) that cannot be read here, a config its model cannot run
     from .eval.config import EvalConfigError
     from .eval.loaders import DatasetUnavailableError

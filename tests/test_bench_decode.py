@@ -47,11 +47,12 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
         return float(next(clock)), {"kv_bytes": 2**20}, None, None
 
     monkeypatch.setattr(bench_decode, "run_one", fake_run)
-    assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--device", "cpu"]) == 0
+    assert bench_decode.main(["--contexts", "32", "--budget", "8", "--repeats", "2", "--device", "cpu"]) == 0
     assert len(calls) == 5 * 2 and "warm-up" not in capsys.readouterr().out  # the CPU's default: no warm-up round
     calls.clear()
     clock = itertools.count(1)
-    assert bench_decode.main(["--contexts", "32", "--repeats", "2", "--warmup", "1", "--device", "cpu"]) == 0
+    assert bench_decode.main(["--contexts", "32", "--budget", "8", "--repeats", "2", "--warmup", "1",
+                              "--device", "cpu"]) == 0
     # below the header
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert len(calls) == 5 * 3  # 5 settings x (1 warm-up + 2 timed rounds)
@@ -68,6 +69,10 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
     ("bench_decode", ["--budget", "-1"], "--budget: must be at least 1"),
     ("bench_decode", ["--device", "cuda:0"], "torch sees no CUDA GPU here"),
     ("bench_decode", ["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    # full@B printed B tokens of context it never held
+    ("bench_decode", ["--contexts", "64", "128", "--budget", "64"], "--budget 64 must be below the smallest context"),
+    ("bench_graph_ceiling", ["--repeats", "1"], "--repeats: must be at least 2"),  # the one round was the warm-up
+    ("bench_graph_ceiling", ["--device", "cuda"], "torch sees no CUDA GPU here"),  # was a ValueError traceback
     ("bench_train", ["--seq-len", "0"], "--seq-len: must be at least 1"),
     ("bench_train", ["--device", "cuda"], "torch sees no CUDA GPU here"),
     ("bench_kernels", ["--seq", "64", "0"], "--seq: must be at least 1"),
@@ -120,3 +125,61 @@ def test_the_graph_ceiling_bench_runs_as_its_command(monkeypatch, capsys):
     assert "greedy tokens equal to the eager DynamicCache's: {'bare': True, 'static': True}" in out
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert {"bare", "static", "budget"} <= set(rows) and "| 1.00x |" in rows["bare"]
+
+
+def test_the_profile_path_is_checked_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``--profile`` was written only after every measurement: a folder or a path under a file failed then."""
+    from retention.eval import bench_decode
+
+    import retention
+
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "file").write_text("x")
+    for bad, words in ((tmp_path, "is a folder"), (tmp_path / "file" / "p.txt", "is a file, not a folder")):
+        with pytest.raises(SystemExit) as stop:
+            bench_decode.main(["--contexts", "64", "--budget", "8", "--device", "cpu", "--profile", str(bad)])
+        assert stop.value.code == 2 and words in capsys.readouterr().err
+    assert bench_decode.profile_problem(tmp_path / "new" / "p.txt") is None  # missing folders are made
+
+
+@pytest.mark.parametrize("script,args,words", [
+    ("bench_decode", ["--contexts", "64", "--budget", "8", "--gates", "MISSING"], "gate checkpoint"),
+    ("bench_decode", ["--contexts", "64", "--budget", "8", "--model", "MISSING"], "cannot load model"),
+    ("bench_prefill", ["--contexts", "64", "--model", "MISSING"], "cannot load model"),
+    ("bench_train", ["--no-memory", "--model", "MISSING"], "cannot load model"),
+    ("bench_graph_ceiling", ["--model", "MISSING"], "cannot load model"),
+])
+def test_benchmark_user_errors_are_messages_not_tracebacks(script, args, words, tmp_path, monkeypatch, capsys):
+    """A missing checkpoint or model: ``error: ...`` and exit status 2 (was a traceback, the gates' only after the
+    model had loaded)."""
+    import importlib
+
+    import retention
+
+    missing = str(tmp_path / "nosuch")  # a path: refused at once, with no Hub round trip
+    if "--gates" in args:
+        monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    main = importlib.import_module(f"retention.eval.{script}").main
+    assert main([missing if a == "MISSING" else a for a in args] + ["--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and words in err and "Traceback" not in err
+
+
+def test_the_memory_ratio_is_not_printed_against_a_floor_the_sampling_cannot_see():
+    """``--seq-len 1`` on the CPU: the floor's step added no page the samples saw, and the ratio read 4754x."""
+    from retention.eval.bench_train import memory_ratio
+
+    assert memory_ratio(0.05, 0.0) == memory_ratio(3.0, 1e-6) == "n/a (floor below what the sampling sees)"
+    assert memory_ratio(3.0, float("nan")).startswith("n/a") and memory_ratio(300.0, 200.0) == "1.50x"
+
+
+def test_gates_of_another_model_are_a_message_not_a_traceback(tmp_path, capsys):
+    """check_gates_match raised a plain ValueError, which no command printed as an error."""
+    from retention.eval.bench_decode import main
+    from retention.gates import GateConfig, RetentionGates
+
+    RetentionGates(GateConfig(num_layers=2, num_kv_heads=2, hidden_size=64)).save_pretrained(tmp_path / "other")
+    assert main(["--contexts", "64", "--budget", "8", "--new", "1", "--gates", str(tmp_path / "other"),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "error: gates do not match this model" in err and "Traceback" not in err

@@ -46,3 +46,21 @@ def _args():
     q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4)
     pos = torch.arange(5).expand(1, 1, 5)
     return q, k, k, pos, torch.ones(1, 1, 5, dtype=torch.bool), torch.arange(5)[None], 0.5
+
+
+def test_the_first_timed_setting_is_not_charged_the_warm_up_and_repeated_contexts_run_once(tiny, monkeypatch,
+                                                                                           capsys):
+    """On the CPU the process's one-time setup landed on the first timed prefill (its row read 13x); an untimed
+    prefill per setting now runs first there too. ``--contexts 16 16`` is one context, not two merged rows."""
+    calls = []
+
+    def fake(model, ids, setting, chunk):  # the first prefill of the process pays 100 ms of setup
+        calls.append((len(ids), setting))
+        return 100.0 if len(calls) == 1 else 1.0
+
+    monkeypatch.setattr(bench_prefill, "prefill_ms", fake)
+    assert bench_prefill.main(["--contexts", "16", "16", "--device", "cpu"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line[:3] == "| 1"]
+    assert [r[1] for r in rows] == list(bench_prefill.SETTINGS)
+    assert all(r[2] == "1" and r[3] == "1.00x |" for r in rows)
+    assert len(calls) == 2 * len(bench_prefill.SETTINGS)  # the warm-up and one timed round

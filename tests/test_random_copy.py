@@ -32,3 +32,34 @@ def test_a_random_copy_keeps_config_and_tokenizer_and_draws_seeded_weights(tmp_p
     assert torch.equal(weights["a"][key], weights["b"][key])  # seeded: the same copy twice
     assert not torch.equal(weights["a"][key], weights["c"][key])
     assert not torch.equal(weights["a"][key], src.state_dict()[key])  # fresh weights, not the source's
+
+
+def test_a_random_copy_refuses_a_file_or_a_folder_it_did_not_write_before_loading_anything(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """OUT is written whole: a folder of something else (a gate checkpoint) would lose its config.json, and a file
+    gave a FileExistsError traceback. Both are refused before the source is read; a copy written earlier is
+    replaced."""
+    import pytest
+
+    import retention.models
+    from retention.eval.random_copy import MARKER, main
+
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    (gates / "config.json").write_text('{"gate_config": {}}')
+    (tmp_path / "file").write_text("x")
+    real = retention.models.load_config
+    monkeypatch.setattr(retention.models, "load_config", lambda *a, **k: pytest.fail("read the source first"))
+    for out, words in ((gates, "a folder that does not hold a random copy"), (tmp_path / "file", "is a file")):
+        assert main(["smollm2-135m", str(out), "--no-weights"]) == 2
+        assert "error: " in (err := capsys.readouterr().err) and words in err and "Traceback" not in err
+    assert (gates / "config.json").read_text() == '{"gate_config": {}}'
+    monkeypatch.setattr(retention.models, "load_config", real)
+    assert main([str(tmp_path / "nonexistent"), str(tmp_path / "new")]) == 2  # an unknown source: no traceback
+    assert "cannot load model" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / MARKER).write_text("{}")
+    (old / "stale.txt").write_text("x")
+    assert main(["smollm2-135m", str(old), "--no-weights"]) == 0  # its own earlier copy: replaced whole
+    assert (old / "config.json").is_file() and (old / MARKER).is_file() and not (old / "stale.txt").exists()

@@ -130,19 +130,54 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from retention.cli import user_errors
     from retention.models import device_problem
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if problem := device_problem(args.device):
         p.error(f"--device {problem}")
+    if args.budget >= min(args.contexts):  # full@B would prefill B tokens of a shorter text and print B anyway
+        p.error(f"--budget {args.budget} must be below the smallest context ({min(args.contexts)}): a budget that "
+                "holds the whole context evicts nothing; give a smaller --budget or longer --contexts")
+    if args.profile and (problem := profile_problem(Path(args.profile))):  # before the run, not after it
+        p.error(f"--profile {problem}")
     if args.warmup is None:  # the CPU has no per-shape plans to build: a warm-up round would only double the run
-        args.warmup = 1 if args.device.startswith("cuda") else 0
+        args.warmup = 1 if torch.device(args.device).type == "cuda" else 0
+    try:
+        return run(args)
+    except user_errors() as e:  # an unknown model, a missing or damaged checkpoint: the message names the fix
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
 
+
+def profile_problem(path: Path) -> str | None:
+    """Why the profile cannot be written to ``path`` (a folder; under a file; an unwritable folder), or None."""
+    import os
+
+    if path.is_dir():
+        return f"{path} is a folder: give the path of a file to write"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} cannot be written here"
+    parent = path.absolute().parent
+    while not parent.exists():  # the folders that are missing are made when the profile is written
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path}: cannot write into {parent}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The measurements and the table of :func:`main`, from its checked arguments."""
     from retention import attach_gates, load_model
-    from retention.hub import load_gates
+    from retention.attach import check_gates_match
+    from retention.cli import check_gates_source
 
+    gates = check_gates_source(args.gates)  # a typo or a damaged checkpoint fails before the model loads
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    gates = load_gates(args.gates, model=model) if args.gates else None
+    if gates is not None:
+        check_gates_match(model, gates.config)
     attach_gates(model, gates, mode="score")
     streams = model.config.num_hidden_layers * model.config.num_key_value_heads
     ids = real_text_ids(tok, max(args.contexts))

@@ -154,17 +154,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=positive_int, default=512, help="tokens per (layer, KV head) for the budget row")
     p.add_argument("--new", type=positive_int, default=16, help="decoded tokens timed per setting")
     p.add_argument("--chunk", type=positive_int, default=512)
-    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved rounds (the first is a warm-up)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="interleaved rounds, at least 2: the first is an untimed warm-up")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; default: cuda when available, else cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
+    # the first round warms up and is left out of the medians: with one round there would be nothing to report
+    if args.repeats < 2:
+        p.error(f"--repeats: must be at least 2 (the first round is an untimed warm-up), got {args.repeats}")
 
     import torch
 
+    from retention.cli import user_errors
+    from retention.models import device_problem
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if problem := device_problem(args.device):  # as the other benches: a usage error, not a traceback at load
+        p.error(f"--device {problem}")
+    try:
+        return run(args)
+    except user_errors() as e:  # an unknown model: the message names the fix
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """The rounds and the table of :func:`main`, from its checked arguments."""
     from retention import attach_gates, load_model
     from retention.eval.bench_decode import real_text_ids
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     model, tok = load_model(args.model, device=device, dtype=args.dtype)
     attach_gates(model, None, mode="score")
     ids = real_text_ids(tok, args.context)
@@ -179,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{tokens['budget+graph'] == tokens['budget']}")
         else:
             rounds.append(ms)
-    rounds = rounds or [ms]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"model {args.model} ({args.dtype} on {device}), N = {args.context}, B = {args.budget}, median ms/token over "
           f"{args.new} steps, median of {len(rounds)} round(s) after a warm-up round")

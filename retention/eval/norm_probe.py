@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from typing import Any
 
 import torch
 
-from retention import attach_gates, load_gates
+from retention import attach_gates
 from retention.cache import RetentionCache
 from retention.cache.select import select_keep
 from retention.models import shipped_gates
@@ -29,7 +30,7 @@ from retention.policies.base import EntryView
 from retention.policies.scoring import value_metrics
 
 from .methods import prefill
-from .models import load_eval_model
+from .models import eval_model_config, load_eval_model
 from .oracle import FutureAttention
 from .tasks.fidelity import fidelity
 
@@ -135,11 +136,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.length < 10 * (SINKS + 1):
         ap.error(f"--length: need a context of at least {10 * (SINKS + 1)} tokens (got {args.length}); "
                  f"the probe keeps 10% past {SINKS} sinks")
-    gates = args.gates or shipped_gates(args.model)
-    if gates is None:
+    from retention.cli import user_errors
+
+    try:
+        return run(args, ap)
+    except user_errors() as e:  # an unknown model, a missing or damaged checkpoint: the message names the fix
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    """The probe and its printout, from :func:`main`'s arguments; the gates are read before the model loads."""
+    from retention.attach import check_gates_match
+    from retention.cli import check_gates_source
+
+    source = args.gates or shipped_gates(args.model)
+    if source is None:
+        eval_model_config(args.model)  # an unknown model says so (ModelNotAvailableError), not "no gates shipped"
         ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
+    gates = check_gates_source(str(source))  # a typo or a damaged checkpoint fails before the model loads
     model, tok = load_eval_model(args.model)
-    attach_gates(model, load_gates(gates, model), mode="score")  # as the eval's `gates: null`
+    if gates is not None:
+        check_gates_match(model, gates.config)
+    attach_gates(model, gates, mode="score")  # as the eval's `gates: null`
     print(report(probe(model, tok, args.items, args.length, args.seed)))
     return 0
 
