@@ -294,6 +294,23 @@ def test_pool_out_folder_empty_methods_and_empty_report(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'empty.jsonl'} holds no results")
 
 
+def test_pool_refuses_a_card_of_other_gates_before_writing_the_pool(tmp_path, capsys):
+    """The card's gates were checked only by publish, after the pooled file had been written."""
+    import shutil
+
+    from retention.eval.cli import main
+    from retention.models import shipped_checkpoint
+
+    a = _write_rows(tmp_path / "a.jsonl", [{**r, "gates_id": "0123456789ab"} for r in
+                                            _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})])
+    b = _write_rows(tmp_path / "b.jsonl", [{**r, "gates_id": "0123456789ab"} for r in
+                                            _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})])
+    card = tmp_path / "card"
+    shutil.copytree(shipped_checkpoint("smollm2-135m-trimkv"), card)
+    assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--card", str(card)]) == 2
+    assert "no row was scored by its gates" in capsys.readouterr().err and not (tmp_path / "p.jsonl").exists()
+
+
 def test_pool_command_publishes_a_summary(tmp_path, capsys):
     import json
 

@@ -94,7 +94,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace) -> int:
     from .pool import pool_results
-    from .publish import check_publish_targets
+    from .publish import check_publish_targets, check_rows_scored_by_card
     from .report import check_pairs, overview, parse_pairs
     from .runner import read_results, results_file
 
@@ -111,7 +111,9 @@ def _pool(args: argparse.Namespace) -> int:
         pairs = parse_pairs(args.pair)
         if methods:  # before pooling: a pair must be among the kept methods
             check_pairs(pairs, set(methods))
-        out, left_out = pool_results(args.results, args.out, methods)
+        # a --card whose gates scored none of the rows is refused before the pooled file is written
+        card_check = (lambda rows: check_rows_scored_by_card(rows, args.card)) if args.card else None
+        out, left_out = pool_results(args.results, args.out, methods, check=card_check)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

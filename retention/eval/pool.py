@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .budgets import parse_budget
 from .runner import jsonl, load_result_file, row_key
@@ -98,9 +98,11 @@ def pooled_path(out: str | Path) -> Path:
     return Path(out) / "results.jsonl" if text.endswith(("/", "\\")) or Path(out).is_dir() else Path(out)
 
 
-def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | None = None) -> tuple[Path, list[str]]:
+def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | None = None,
+                 check: Callable[[list[dict[str, Any]]], None] | None = None) -> tuple[Path, list[str]]:
     """Write the pooled rows of ``paths`` (results.jsonl files) to ``out`` (a folder: its results.jsonl);
-    returns ``(the file written, what was left out)``, as :func:`pool_rows`."""
+    returns ``(the file written, what was left out)``, as :func:`pool_rows`. ``check`` sees the pooled rows
+    before anything is written (its ValueError leaves ``out`` as it was)."""
     from retention.io import atomic_write_bytes
 
     out = pooled_path(out)
@@ -109,6 +111,8 @@ def pool_results(paths: list[str | Path], out: str | Path, methods: list[str] | 
     if out.resolve() in {Path(p).resolve() for p in paths}:
         raise ValueError(f"--out {out} is one of the files to pool: it would be replaced by the pool; give a new file")
     rows, left_out = pool_rows({str(p): load_result_file(p) for p in paths}, methods)
+    if check is not None:
+        check(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, jsonl(rows).encode())
     return out, left_out
