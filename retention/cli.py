@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .gates import RetentionGates
@@ -182,6 +182,29 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .eval.loaders import DatasetUnavailableError
 
     return (*errors, DatasetUnavailableError, EvalConfigError)
+
+
+def checked_device(parser: argparse.ArgumentParser, device: str | None) -> str:
+    """A command's ``--device``: the one given, else cuda when torch sees a GPU, else cpu; a usage error (status 2)
+    for one this machine cannot use, before anything loads."""
+    import torch
+
+    from .models import device_problem
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if problem := device_problem(device):
+        parser.error(f"--device {problem}")
+    return device
+
+
+def run_reporting_user_errors(parser: argparse.ArgumentParser, run: Callable[[], int]) -> int:
+    """``run()``, with a :func:`user_errors` (an unknown model, a missing or damaged checkpoint: the message names
+    the fix) printed as ``PROG: error: ...`` and status 2 instead of a traceback."""
+    try:
+        return run()
+    except user_errors() as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def check_gates_source(gates: str | None) -> RetentionGates | None:

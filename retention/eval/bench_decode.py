@@ -130,12 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from retention.cli import user_errors
-    from retention.models import device_problem
+    from retention.cli import checked_device, run_reporting_user_errors
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if problem := device_problem(args.device):
-        p.error(f"--device {problem}")
+    args.device = checked_device(p, args.device)
     if args.budget >= min(args.contexts):  # full@B would prefill B tokens of a shorter text and print B anyway
         p.error(f"--budget {args.budget} must be below the smallest context ({min(args.contexts)}): a budget that "
                 "holds the whole context evicts nothing; give a smaller --budget or longer --contexts")
@@ -143,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--profile {problem}")
     if args.warmup is None:  # the CPU has no per-shape plans to build: a warm-up round would only double the run
         args.warmup = 1 if torch.device(args.device).type == "cuda" else 0
-    try:
-        return run(args)
-    except user_errors() as e:  # an unknown model, a missing or damaged checkpoint: the message names the fix
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_user_errors(p, lambda: run(args))
 
 
 def profile_problem(path: Path) -> str | None:

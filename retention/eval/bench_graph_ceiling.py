@@ -163,19 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 2:
         p.error(f"--repeats: must be at least 2 (the first round is an untimed warm-up), got {args.repeats}")
 
-    import torch
+    from retention.cli import checked_device, run_reporting_user_errors
 
-    from retention.cli import user_errors
-    from retention.models import device_problem
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if problem := device_problem(args.device):  # as the other benches: a usage error, not a traceback at load
-        p.error(f"--device {problem}")
-    try:
-        return run(args)
-    except user_errors() as e:  # an unknown model: the message names the fix
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    args.device = checked_device(p, args.device)  # as the other benches: a usage error, not a traceback at load
+    return run_reporting_user_errors(p, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -79,20 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="interleaved rounds over every setting (noisy machines)")
     args = p.parse_args(argv)
-    import torch
+    from retention.cli import checked_device, run_reporting_user_errors
 
-    from retention.cli import user_errors
-    from retention.models import device_problem
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if problem := device_problem(args.device):
-        p.error(f"--device {problem}")
+    args.device = checked_device(p, args.device)
     args.contexts = list(dict.fromkeys(args.contexts))  # a repeated N would be timed twice and printed twice
-    try:
-        return run(args)
-    except user_errors() as e:  # an unknown model: the message names the fix
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_user_errors(p, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -145,22 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
     p.add_argument("--measure-peak", choices=["floor", "step"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    import torch
+    from retention.cli import checked_device, run_reporting_user_errors
 
-    from retention.cli import user_errors
-    from retention.models import device_problem
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if problem := device_problem(args.device):
-        p.error(f"--device {problem}")
-    try:
-        if args.measure_peak:
-            _measure_peak(args)
-            return 0
-        return run(args)
-    except user_errors() as e:  # an unknown model: the message names the fix
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    args.device = checked_device(p, args.device)
+    if args.measure_peak:
+        return run_reporting_user_errors(p, lambda: _measure_peak(args) or 0)
+    return run_reporting_user_errors(p, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from typing import Any
 
 import torch
@@ -136,13 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.length < 10 * (SINKS + 1):
         ap.error(f"--length: need a context of at least {10 * (SINKS + 1)} tokens (got {args.length}); "
                  f"the probe keeps 10% past {SINKS} sinks")
-    from retention.cli import user_errors
+    from retention.cli import run_reporting_user_errors
 
-    try:
-        return run(args, ap)
-    except user_errors() as e:  # an unknown model, a missing or damaged checkpoint: the message names the fix
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_user_errors(ap, lambda: run(args, ap))
 
 
 def run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
