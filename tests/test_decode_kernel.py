@@ -109,3 +109,37 @@ def test_flash_attn_path_maps_streams_to_sequences(monkeypatch):
     torch.testing.assert_close(got, paged_decode_reference(q[:2], kp, vp, table[rows], lens[rows], 0.2))
     small = setup(2, 1, 16, 16, [3, 5], torch.float16)
     assert flash.flash_paged_decode(*small, 0.25) is None  # pages must be multiples of 256 entries
+
+
+def test_bad_inputs_are_clear_errors(monkeypatch):
+    q, kp, vp, table, lens = setup(3, 3, 32, 8, [5, 9, 17], torch.float32)
+    # a query head_dim other than the pools' read the wrong entries and returned garbage
+    with pytest.raises(ValueError, match="pools must both be"):
+        kernel.paged_decode_triton(q[..., :16].contiguous(), kp, vp, table, lens, 0.25)
+    with pytest.raises(ValueError, match="pools must both be"):
+        kernel.paged_decode_triton(q, kp, vp[..., :16], table, lens, 0.25)
+    with pytest.raises(ValueError, match="integer tensors"):
+        kernel.paged_decode_triton(q, kp, vp, table, lens.float(), 0.25)
+    with pytest.raises(ValueError, match="one block-table row per query stream"):
+        kernel.paged_decode_triton(q, kp, vp, table, lens, 0.25, rows=torch.tensor([0, 1]))
+    # CPU tensors without the interpreter (RETENTION_FORCE_TRITON=1 alone) failed inside Triton ("0 active drivers")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernel.paged_decode_triton(q, kp, vp, table, lens, 0.25)
+
+
+def test_flash_attn_path_without_rows_passes_one_table_row_per_query(monkeypatch):
+    """flash-attn checks ``block_table`` ``(batch, max_blocks)`` and ``cache_seqlens`` ``(batch,)`` against the
+    queries; without ``rows`` the first N rows of a larger table are the streams (as the Triton kernel reads)."""
+    import retention.cache.flash as flash
+
+    def fake(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+        assert block_table.shape[0] == q.shape[0] and cache_seqlens.shape == (q.shape[0],)  # flash-attn's checks
+        return paged_decode_reference(q[:, 0], k_cache[:, :, 0], v_cache[:, :, 0], block_table, cache_seqlens,
+                                      softmax_scale)[:, None]
+
+    monkeypatch.setattr(flash, "_flash_attn_with_kvcache", lambda: fake)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q, kp, vp, table, lens = setup(4, 3, 32, 256, [1, 300, 513, 7], torch.float16)
+    got = flash.flash_paged_decode(q[:2], kp, vp, table, lens, 0.2)
+    torch.testing.assert_close(got, paged_decode_reference(q[:2], kp, vp, table[:2], lens[:2], 0.2))

@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is imported (co
 import pytest
 import torch
 
-from kernel_checks import attention_compare as compare, attention_inputs as make
+from kernel_checks import RTOL, attention_compare as compare, attention_inputs as make
 from retention.ops.retention_attention import retention_attention, retention_attention_ref
 
 triton_kernel = pytest.importorskip("retention.ops.retention_attention.triton_kernel")
@@ -168,3 +168,19 @@ def test_kernel_benchmark_runs_on_cpu(capsys):
     assert "| T | d | method |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 16 | 16 | triton-interp")]
     assert len(rows) == 1 and float(rows[0].split("|")[6]) < 1e-4  # the kernel agrees with the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_beta_at_or_below_the_floor_means_beta_zero(dtype):
+    # log_beta * log2(e) overflowed to -inf below -2.4e38 (and -inf itself): 0 * -inf on the diagonal gave NaN in
+    # out and every gradient, where the reference is finite; the floor makes such a token count for itself only
+    q, k, v, lb = make(1, 20, 20, 2, 1, 16, dtype, lb_lo=-0.5)
+    with torch.no_grad():
+        lb[0, 0, 3], lb[0, 0, 11] = float("-inf"), -3e38
+    errors = compare(q, k, v, lb)
+    assert all(e == e for e in errors.values())  # no NaN anywhere (compare checks every gradient)
+    beta_zero = lb.detach().clone()
+    beta_zero[0, 0, [3, 11]] = -1e4  # decays to exactly 0 one step later, as beta = 0 does
+    want = retention_attention_ref(q.detach().float(), k.detach().float(), v.detach().float(), beta_zero)[0]
+    rtol, atol = RTOL[dtype]
+    torch.testing.assert_close(run(q, k, v, lb)[0].float(), want, rtol=rtol, atol=atol)

@@ -109,3 +109,19 @@ def test_bad_inputs_are_clear_errors():
         kernel.capacity_sum_triton(torch.zeros(1, 2, 3), torch.tensor([0, 2]))
 
 
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_log_beta_at_or_below_the_floor_means_beta_zero(reduce):
+    # below -2.4e38 (and at -inf) exp2(0 * log_beta * log2(e)) was NaN in the kernel (the reference: NaN at -inf);
+    # such a token now counts 1 at its own position and 0 later, as beta = 0 does
+    lb = gates(2, 3, 30, -0.3)
+    with torch.no_grad():
+        lb[0, 1, 4], lb[1, 2, 17] = float("-inf"), -3e38
+    check(lb, [0, 10, 60], reduce)
+    beta_zero = lb.detach().clone()
+    beta_zero[0, 1, 4] = beta_zero[1, 2, 17] = -1e4
+    cu = torch.tensor([0, 10, 60])
+    want = capacity_sum_naive(beta_zero, cu, reduce)
+    for got in (kernel.capacity_sum_triton(lb, cu, reduce), capacity_sum_ref(lb, cu, reduce)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

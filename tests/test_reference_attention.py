@@ -145,3 +145,39 @@ def test_dispatch_takes_sdpa_for_short_and_the_blocked_reference_for_long(monkey
     monkeypatch.setattr(ra.sdpa_path, "MAX_BIAS_ELEMENTS", 10)
     retention_attention(q, k, v, lb)
     assert calls == ["sdpa"]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_log_beta_at_or_below_the_floor_means_beta_zero(backend):
+    # 0 * -inf on the diagonal was NaN in the output and every gradient; such a token now counts for itself only
+    q, k, v, lb = inputs(1, 12, 12, 2, 1)
+    lb = lb.detach().float()
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    beta_zero = lb.clone()
+    lb[0, 0, 5], beta_zero[0, 0, 5] = float("-inf"), -1e4
+    lb.requires_grad_()
+    out = retention_attention(q, k, v, lb, backend=backend)
+    torch.testing.assert_close(out, retention_attention_naive(q, k, v, beta_zero)[0], rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), [q, k, v, lb])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_float_cu_seqlens_is_refused_on_every_path():
+    # the CPU paths truncated 2.5 to 2 where the Triton kernels refuse a float tensor
+    from retention.ops.capacity import capacity_sum
+
+    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    cu = torch.tensor([0.0, 2.5, 8.0])
+    for backend in ("auto", "reference"):
+        with pytest.raises(ValueError, match="integer tensor"):
+            retention_attention(q, k, v, lb, cu_seqlens=cu, backend=backend)
+        with pytest.raises(ValueError, match="integer tensor"):
+            capacity_sum(lb, cu, backend=backend)
+
+
+def test_packed_documents_need_as_many_queries_as_keys_on_the_sdpa_path_too():
+    # the short-sequence SDPA path computed an answer the blocked reference and the Triton kernel refuse
+    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    for backend in ("auto", "reference"):
+        with pytest.raises(ValueError, match="as many queries as keys"):
+            retention_attention(q[:, :4], k, v, lb, cu_seqlens=torch.tensor([0, 3, 8]), backend=backend)

@@ -38,9 +38,11 @@ def flash_paged_decode(
     fn = _flash_attn_with_kvcache()
     if fn is None or not query.is_cuda or key_pool.shape[1] % 256 or query.dtype not in (torch.float16, torch.bfloat16):
         return None
+    N, G, D = query.shape
     if rows is not None:
         block_table, lengths = block_table[rows], lengths[rows]
-    N, G, D = query.shape
+    else:  # flash-attn requires exactly one table row and length per query sequence
+        block_table, lengths = block_table[:N], lengths[:N]
     out = fn(
         query[:, None],  # (N, 1, G, D): one new token, G query heads on one KV head
         key_pool[:, :, None],

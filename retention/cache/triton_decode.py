@@ -117,6 +117,18 @@ def paged_decode_triton(
     width); the splits then share only the pages in use, not a table widened by doubling or left wide by
     evictions. A value below a stream's length drops that stream's tail."""
     N, G, D = query.shape
+    # the kernel computes offsets from these shapes: a mismatch would read the wrong entries, not fail
+    if key_pool.ndim != 3 or value_pool.shape != key_pool.shape or key_pool.shape[2] != D:
+        raise ValueError(f"key and value pools must both be (pages, page_size, {D}) for queries {tuple(query.shape)}; "
+                         f"got {tuple(key_pool.shape)} and {tuple(value_pool.shape)}")
+    if block_table.dtype.is_floating_point or lengths.dtype.is_floating_point:
+        raise ValueError(f"block_table and lengths must be integer tensors, got {block_table.dtype} and "
+                         f"{lengths.dtype}")
+    if rows is not None and rows.shape != (N,):
+        raise ValueError(f"rows must be ({N},), one block-table row per query stream; got {tuple(rows.shape)}")
+    if not query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton decode kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before import for "
+                         "CPU testing); use paged_decode_reference on the CPU")
     page = key_pool.shape[1]
     if page & (page - 1):
         raise ValueError(f"page size must be a power of two for the Triton decode kernel, got {page}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..retention_attention.reference import document_ids
+from ..retention_attention.reference import document_ids, floored_log_beta
 
 # One block of decays holds about this many fp32 elements (~64 MB).
 _BLOCK_ELEMENTS = 1 << 24
@@ -59,7 +59,7 @@ class CapacitySumRef(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, log_beta: torch.Tensor, cu_seqlens: torch.Tensor | None, reduce: bool) -> torch.Tensor:
         B, N, T = log_beta.shape
-        lb = log_beta.float()
+        lb = floored_log_beta(log_beta)
         doc = document_ids(cu_seqlens, B, T, lb.device)
         out = torch.zeros((B, T) if reduce else (B, N, T), dtype=torch.float32, device=lb.device)
         for n0, n1, t0, t1, k0 in _blocks(B, N, T, doc):
@@ -76,7 +76,7 @@ class CapacitySumRef(torch.autograd.Function):
     def backward(ctx: Any, dS: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         log_beta, cu_seqlens = ctx.saved_tensors
         B, N, T = log_beta.shape
-        lb = log_beta.float()
+        lb = floored_log_beta(log_beta)
         doc = document_ids(cu_seqlens, B, T, lb.device)
         dS = dS.float()
         dS = dS[:, None].expand(B, N, T) if ctx.reduce else dS

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..retention_attention.triton_kernel import _INTERPRET, segments, work_list
+from ..retention_attention.triton_kernel import _INTERPRET, _log2_beta, segments, work_list
 
 BLOCK = 16 if _INTERPRET else 64  # positions (and keys) per tile
 _TARGET_PROGRAMS = 1024  # enough forward programs to fill a large GPU several times
@@ -54,7 +54,7 @@ def _cap_fwd(
         for i0 in range(0, hi, BLOCK_I):
             ri = i0 + tl.arange(0, BLOCK_I)
             mask_i = ri < slen
-            lb = tl.load(LB_row + ri.to(tl.int64) * slbt, mask=mask_i, other=0.0).to(tl.float32) * 1.4426950408889634
+            lb = _log2_beta(tl.load(LB_row + ri.to(tl.int64) * slbt, mask=mask_i, other=0.0))
             dist = rt[:, None].to(tl.float32) - ri[None, :].to(tl.float32)
             valid = (dist >= 0) & mask_i[None, :]
             # clamp: future keys would give exp2(+large) before the mask drops them
@@ -71,8 +71,7 @@ def _cap_bwd(
     b, t0, slen, iblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
     ri = iblk * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = ri < slen
-    lb = (tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0).to(tl.float32)
-          * 1.4426950408889634)
+    lb = _log2_beta(tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0))
     DS_row = DS + b * sdb + n * sdn + t0 * sdt
     acc = tl.zeros([BLOCK_I], tl.float32)
     for s0 in range((iblk * BLOCK_I // BLOCK_T) * BLOCK_T, slen, BLOCK_T):

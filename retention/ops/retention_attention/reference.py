@@ -27,11 +27,24 @@ import torch
 # One block of scores holds about this many fp32 elements (~64 MB).
 _BLOCK_ELEMENTS = 1 << 24
 
+# log_beta at or below this (-inf included) means beta = 0: the token counts for itself only (beta^0 = 1).
+# Without the floor, 0 * -inf on the diagonal is NaN, and the Triton kernels' log2(e) scaling overflows to -inf
+# below -2.4e38; above it nothing changes (the decay of a token 1 step back is exp(-1e30) = 0 already).
+LOG_BETA_FLOOR = -1e30
+
+
+def floored_log_beta(log_beta: torch.Tensor) -> torch.Tensor:
+    """``log_beta`` in fp32, floored at :data:`LOG_BETA_FLOOR` (NaN stays NaN)."""
+    return log_beta.to(torch.float32).clamp_min(LOG_BETA_FLOOR)
+
 
 def document_ids(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
     """Document index of every token, ``(B, T)`` int64; each row is its own document without cu_seqlens."""
     if cu_seqlens is None:
         return torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        # a float would be truncated here (2.5 -> 2) while the Triton kernels refuse it: refuse it on every path
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != batch * seqlen:
         raise ValueError(
@@ -114,7 +127,7 @@ def retention_attention_forward(
     qf = _heads_first(q, g.Hkv)
     kf = k.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # (B, Hkv, 1, Tk, D)
     vf = v.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]
-    lb = log_beta.to(torch.float32)
+    lb = floored_log_beta(log_beta)
     out = torch.empty_like(qf)
     lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)
     for t0, t1, k0, k1 in g.ranges():
@@ -149,7 +162,7 @@ def retention_attention_backward(
     qf, of, dof = (_heads_first(x, g.Hkv) for x in (q, out, dout))
     kf = k.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]
     vf = v.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]
-    lb = log_beta.to(torch.float32)
+    lb = floored_log_beta(log_beta)
     B, Hkv, G, Tq, D = qf.shape
     lse = lse.reshape(B, Hkv, G, Tq)
     delta = (dof * of).sum(-1)  # (B, Hkv, G, Tq)

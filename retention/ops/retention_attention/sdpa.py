@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import _check, document_ids
+from .reference import _check, document_ids, floored_log_beta
 
 MAX_BIAS_ELEMENTS = 1 << 22  # 16 MiB of fp32 bias per layer
 
@@ -35,6 +35,8 @@ def retention_attention_sdpa(
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else float(scale)
+    if cu_seqlens is not None and Tq != Tk:  # as the blocked reference and the Triton kernel refuse it
+        raise ValueError(f"cu_seqlens (packed documents) needs as many queries as keys; got {Tq} and {Tk}")
     t = torch.arange(Tk - Tq, Tk, device=q.device)
     i = torch.arange(Tk, device=q.device)
     dist = (t[:, None] - i[None, :]).to(torch.float32)  # (Tq, Tk)
@@ -42,7 +44,7 @@ def retention_attention_sdpa(
     valid = (dist >= 0)[None]
     if doc is not None:
         valid = valid & (doc[:, Tk - Tq :, None] == doc[:, None, :])
-    bias = dist[None, None] * log_beta.to(torch.float32)[:, :, None, :]  # (B, Hkv, Tq, Tk)
+    bias = dist[None, None] * floored_log_beta(log_beta)[:, :, None, :]  # (B, Hkv, Tq, Tk)
     bias = bias.masked_fill(~valid[:, None], float("-inf")).repeat_interleave(G, dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),

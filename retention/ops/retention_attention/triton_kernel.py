@@ -72,6 +72,14 @@ def _autotune(configs: list):
 
 
 @triton.jit
+def _log2_beta(lb):
+    """log_beta (any float dtype) -> log2(beta) in fp32, floored at the reference's ``LOG_BETA_FLOOR`` (-1e30) so
+    the scaling cannot overflow to -inf (0 * -inf on the diagonal would be NaN); NaN stays NaN."""
+    lb = lb.to(tl.float32)
+    return tl.where(lb < -1e30, -1e30, lb) * 1.4426950408889634
+
+
+@triton.jit
 def _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN):
     """The work item of this program: (batch row, first row position, q_len, k_len, block index)."""
     pid = tl.program_id(0)
@@ -95,7 +103,7 @@ def _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen
     rn64 = rn.to(tl.int64)  # row offsets inside one head may pass 2**31 for very long segments
     k = tl.load(K_blk + rn64[:, None] * skt + rd[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V_blk + rn64[:, None] * svt + rd[None, :], mask=kv_mask, other=0.0)
-    lb = tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0).to(tl.float32) * 1.4426950408889634
+    lb = _log2_beta(tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0))
     dist = rq[:, None] - rn[None, :].to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
     return k, v, s, dist, mask_n
@@ -223,8 +231,7 @@ def _dkdv_kernel(
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(K + b * skb + (t0 + rn)[:, None] * skt + hk * skh + rd[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + (t0 + rn)[:, None] * svt + hk * svh + rd[None, :], mask=kv_mask, other=0.0)
-    lb = (tl.load(LB + b * slbb + hk * slbh + (t0 + rn) * slbt, mask=mask_n, other=0.0).to(tl.float32)
-          * 1.4426950408889634)
+    lb = _log2_beta(tl.load(LB + b * slbb + hk * slbh + (t0 + rn) * slbt, mask=mask_n, other=0.0))
     rk = rn.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
