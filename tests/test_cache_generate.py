@@ -328,3 +328,60 @@ def test_prompt_lookup_decoding_under_a_budget_equals_greedy_replay(budget_token
             logits = model(input_ids=chunk, **cache_kwargs(replay), use_cache=True).logits
             assert int(logits[0, -1].argmax()) == int(out[0, at])
     assert at == out.shape[1] - 1 and replay.evictions == cache.evictions
+
+
+def _left_padded(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = torch.zeros(len(lens), max(lens), dtype=torch.long), torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, max(lens) - n :], mask[b, max(lens) - n :] = torch.randint(1, 100, (n,), generator=g), 1
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_budget_that_holds_the_whole_generation_equals_dynamic_cache_for_a_padded_batch(chunk):
+    """A finite budget of exactly the generation's entries (padding not counted) never evicts: token for token the
+    DynamicCache generation of a left-padded batch, prefilled whole or in chunks."""
+    model = _with_gates("qwen3")
+    inputs, new = _left_padded([5, 13, 9], 0), 12
+    kw = dict(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              **({"prefill_chunk_size": chunk} if chunk else {}))
+    ref = _generate(model, DynamicCache(config=model.config), **kw)
+    cache = RetentionCache(model, budget=RetentionCache.budget_for(model, 13 + new - 1), slack=0, page_size=3)
+    assert torch.equal(_generate(model, cache, **kw), ref) and cache.evictions == 0
+
+
+def test_a_reset_cache_generates_and_reports_as_a_new_one():
+    """After a left-padded batch under eviction, ``reset()`` leaves nothing behind: the next batch (padded otherwise, or
+    not at all) generates the same tokens and the same memory report as a new cache."""
+    model = _with_gates("llama")
+    opts = dict(budget=20, page_size=3, policy=get_policy("global_gates"), slack=2)
+    used = RetentionCache(model, **opts)
+    _generate(model, used, **_left_padded([5, 13], 1), max_new_tokens=8, do_sample=False)
+    assert used.evictions > 0
+    for lens in ([9, 9], [12, 3]):
+        used.reset()
+        new = RetentionCache(model, **{**opts, "policy": get_policy("global_gates")})
+        inputs = _left_padded(lens, 2)
+        got = _generate(model, used, **inputs, max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, _generate(model, new, **inputs, max_new_tokens=8, do_sample=False))
+        a, b = used.memory_report(), new.memory_report()
+        assert a.keys() == b.keys() and torch.equal(a.pop("entries_per_head"), b.pop("entries_per_head"))
+        a.pop("pool_capacity_bytes"), b.pop("pool_capacity_bytes")  # the pool keeps its size over a reset
+        assert a == b and a["evictions"] > 0
+
+
+def test_kept_where_counts_neither_padding_nor_positions_past_the_marks():
+    """``kept_where`` (a chat's kept image entries) indexed the marks by position: a padding entry (position -1) of
+    sequence 0 counted as the last token, and a position past the marks as the last mark."""
+    from retention.cache.hf import kept_where
+
+    model = _with_gates("llama")
+    cache = RetentionCache(model)
+    with torch.no_grad():
+        model(**_left_padded([5, 13], 0), **cache_kwargs(cache), use_cache=True)
+    marked = torch.zeros(13, dtype=torch.bool)
+    marked[-1] = True  # the last token of sequence 0 (8 padding tokens, then 5 real ones)
+    streams = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert kept_where(cache, marked) == streams
+    assert kept_where(cache, marked[:-1]) == 0  # the marks end before the last token: it is not marked

@@ -334,3 +334,168 @@ def test_norm_weight_options_are_checked(model):
                         torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="needs the entries' keys and values"):
         policy.score(entries)
+
+
+class _Oracle:
+    """An independent replay of a :class:`RetentionCache` under :class:`GlobalGatesPolicy` during ``generate``: every
+    entry (sequence, layer, head, position, log beta, key, value) in plain Python lists, evicted by the documented
+    rule (at the start of a forward a sequence over ``budget + slack`` real entries keeps its top ``budget`` by
+    (protected desc, score desc, position desc, layer asc, head asc), sinks and the recent window scoring +inf, left
+    padding dropped), and dense attention over exactly the entries it holds."""
+
+    def __init__(self, batch: int, budgets: list, slack: int, policy: GlobalGatesPolicy, window: int, minimum: int):
+        self.budgets, self.slack, self.policy, self.window, self.minimum = budgets, slack, policy, window, minimum
+        self.entries = [{(layer, h): [] for layer in range(L) for h in range(H)} for _ in range(batch)]
+        self.seen, self.start, self.evictions = 0, [0] * batch, 0
+
+    def score(self, lb: float, pos: int, b: int) -> float:
+        t, p = self.seen - 1, self.policy
+        if pos - self.start[b] < p.sink or pos > t - p.recent:
+            return math.inf
+        age = t - pos + 1  # horizon H: log sum_{k=1..H} beta^(age + k - 1), directly
+        if p.horizon == 1:  # the cache's float32 product, so ties of quantised log betas stay ties
+            return float(torch.tensor(float(age)) * torch.tensor(lb))
+        return math.log(sum(math.exp(lb * (age + k - 1)) for k in range(1, p.horizon + 1)))
+
+    def forward_starts(self, valid: torch.Tensor | None) -> None:
+        if valid is not None:
+            for b in range(len(self.start)):
+                self.start[b] += int((~valid[b]).sum())
+        for b, entries in enumerate(self.entries):
+            if self.budgets[b] is None or sum(e[0] >= 0 for es in entries.values() for e in es) <= \
+                    self.budgets[b] + self.slack:
+                continue
+            ranked = []
+            for (layer, h), es in entries.items():
+                head = [[e[0] >= self.seen - self.window, self.score(e[1], e[0], b), e[0], layer, h, id(e)]
+                        for e in es if e[0] >= 0]
+                for r in sorted(head, key=lambda r: (-r[1], -r[2]))[: self.minimum]:
+                    r[0] = True  # the per-head minimum: each head's own best
+                ranked += head
+            ranked.sort(key=lambda r: (not r[0], -r[1], -r[2], r[3], r[4]))
+            keep = {r[5] for i, r in enumerate(ranked) if r[0] or i < self.budgets[b]}
+            for key, es in entries.items():
+                entries[key] = [e for e in es if id(e) in keep]
+            self.evictions += 1
+
+    def append(self, layer: int, keys, values, lb, valid) -> None:
+        for b, entries in enumerate(self.entries):
+            for h in range(H):
+                for j in range(keys.shape[2]):
+                    pos = self.seen + j if valid is None or bool(valid[b, j]) else -1
+                    entries[layer, h].append((pos, float(lb[b, h, j]), keys[b, h, j].clone(), values[b, h, j].clone()))
+
+    def attention(self, layer: int, query: torch.Tensor, qpos: torch.Tensor, scale: float) -> torch.Tensor:
+        B, Hq, Q, D = query.shape
+        out = torch.zeros(B, Q, Hq, D, dtype=torch.float64)
+        for b in range(B):
+            for h in range(H):
+                es = self.entries[b][layer, h]
+                k = torch.stack([e[2] for e in es]).double()
+                v = torch.stack([e[3] for e in es]).double()
+                pos = torch.tensor([e[0] for e in es])
+                q = query[b, h * (Hq // H) : (h + 1) * (Hq // H)].double()  # (G, Q, D): the KV head's query heads
+                seen = (pos >= 0)[None] & (pos[None] <= qpos[b][:, None])  # (Q, entries): causal by true position
+                s = (q @ k.T * scale).masked_fill(~seen[None], -math.inf)
+                out[b, :, h * (Hq // H) : (h + 1) * (Hq // H)] = (s.softmax(-1) @ v).transpose(0, 1)
+        return out
+
+
+@pytest.mark.parametrize("batch, lens, budget, slack, horizon, sink, recent, window, minimum, page_size, chunk, ties", [
+    (3, (5, 12, 9), 20, 0, 1, 1, 0, 0, 0, 3, None, True),  # left padding, an eviction every step
+    (3, (5, 12, 9), [7, 40, 16], 3, 4, 2, 1, 0, 0, 5, 4, False),  # budgets per row, lookahead, chunked prefill
+    (2, (11, 4), 10, 0, 1, 4, 2, 0, 0, 3, None, True),  # sinks and recent window hold more than the budget
+    (2, (8, 13), 18, 2, 1, 0, 0, 1, 1, 4, 5, True),  # protected window and per-head minimum
+    (2, (6, 9), 400, 0, 1, 4, 0, 0, 0, 3, None, False),  # a budget larger than the whole generation: no eviction
+    (1, (14,), 9, 5, 4, 0, 0, 0, 0, 1, None, True),  # one entry per page
+])
+def test_generation_equals_a_brute_force_replay(model, batch, lens, budget, slack, horizon, sink, recent, window,
+                                                minimum, page_size, chunk, ties):
+    """Through ``generate`` (prefill, several eviction rounds while decoding): after every layer of every forward the
+    cache holds exactly the oracle's entries (positions, log betas, keys, values, in order), attention over its pages
+    equals dense attention over those entries, and the memory report counts them."""
+    g = torch.Generator().manual_seed(sum(lens) + batch)
+    T, new = max(lens), 8
+    ids, mask = torch.zeros(batch, T, dtype=torch.long), torch.zeros(batch, T, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, T - n :], mask[b, T - n :] = torch.randint(1, 100, (n,), generator=g), 1
+    policy = GlobalGatesPolicy(horizon=horizon, sink=sink, recent=recent)
+    cache = RetentionCache(model, budget=budget, policy=policy, slack=slack, page_size=page_size,
+                           protected_window=window, min_per_head=minimum)
+    oracle = _Oracle(batch, budget if isinstance(budget, list) else [budget] * batch, slack, policy, window, minimum)
+    pre, update, attend = cache.retention_pre_attention, cache.update, cache.retention_attend
+    forward: dict = {}
+
+    def scored(layer, log_beta, attention_mask):  # our own log betas: spread out, and quantised for ties
+        log_beta = -torch.rand(log_beta.shape, generator=g) * 3
+        pre(layer, (log_beta * 2).round() / 2 if ties else log_beta, attention_mask)
+        forward[layer] = cache._pending[layer]
+
+    def updated(keys, values, layer, *args, **kwargs):
+        log_beta, valid = forward[layer]
+        if layer == 0:
+            oracle.forward_starts(valid)
+        oracle.append(layer, keys, values, log_beta, valid)
+        out = update(keys, values, layer, *args, **kwargs)
+        view = cache.store.gather_layer(layer)
+        for b in range(batch):
+            for h in range(H):
+                es, n = oracle.entries[b][layer, h], int(view.valid[b, h].sum())
+                assert view.pos[b, h, :n].tolist() == [e[0] for e in es], (layer, b, h)
+                assert view.log_beta[b, h, :n].tolist() == [e[1] for e in es]
+                assert torch.equal(view.keys[b, h, :n], torch.stack([e[2] for e in es]))
+                assert torch.equal(view.values[b, h, :n], torch.stack([e[3] for e in es]))
+        qpos = oracle.seen + torch.arange(keys.shape[2]).expand(batch, -1)
+        forward["qpos"] = qpos if valid is None else qpos.masked_fill(~valid, -1)
+        if layer == L - 1:
+            oracle.seen += keys.shape[2]
+        return out
+
+    def attended(layer, query, scaling):
+        out = attend(layer, query, scaling)
+        want = oracle.attention(layer, query, forward["qpos"], scaling)
+        real = forward["qpos"] >= 0  # a padding query's output is unused
+        torch.testing.assert_close(out.double()[real], want[real], atol=1e-5, rtol=1e-5)
+        return out
+
+    cache.retention_pre_attention, cache.update, cache.retention_attend = scored, updated, attended
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0,
+                       **({"prefill_chunk_size": chunk} if chunk else {}))
+    cache.store.check()
+    assert (cache.evictions >= 2) == (oracle.evictions >= 2) == (budget != 400)  # several rounds, or none at all
+    report = cache.memory_report()
+    per_head = torch.tensor([[[len(oracle.entries[b][layer, h]) for h in range(H)] for layer in range(L)]
+                             for b in range(batch)])
+    assert torch.equal(report["entries_per_head"], per_head)
+    assert report["kept_entries"] == int(per_head.sum())
+    assert report["kv_bytes"] == int(per_head.sum()) * 2 * model.config.head_dim * 4  # keys and values, float32
+    assert report["full_cache_entries"] == (T + new - 1) * L * H * batch  # the last token is never fed
+    assert report["pages_in_use"] == sum(-(-int(n) // page_size) for n in per_head.flatten())
+
+
+@pytest.mark.parametrize("name, options", [("adakv", {"window": 4}), ("gates_snapkv", {"share": 0.5})])
+def test_budget_dependent_policies_score_each_row_at_its_own_budget(name, options):
+    """AdaKV's safeguard and the SnapKV share depend on the budget: a row of a batch with one budget per sequence
+    keeps what it keeps alone at that budget (every row was scored at the first row's budget)."""
+    from retention.policies import get_policy
+
+    model = tiny_llama()
+    attach_gates(model, mode="score")
+    ids = torch.randint(1, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    n = model.config.num_hidden_layers * model.config.num_key_value_heads
+
+    def kept(cache: RetentionCache, row: int) -> list[list[int]]:
+        view = cache.store.gather(torch.arange(row * n, row * n + n), with_kv=False)
+        return [view.pos[r][view.valid[r]].tolist() for r in range(n)]
+
+    caches = {}
+    for budgets, x in ((60, ids), (200, ids), ([200, 60], ids.repeat(2, 1))):
+        cache = RetentionCache(model, budget=budgets, policy=get_policy(name, **options), slack=0)
+        with torch.no_grad():
+            model(input_ids=x, **cache_kwargs(cache))
+        cache.compress()
+        caches[str(budgets)] = cache
+    assert kept(caches["[200, 60]"], 1) == kept(caches["60"], 0)
+    assert kept(caches["[200, 60]"], 0) == kept(caches["200"], 0)

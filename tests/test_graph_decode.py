@@ -120,3 +120,24 @@ def test_what_the_planned_step_cannot_decode_is_refused():
     with pytest.raises(TypeError, match="RetentionCache"):
         GraphDecoder(model, object())
 
+
+
+def test_a_decoder_kept_over_a_reset_refuses_a_padded_refill():
+    """The constructor refuses a left-padded cache, but a decoder kept over ``reset()`` (as RetentionChat keeps its
+    own) stepped over a cache prefilled again with a padded batch and attended to the padding entries unmasked."""
+    model = tiny_llama().eval()
+    attach_gates(model, None, mode="score")
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    cache = RetentionCache(model)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+    decoder = GraphDecoder(model, cache, graph=False)
+    cache.reset()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # row 0 left-padded
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
+    lengths = cache.store.lengths.clone()
+    with pytest.raises(ValueError, match="left padding"):
+        decoder.step(torch.tensor([[5], [7]]))
+    assert torch.equal(cache.store.lengths, lengths) and cache._seen[0] == 6  # refused before touching the cache

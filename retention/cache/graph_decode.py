@@ -90,6 +90,9 @@ class GraphDecoder:
             raise RuntimeError("the cache holds no tokens (it was reset): prefill it again before stepping")
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"step takes token ids (an integer tensor), got {ids.dtype}")
+        if c._pad_entries is not None and bool(c._pad_entries.any()):  # refilled since (reset) with a padded batch
+            raise ValueError("the cache holds left padding, which the recorded step does not mask: decode a padded "
+                             "batch with model.generate")
         # what the cache's first layer does at the start of a forward
         c._maybe_evict(1)
         c._last_query_len, c._forward_pads = 1, None

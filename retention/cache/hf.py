@@ -521,8 +521,12 @@ class RetentionCache(Cache):
         step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
         entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head,
                             self._start[seqs][local], view.keys, view.values)
-        self.policy.set_budget(int(budgets[0]), L, H)
-        score = self.policy.score(entries)
+        # policies whose scores depend on the budget (AdaKV's safeguard, the SnapKV share) score each row at its own
+        score = None
+        for b in budgets.unique().tolist():
+            self.policy.set_budget(int(b), L, H)
+            s = self.policy.score(entries)
+            score = s if score is None else torch.where((budgets.to(dev)[local] == b)[:, None], s, score)
         valid = view.valid & (view.pos >= 0)  # padding tokens are dropped at the first eviction
         forced = torch.zeros_like(valid)
         if self.protected_window:
@@ -599,7 +603,9 @@ def kept_where(cache: "RetentionCache", marked: torch.Tensor) -> int:
     for layer in range(cache.store.num_layers):
         view = cache.store.gather_layer(layer)
         pos = view.pos[:1][view.valid[:1]]
-        kept += int(marked[pos.clamp(max=len(marked) - 1)].sum())
+        # left padding (position -1) and tokens past ``marked`` are no marked token (-1 would index the last one)
+        pos = pos[(pos >= 0) & (pos < len(marked))]
+        kept += int(marked[pos].sum())
     return kept
 
 
