@@ -13,6 +13,11 @@ def test_recall():
     assert recall("The number is 4512.", ["4512"]) == 100.0
     assert recall("It is 12 and  MEADOW", ["meadow", "12", "99"]) == pytest.approx(200 / 3)
     assert recall("nothing", ["4512"]) == 0.0
+    # a multi-value needle: one point in three for each number recalled, wherever it stands in the reply
+    vals = ["9517692", "4638762", "8633385"]
+    assert recall(" 8633385 and 9517692", vals) == pytest.approx(200 / 3)
+    # neither another number ending in its digits nor a prefix of the right one counts
+    assert recall("1816", ["9517692"]) == 0.0 and recall("The number is 951769.", ["9517692"]) == 0.0
     with pytest.raises(ValueError):
         recall("x", [])
 
@@ -61,3 +66,35 @@ def test_budgets():
     for bad in (64, 0, -0.5, "lots", {"entries": -1}, {"tokens": 1, "entries": 2}, True, {"fraction": 2}):
         with pytest.raises(ValueError, match="budget"):
             parse_budget(bad)
+
+
+def test_budget_keys_of_large_counts_read_back():
+    """``:g`` wrote 1,234,567 entries as ``entries=1.23457e+06``: a key that parse_budget refused (so report, pool
+    and publish failed on the sweep's rows) and that 1,234,570 entries shared."""
+    from retention.eval.report import budget_label
+
+    big = parse_budget({"entries": 1234567})
+    assert big.key == "entries=1234567" and parse_budget(big.key) == big
+    assert budget_label(big.key) == "1234567 entries"
+    assert parse_budget({"entries": 1234570}).key != big.key
+    tokens = parse_budget({"tokens": 2_000_000})
+    assert parse_budget(tokens.key) == tokens and tokens.label == "2000000 tok/head"
+    tiny = parse_budget("0.005%")  # :g writes it fraction=5e-05
+    assert parse_budget(tiny.key) == tiny and budget_label(tiny.key) == "0.005%"
+
+
+@pytest.mark.parametrize("spec", [{"tokens": 64.5}, {"entries": 100.7}, {"entries": float("inf")}])
+def test_budget_counts_must_be_whole(spec):
+    """entries() cut 64.5 tokens per head to 64 while the row's key said tokens=64.5."""
+    with pytest.raises(ValueError, match="must be a whole number"):
+        parse_budget(spec)
+    assert parse_budget({"tokens": 64.0}).key == "tokens=64"
+
+
+def test_kl_and_top1_refuses_logits_of_another_shape():
+    """A (1, V) against (T, V) broadcast: each reference position was scored against the one distribution."""
+    ref = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"one shape, got reference \(3, 2\) and \(1, 2\)"):
+        kl_and_top1(ref, ref[:1])
+    with pytest.raises(ValueError, match="one shape"):
+        kl_and_top1(ref[None], ref[None])  # a batch dimension left on

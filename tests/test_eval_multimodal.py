@@ -258,3 +258,39 @@ def test_a_dialogue_past_the_models_positions_is_said_per_item_and_marked(vl, tm
     said = [str(w.message) for w in caught if "positions" in str(w.message)]
     assert len(said) == 1 and said[0].startswith(f"{item.id}: ") and f"past the model's {limit:,} positions" in said[0]
     assert all(r["past_positions"] is True for r in rows) and len(rows) == 2
+
+
+def test_image_memory_photo_pool_is_fixed_and_photos_option_replaces_it(tmp_path, monkeypatch):
+    """The default pool is matplotlib's two photos whatever else is installed (a package that happens to be present
+    once changed every item's images); ``photos`` lists the files to crop instead, checked before any item."""
+    import sys
+    import types
+
+    from retention.eval.models import tiny_tokenizer
+    from retention.eval.tasks import generate
+    from retention.eval.tasks.image_memory import photo_sources
+
+    tok = tiny_tokenizer()
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    assert [p.name for p in photo_sources()] == ["grace_hopper.jpg", "Minduka_Present_Blue_Pack.png"]
+    before = generate("image_memory", tok, 300, 2, seed=3, images=2, size=64)
+    fake = tmp_path / "skimage"
+    (fake / "data").mkdir(parents=True)
+    for name in ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg"):
+        (fake / "data" / name).write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "skimage", types.SimpleNamespace(__file__=str(fake / "__init__.py")))
+    assert generate("image_memory", tok, 300, 2, seed=3, images=2, size=64) == before
+
+    # one file named as one of matplotlib's but showing something else: its crops get other names
+    from PIL import Image
+
+    other = tmp_path / "mine" / "grace_hopper.jpg"
+    other.parent.mkdir()
+    Image.new("RGB", (80, 60), (10, 200, 30)).save(other)
+    mine = generate("image_memory", tok, 300, 2, seed=3, images=2, size=64, photos=[str(other)])
+    assert [it.answers for it in mine] == [it.answers for it in before]
+    assert not set(mine[0].meta["images"]) & {n for it in before for n in it.meta["images"]}
+    with pytest.raises(ValueError, match="do not exist: .*nope.png"):
+        generate("image_memory", tok, 300, 1, photos=[str(tmp_path / "nope.png")])
+    with pytest.raises(ValueError, match="non-empty list"):
+        generate("image_memory", tok, 300, 1, photos=str(other))

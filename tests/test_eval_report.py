@@ -526,3 +526,20 @@ def test_eval_without_a_subcommand_names_the_subcommands(capsys):
     with pytest.raises(SystemExit) as stop:
         main([])
     assert stop.value.code == 2 and "arguments are required: {run,report,pool,list}" in capsys.readouterr().err
+
+
+def test_gap_weighs_a_tasks_lengths_equally_and_pairs_items_whatever_the_row_order():
+    """The interval averages as the summary does: items within a (task, length), then lengths, then tasks; an
+    item-weighted mean (5 items gap 10 at 1024, 10 items gap 30 at 4096) would give 23.3, not 20. Items pair by
+    id within their (task, length), not by row order: the full cache's rows are shuffled."""
+    import random
+
+    rows = []
+    for length, n, gap in ((1024, 5, 10.0), (4096, 10, 30.0)):
+        base = [float(7 * i % 60) for i in range(n)]  # items differ far more than the gap
+        rows += _rows(A[0], A[1], "t", [b + gap for b in base], length) + _rows(*FULL, "t", base, length)
+    full_rows = [r for r in rows if r["budget"] == "full"]
+    random.Random(0).shuffle(full_rows)
+    rows = [r for r in rows if r["budget"] != "full"] + full_rows
+    assert paired_gap_interval(rows, A, FULL, ["t"]) == pytest.approx((20.0, 20.0))
+    assert "+20.0 [+20.0, +20.0]" in summary_table(rows)

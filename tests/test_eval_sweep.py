@@ -251,6 +251,10 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
     ("{name: longbench_v2, params: {difficulty: hard, colour: red}}", "colour"),
     ("{name: mmdu, params: {turns: every}}", "turns"),
     ("ruller", "from the Hub: ['longbench', 'longbench_v2', 'mmdu', 'ruler']"),
+    # a generated task's options are checked here too, not when its items are drawn after the model loads
+    ("{name: niah_multikey, params: {key: 8}}", "niah_multikey takes no option 'key'"),
+    ("{name: dialogue_memory, params: {facts: 5}}", "facts must be a whole number from 1 to 4"),
+    ("{name: niah_single, params: [keys]}", "niah_single: params must be a mapping"),
 ])
 def test_hub_task_config_errors(tmp_path, task, message):
     from retention.eval.config import EvalConfigError, load_eval_config

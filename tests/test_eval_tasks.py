@@ -121,3 +121,33 @@ def test_a_dialogue_under_a_template_that_rerenders_answered_turns(tok):
             f"{item.answer_prefix}")
     assert history.endswith("<|im_end|>\n") and text == history + turn
     assert text.count(item.question) == 1 and text.count("<think>") == 2  # the last answer's block, as it was fed
+
+
+def test_document_qa_too_short_for_the_length_says_why(tok):
+    """fit_length's "not enough filler (43 units) for 4096 tokens" named neither the task nor a fix: the pydoc pool
+    has only three documents long enough for a section, which hold about 3,000 tokens together."""
+    with pytest.raises(ValueError, match=r"document_qa: item 0 has 3 sections .* short of length 4096; lower the "
+                                         r"length, or use another source \(only 3 'eval' documents"):
+        generate("document_qa", tok, 4096, 1, source="pydoc")
+
+
+@pytest.mark.parametrize("task, params, message", [
+    ("niah_multikey", {"key": 8}, "niah_multikey takes no option 'key'; its options: keys"),
+    ("niah_multikey", {"keys": 40}, "keys must be a whole number from 1 to 30, got 40"),
+    ("niah_multivalue", {"values": 0}, "values must be a whole number 1 or more, got 0"),
+    ("niah_multiquery", {"queries": 1}, r"queries must be a whole number from 2 to 30 \(one key: niah_single\)"),
+    ("dialogue_memory", {"facts": 5}, "facts must be a whole number from 1 to 4, got 5"),
+    ("frequent_words", {"top": 60}, r"top \(60\) must be below vocab_size \(60\)"),
+    ("fidelity", {"continuation": 2.5}, "continuation must be a whole number 1 or more, got 2.5"),
+])
+def test_task_options_are_checked_before_any_item(task, params, message):
+    """A misspelt option was a TypeError, too many keys or facts rng.sample's "Sample larger than population",
+    values=0 items with no answer (refused only when scored, after the model ran), queries=1 the question "the
+    special magic numbers for  and walnut"; check_params needs no tokenizer, so a config can call it first."""
+    from retention.eval.tasks import check_params
+
+    with pytest.raises(ValueError, match=message):
+        check_params(task, params)
+    with pytest.raises(ValueError, match=message):
+        generate(task, None, 256, 1, **params)
+    check_params(task, {})  # the defaults pass

@@ -59,6 +59,18 @@ def test_source_weights_are_checked_and_described(tmp_path):
         load_config(write(tmp_path, head + "    - {kind: multimodal, path: x.jsonl, weight: 2}\n"))
 
 
+def test_synthetic_task_options_are_checked_before_the_model_loads(tmp_path):
+    head = "budget:\n  tokens_per_head: 8\ndata:\n  seq_len: 256\n  sources:\n"
+    with pytest.raises(ConfigError, match=r"data.sources.0.params \(.*line 6\): niah_multikey takes no option 'key'"):
+        load_config(write(tmp_path, head + "    - {kind: synthetic, path: niah_multikey, max_docs: 2, length: 200, "
+                                           "params: {key: 8}}\n"))
+    with pytest.raises(ConfigError, match="niah_multivalue: values must be a whole number 1 or more, got 0"):
+        load_config(write(tmp_path, head + "    - {kind: synthetic, path: niah_multivalue, max_docs: 2, length: 200, "
+                                           "params: {values: 0}}\n"))
+    load_config(write(tmp_path, head + "    - {kind: synthetic, path: niah_multikey, max_docs: 2, length: 200, "
+                                       "params: {keys: 8}}\n"))
+
+
 def test_budget_needs_exactly_one_form(tmp_path):
     with pytest.raises(ConfigError, match="exactly one of budget.tokens_per_head or budget.global_entries"):
         load_config(write(tmp_path, "train:\n  steps: 2\n"))

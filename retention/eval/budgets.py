@@ -25,13 +25,15 @@ class Budget:
     @property
     def key(self) -> str:
         """Canonical text stored in results (``fraction=0.1``, ``entries=20000``, ``tokens=64``)."""
-        return f"{self.kind}={self.value:g}"
+        # counts in full: ``:g`` wrote 1234567 entries as 1.23457e+06, a key parse_budget refused (report, pool,
+        # publish) and that 1234570 entries shared
+        return f"{self.kind}={self.value:g}" if self.kind == "fraction" else f"{self.kind}={int(self.value)}"
 
     @property
     def label(self) -> str:
         if self.kind == "fraction":
             return f"{self.value * 100:g}%"
-        return f"{self.value:g} entries" if self.kind == "entries" else f"{self.value:g} tok/head"
+        return f"{int(self.value)} entries" if self.kind == "entries" else f"{int(self.value)} tok/head"
 
     def entries(self, context_tokens: int, streams: int) -> int:
         """Entries for a context of ``context_tokens`` tokens in a model with ``streams`` = L * H_kv."""
@@ -58,6 +60,9 @@ def parse_budget(spec: Any) -> Budget:
         if kind in KINDS and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             if kind == "fraction" and value > 1:
                 raise ValueError(f"budget {spec!r}: a fraction must be in (0, 1]")
+            if kind != "fraction" and not float(value).is_integer():  # entries() would cut it, the key would not
+                what = "KV entries" if kind == "entries" else "tokens per KV head"
+                raise ValueError(f"budget {spec!r}: {kind} must be a whole number of {what}")
             return Budget(kind, float(value))
     if isinstance(spec, str):
         s = spec.strip()
@@ -67,7 +72,8 @@ def parse_budget(spec: Any) -> Budget:
         m = re.fullmatch(r"([0-9]+)\s*(entries|tokens)", s)
         if m and int(m.group(1)) > 0:
             return Budget(m.group(2), float(m.group(1)))
-        m = re.fullmatch(r"(fraction|entries|tokens)=([0-9.]+)", s)  # the canonical key itself
+        # the canonical key itself (``:g`` writes a fraction under 1e-4 with an exponent: fraction=5e-05)
+        m = re.fullmatch(r"(fraction|entries|tokens)=([0-9.]+(?:e-[0-9]+)?)", s)
         if m:
             return parse_budget({m.group(1): float(m.group(2))})
     raise ValueError(f"budget {spec!r} is not allowed; use {allowed}")

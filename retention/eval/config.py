@@ -17,7 +17,7 @@ from .methods import Method, available_methods, make_method
 from .multimodal import IMAGE_TASKS
 from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task
-from .tasks import TASKS
+from .tasks import TASKS, check_params
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "eval" / "configs"  # the checkout's eval/configs
 
@@ -139,11 +139,13 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             _fail("tasks", f"unknown task {name!r}; {available}")
         if isinstance(t, dict) and set(t) - {"name", "params"}:
             _fail("tasks", f"a task entry takes 'name' and 'params', got {sorted(t)}")
-        if name in HUB_TASKS:
-            try:
-                check_hub_task(name, dict((t.get("params") or {}) if isinstance(t, dict) else {}))
-            except ValueError as e:
-                _fail("tasks", str(e))
+        params = (t.get("params") or {}) if isinstance(t, dict) else {}
+        if not isinstance(params, dict):
+            _fail("tasks", f"{name}: params must be a mapping of the task's options, got {params!r}")
+        try:  # a generated task's options too, before any model loads (a typo failed after the load)
+            (check_hub_task if name in HUB_TASKS else check_params)(name, dict(params))
+        except ValueError as e:
+            _fail("tasks", str(e))
     if not isinstance(cfg.methods, list) or not cfg.methods:
         _fail("methods", f"must be a non-empty list of {{name, params?, label?}}; available: {available_methods()}")
     labels = []

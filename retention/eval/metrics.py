@@ -105,6 +105,10 @@ def score_reply(metric: str, reply: str, answers: list[str]) -> float:
 
 def kl_and_top1(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """Mean ``KL(p_ref || p)`` in nats and top-1 agreement (%) over positions; logits ``(T, V)``."""
+    if reference_logits.shape != logits.shape or logits.dim() != 2:
+        # (1, V) against (T, V) broadcast silently: every reference position scored against one distribution
+        raise ValueError(f"kl_and_top1 needs two (positions, vocab) logits of one shape, got reference "
+                         f"{tuple(reference_logits.shape)} and {tuple(logits.shape)}")
     ref = torch.log_softmax(reference_logits.float(), -1)
     cur = torch.log_softmax(logits.float(), -1)
     kl = (ref.exp() * (ref - cur)).sum(-1).clamp_min(0).mean()

@@ -443,7 +443,7 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
 def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,
                      evicting: bool = False) -> None:
     """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
-    from retention.eval.tasks import TASKS  # light: generators only, no model
+    from retention.eval.tasks import TASKS, check_params  # light: generators only, no model
 
     # fidelity is plain text (use a text source) except for objective evict, which needs its context/continuation split
     usable = sorted(t for t in TASKS if t != "fidelity" or evicting)
@@ -462,6 +462,10 @@ def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str,
     if src.params is not None and not isinstance(src.params, dict):
         raise ConfigError(f"{key}.params must be a mapping of the task's options"
                           f"{_where(key + '.params', lines, source)}")
+    try:  # the generator's options, before the model loads (a typo failed when the items were drawn)
+        check_params(src.path, dict(src.params or {}))
+    except ValueError as e:
+        raise ConfigError(f"{key}.params{_where(key + '.params', lines, source)}: {e}") from None
 
 
 def resolve_config_path(path: str | Path) -> Path:

@@ -8,9 +8,11 @@ context, or the conversation so far), in tokens of ``tokenizer``.
 
 from __future__ import annotations
 
+import inspect
+import numbers
 from typing import TYPE_CHECKING, Any
 
-from .base import Item
+from .base import KEYS, Item
 from .dialogue import dialogue_memory
 from .fidelity import fidelity
 from .image_memory import image_memory
@@ -38,12 +40,54 @@ TASKS = {
 }
 
 
+# the counts a task's options may take, (least, most): outside them a generator failed deep inside (rng.sample's
+# "Sample larger than population"), or drew items with no answer that failed only when scored, after the model ran;
+# one query made "numbers for  and walnut"
+_COUNTS: dict[str, dict[str, tuple[int, int | None]]] = {
+    "niah_multikey": {"keys": (1, len(KEYS))},
+    "niah_multivalue": {"values": (1, None)},
+    "niah_multiquery": {"queries": (2, len(KEYS))},
+    "variable_tracking": {"hops": (0, None)},
+    "common_words": {"top": (1, None)},
+    "frequent_words": {"top": (1, None), "vocab_size": (2, None)},
+    "document_qa": {"sections": (1, None)},
+    "dialogue_memory": {"facts": (1, 4)},
+    "fidelity": {"continuation": (1, None)},
+}
+_COMMON = ("tokenizer", "length", "n", "seed", "split", "source")
+
+
+def check_params(task: str, params: dict[str, Any]) -> None:
+    """ValueError naming the problem and the task's options for an unknown task, an option it does not take, or a
+    count out of its range; nothing to load, so a config can check its tasks before a model loads."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; available: {sorted(TASKS)}")
+    signature = inspect.signature(TASKS[task]).parameters
+    options = [p for p in signature if p not in _COMMON]
+    unknown = sorted(set(params) - set(options))
+    if unknown:
+        raise ValueError(f"{task} takes no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(options) or 'none'}")
+    for name, (least, most) in _COUNTS.get(task, {}).items():
+        value = params.get(name)
+        if value is None:
+            continue
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if not whole or value < least or (most and value > most):
+            span = f"from {least} to {most}" if most else f"{least} or more"
+            hint = " (one key: niah_single)" if (task, name) == ("niah_multiquery", "queries") else ""
+            raise ValueError(f"{task}: {name} must be a whole number {span}{hint}, got {value!r}")
+    if task == "frequent_words":  # the answer is the top words of vocab_size, and one more is read to rank them
+        top, size = (params.get(k, signature[k].default) for k in ("top", "vocab_size"))
+        if top >= size:
+            raise ValueError(f"frequent_words: top ({top}) must be below vocab_size ({size})")
+
+
 def generate(task: str, tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
              source: str = "auto", **params: Any) -> list[Item]:
     """Items of a task by name (``params``: the task's own options, e.g. ``keys=8`` for ``niah_multikey``)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; available: {sorted(TASKS)}")
+    check_params(task, params)
     return TASKS[task](tokenizer, length, n, seed=seed, split=split, source=source, **params)
 
 
-__all__ = ["Item", "TASKS", "generate"]
+__all__ = ["Item", "TASKS", "check_params", "generate"]

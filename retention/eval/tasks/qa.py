@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..haystack import Document, documents
-from .base import Item, fit_length, item_id, rng_for
+from .base import Item, count_tokens, fit_length, item_id, rng_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +47,17 @@ def document_qa(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: i
                 break
         def build(k: int) -> str:
             return "\n\n".join(f"{h}:\n" + " ".join(s[:k]) for h, _, s in chosen)
-        context, k = fit_length(tokenizer, length, build, min(len(s) for _, _, s in chosen))
+        most = min(len(s) for _, _, s in chosen)
+        try:
+            context, k = fit_length(tokenizer, length, build, most)
+        except ValueError:  # fit_length's "not enough filler (43 units)" named neither the task nor a fix
+            have = count_tokens(tokenizer, build(most))
+            fix = ("give more sections (params: {sections: N})" if len(chosen) == m else
+                   f"use another source (only {len(docs)} {split!r} documents of {source!r} have 40 sentences)")
+            raise ValueError(
+                f"document_qa: item {i} has {len(chosen)} sections of {split!r} {source!r} documents, cut at the "
+                f"shortest one's {most} sentences: {have} tokens, short of length {length}; lower the length, or "
+                f"{fix}") from None
         target = rng.randrange(len(chosen))
         heading, answer, sents = chosen[target]
         quote = sents[rng.randrange(max(1, k))]
