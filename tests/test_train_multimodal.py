@@ -126,6 +126,22 @@ tracker: none}}
     assert gates.config.num_layers == 3
 
 
+def test_cached_lengths_follow_the_row_length(tmp_path, monkeypatch):
+    """An image task's items fill the row less its photos, so their lengths depend on data.seq_len; the lengths cache
+    was keyed without it, so a run at a longer seq_len packed its items by the shorter items' lengths and silently
+    left out every conversation that then overflowed its row (one of the two here)."""
+    from retention.train.config import DataConfig, SourceConfig
+    from retention.train.multimodal_data import build_multimodal
+
+    proc = tiny_qwen3_vl_processor()
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    source = SourceConfig(kind="synthetic", path="image_memory", max_docs=2, params={"images": 2, "size": 112})
+    for seq_len in (512, 1024):
+        rows, _ = build_multimodal(DataConfig(sources=[source], seq_len=seq_len, eval_fraction=0.0), proc,
+                                   cache=tmp_path / "lengths")
+        assert sum(len(rows[i]["cu_seqlens"]) - 1 for i in range(len(rows))) == 2  # every conversation, whole
+
+
 def test_llava_and_mmdu_layout_becomes_messages():
     from retention.train.multimodal_data import to_messages
     from retention.train.sources import DataError

