@@ -82,7 +82,8 @@ class EvictionPolicy(ABC):
         """Called once by the cache with the model (policies that need weights, e.g. ``W_O``, read them here)."""
 
     def set_budget(self, total: int, num_layers: int, num_heads: int) -> None:
-        """Called before each :meth:`score` with the budget being enforced (the first sequence's)."""
+        """Called before each :meth:`score` with the budget being enforced (once for each distinct budget of a batch
+        with one budget per sequence; the rows of that budget take that call's scores)."""
 
     def layer_budget_table(self, total: int, num_layers: int) -> torch.Tensor | None:
         """Entries per layer ``(L,)`` for ``budget_scope="layer"`` policies that allocate across layers
@@ -110,6 +111,10 @@ class EvictionPolicy(ABC):
                                  f"got {value!r}")
             if kind is numbers.Real and not math.isfinite(value):  # NaN passes every "< 0" check below
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            # a switch from a hand-written config ("no", "false", 0) is truthy or falsy by accident: value_norm="no"
+            # turned AdaKV into CriticalKV without a word
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
             # every policy that max-pools its scores over neighbours (SnapKV and its kin) names the width kernel
             if f.name == "kernel" and (value < 1 or value % 2 == 0):
                 raise ValueError(f"kernel must be odd and >= 1 (1: no pooling), got {value}")

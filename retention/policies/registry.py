@@ -51,8 +51,9 @@ def policy_params(name: str) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in hidden)
 
 
-def get_policy(name: str, **params: Any) -> EvictionPolicy:
+def get_policy(name: str, /, **params: Any) -> EvictionPolicy:
     """Build a policy: ``get_policy("snapkv", window=32, mode="streaming")``."""
+    # ``name`` is positional-only, so ``params`` naming ``name`` gets the error below, not a TypeError
     key = name.lower().replace("-", "_") if isinstance(name, str) else None
     if key not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; available: {sorted(POLICIES)}")

@@ -58,12 +58,12 @@ class PositionStats:
             if table is not None and table.shape[:2] == values.shape[:2]:
                 new[..., : table.shape[-1]] = table
             table = new
-        vals = values.float().masked_fill(~(view.valid & (view.pos >= 0)), 0.0)
-        if accumulate:
-            table.scatter_add_(-1, pos, vals)
-        else:
-            keep = ~(view.valid & (view.pos >= 0))
-            table.scatter_(-1, pos, torch.where(keep, table.gather(-1, pos), vals))
+        # only the real entries: a page-padded slot holds pos -1 (clamped to 0) or a stale position left by
+        # compaction, and a scatter over every slot let its "keep the old value" write land after the real
+        # entry's, so position 0 (the attention sink) lost its score whenever a length was not a page multiple
+        b, h, i = (view.valid & (view.pos >= 0)).nonzero(as_tuple=True)
+        vals = values.float()[b, h, i]
+        table.index_put_((b, h, view.pos[b, h, i]), vals, accumulate=accumulate)
         self.tables[layer] = table
 
     def lookup(self, entries: EntryView) -> torch.Tensor:
