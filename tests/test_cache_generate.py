@@ -355,7 +355,7 @@ def test_a_reset_cache_generates_and_reports_as_a_new_one():
     """After a left-padded batch under eviction, ``reset()`` leaves nothing behind: the next batch (padded otherwise, or
     not at all) generates the same tokens and the same memory report as a new cache."""
     model = _with_gates("llama")
-    opts = dict(budget=20, page_size=3, policy=get_policy("global_gates"), slack=2)
+    opts = dict(budget=30, page_size=3, policy=get_policy("global_gates"), slack=2)
     used = RetentionCache(model, **opts)
     _generate(model, used, **_left_padded([5, 13], 1), max_new_tokens=8, do_sample=False)
     assert used.evictions > 0

@@ -403,8 +403,8 @@ class _Oracle:
 
 @pytest.mark.parametrize("batch, lens, budget, slack, horizon, sink, recent, window, minimum, page_size, chunk, ties", [
     (3, (5, 12, 9), 20, 0, 1, 1, 0, 0, 0, 3, None, True),  # left padding, an eviction every step
-    (3, (5, 12, 9), [7, 40, 16], 3, 4, 2, 1, 0, 0, 5, 4, False),  # budgets per row, lookahead, chunked prefill
-    (2, (11, 4), 10, 0, 1, 4, 2, 0, 0, 3, None, True),  # sinks and recent window hold more than the budget
+    (3, (5, 12, 9), [18, 40, 24], 3, 4, 2, 1, 0, 0, 5, 4, False),  # budgets per row, lookahead, chunked prefill
+    (2, (11, 4), 36, 0, 1, 4, 2, 0, 0, 3, None, True),  # sinks and recent window fill the whole budget
     (2, (8, 13), 18, 2, 1, 0, 0, 1, 1, 4, 5, True),  # protected window and per-head minimum
     (2, (6, 9), 400, 0, 1, 4, 0, 0, 0, 3, None, False),  # a budget larger than the whole generation: no eviction
     (1, (14,), 9, 5, 4, 0, 0, 0, 0, 1, None, True),  # one entry per page
@@ -499,3 +499,23 @@ def test_budget_dependent_policies_score_each_row_at_its_own_budget(name, option
         caches[str(budgets)] = cache
     assert kept(caches["[200, 60]"], 1) == kept(caches["60"], 0)
     assert kept(caches["[200, 60]"], 0) == kept(caches["200"], 0)
+
+
+def test_a_budget_below_the_sinks_or_one_entry_per_head_is_refused():
+    """A global budget smaller than the gates' sinks in every stream dropped some sinks in every head (their +inf
+    ties went to the newest), and a per-head policy given fewer entries than streams kept nothing in some heads:
+    both are refused when the budget is set, naming the least budget that works."""
+    from retention.policies import get_policy
+
+    model = tiny_llama()
+    attach_gates(model, mode="score")
+    n = model.config.num_hidden_layers * model.config.num_key_value_heads
+    with pytest.raises(CacheBudgetError, match=f"sink=4, recent=2: 6 per stream.*>= {6 * n} entries"):
+        RetentionCache(model, budget=6 * n - 1, policy=GlobalGatesPolicy(sink=4, recent=2))
+    cache = RetentionCache(model, budget=6 * n, policy=GlobalGatesPolicy(sink=4, recent=2))
+    with pytest.raises(CacheBudgetError, match="always-kept"):
+        cache.set_budget([6 * n, 10])
+    with pytest.raises(CacheBudgetError, match=f"per-head policy \\(streamingllm\\).*>= {n} entries"):
+        RetentionCache(model, budget=n - 1, policy=get_policy("streamingllm"))
+    RetentionCache(model, budget=n, policy=get_policy("streamingllm"))
+    RetentionCache(model, budget=1, policy=GlobalGatesPolicy(sink=0))  # nothing held: any budget

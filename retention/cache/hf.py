@@ -233,6 +233,19 @@ class RetentionCache(Cache):
             raise CacheBudgetError(f"budget must be at least 1 entry, got {budget!r}")
         n = self.streams_per_seq
         need = (self.protected_window + self.min_per_head) * n
+        # tokens the policy keeps in every stream whatever the scores (the gates' sinks and recent window): a
+        # smaller budget silently dropped some sinks in every head (the +inf ties went to the newest)
+        held = getattr(self.policy, "sink", 0) + getattr(self.policy, "recent", 0) if self.policy.uses_gates else 0
+        if held * n > max(need, 1):
+            for b in values:
+                if b < held * n:
+                    raise CacheBudgetError(
+                        f"budget of {b} entries cannot hold the policy's always-kept tokens (sink={self.policy.sink}, "
+                        f"recent={self.policy.recent}: {held} per stream) in all {n} (layer, KV head) streams: use "
+                        f"a budget >= {held * n} entries or a smaller sink / recent")
+        if self.policy.budget_scope == "head" and self.policy.head_budgets is None and min(values) < n:
+            raise CacheBudgetError(f"budget of {min(values)} entries gives a per-head policy ({self.policy.name}) no "
+                                   f"entry in some of the {n} (layer, KV head) streams: use a budget >= {n} entries")
         if self.policy.budget_scope == "head" and self.policy.head_budgets is not None:
             hb = self.policy.head_budgets
             if tuple(hb.shape) != (self.num_layers, self.num_kv_heads):
