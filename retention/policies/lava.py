@@ -5,7 +5,10 @@ Score (Eq. 5): ``s_{l,h}[i] = max_k ||V_{l,h}[k]||_1 / w * sum_{j in window} A^j
 (``kernel``, as in its implementation); with GQA the score of a KV entry is the max over the query
 heads of its group. Eviction is layer-wise across heads (dynamic head budgets). Layer budgets are
 dynamic (Eq. 6-7): ``B_l = e_l / sum e * B`` with ``e_l`` the entropy of the layer's normalised scores
-divided by ``H * N``. The last ``window`` tokens are always kept.
+divided by ``H * N``. The last ``window`` tokens are always kept. Scores, pooling, ``max_k`` and the
+entropy cover the ``N`` entries before the window only (Algorithm 1 scores ``i not in [N - w, N]``; the
+authors' code, MGDDestiny/Lava ``snapkv_utils.py``, slices ``attn[..., :-window]`` and
+``value_states[..., :-window, :]``).
 
 One-shot (default): compress once after the prefill. Streaming: scores and layer entropies are
 refreshed from each chunk's window and the cache is compressed under the same total budget (the
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .scoring import max_pool
-from .window import WindowPolicy, window_attention
+from .window import WindowPolicy, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -39,10 +42,12 @@ class LAVaPolicy(WindowPolicy):
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         W = min(self.window, query.shape[2])
         attn = window_attention(query, view, query_pos, self.window).sum(3).amax(2)  # (B, H, L), max over group
-        vmax = (view.values.float().abs().sum(-1) * view.valid).amax(-1, keepdim=True)  # max_k ||V[k]||_1
-        s = max_pool(attn * vmax / W, self.kernel)
+        # Algorithm 1 scores only i not in [N - w, N]; the authors' code takes max_k ||V[k]||_1 over those entries
+        # (value_states[..., :-window, :]), pools them alone and computes the entropy over them (MGDDestiny/Lava)
+        ok = window_prefix(view, query_pos, self.window)  # (B, H, L)
+        vmax = (view.values.float().abs().sum(-1) * ok).amax(-1, keepdim=True)  # max_k ||V[k]||_1
+        s = max_pool(attn * vmax / W, self.kernel, within=ok)
         # the layer's uncertainty (Eq. 6-7) sets its share of the budget
-        ok = view.valid & (view.pos >= 0)
         p = (s * ok) / (s * ok).sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
         n = ok.sum(-1).amax(-1).clamp_min(1).float()  # N: entries per head
         ent = -(p * torch.log(p.clamp_min(1e-30))).sum(dim=(1, 2)) / (s.shape[1] * n)

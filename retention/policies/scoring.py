@@ -8,12 +8,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Max-pool ``(..., L)`` along the entries (in position order within a stream), same length."""
+def max_pool(scores: torch.Tensor, kernel: int, within: torch.Tensor | None = None) -> torch.Tensor:
+    """Max-pool ``(..., L)`` along the entries (in position order within a stream), same length.
+
+    ``within`` (bool, broadcastable to ``scores``, e.g. the ``(B, H, L)`` prefix of
+    :func:`retention.policies.window.window_prefix` with ``[:, :, None, None]`` for ``(B, H, G, W, L)`` scores):
+    the entries pooled, each over its neighbours in ``within`` only (the authors' codes pool the prefix's
+    scores alone, so the observation window lends its attention to no entry before it); the others keep their
+    own score. ``None``: every entry.
+    """
     if kernel <= 1:
         return scores
     shape = scores.shape
-    return F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).reshape(shape)
+    x = scores if within is None else scores.masked_fill(~within, float("-inf"))
+    pooled = F.max_pool1d(x.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).reshape(shape)
+    return pooled if within is None else torch.where(within, pooled, scores)
 
 
 def output_projections(model: nn.Module) -> list[torch.Tensor]:

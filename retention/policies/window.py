@@ -34,6 +34,20 @@ def window_attention(query: torch.Tensor, view: PaddedView, query_pos: torch.Ten
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
+def window_prefix(view: PaddedView, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``(B, H, L)`` bool: the real entries before the observation window, the only ones the window policies rank.
+
+    SnapKV's code scores ``attn[..., -window:, :-window]`` (FasterDecoding/SnapKV ``snapkv_utils.py``; likewise
+    KVCache-Factory, AdaKV, LAVa, CAKE and DefensiveKV) and concatenates the window, kept whole: pooling and any
+    statistic over entries (entropies, means, top-b) use these columns only. ``view`` pos / valid ``(B, H, L)``,
+    ``query_pos`` ``(B, Q)``; the window is the last ``min(window, Q)`` queries, as in :func:`window_attention`.
+    """
+    Q = query_pos.shape[1]
+    W = Q if window is None else min(window, Q)
+    first = query_pos[:, Q - W]  # (B,) position of the window's first query
+    return view.valid & (view.pos >= 0) & (view.pos < first[:, None, None])
+
+
 class PositionStats:
     """Per-layer ``(B, H, P)`` statistics indexed by true position ``P`` (grown as tokens arrive)."""
 
