@@ -26,7 +26,7 @@ import torch
 
 from .base import EntryView, protect
 from .scoring import max_pool, output_projections
-from .window import PositionStats, WindowPolicy, recent_mask, window_attention
+from .window import PositionStats, WindowPolicy, recent_mask, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -114,8 +114,7 @@ class AdaKVPolicy(WindowPolicy):
         s = attn.mean(2)
         # AdaKV's code pools the prefix's scores alone (calcul_attn_sore slices [..., :-window] before pooling), so
         # no entry borrows the window's attention; the window's own scores never decide anything (it counts first)
-        W = min(self.window, query.shape[2])
-        prefix = view.valid & (view.pos >= 0) & (view.pos < query_pos[:, -W][:, None, None])
+        prefix = window_prefix(view, query_pos, self.window)
         pooled = max_pool(s.masked_fill(~prefix, -float("inf")), self.kernel)
         return torch.where(prefix, pooled, s)
 

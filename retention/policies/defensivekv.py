@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .adakv import _layer_groups, l1_value_norms
 from .base import EntryView, protect
 from .scoring import output_projections
-from .window import PositionStats, WindowPolicy, recent_mask, window_attention
+from .window import PositionStats, WindowPolicy, recent_mask, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,8 +86,7 @@ class DefensiveKVPolicy(WindowPolicy):
         attn = window_attention(query, view, query_pos, self.window)  # (B, H, G, W, L)
         W = attn.shape[3]
         first = query_pos[:, -W]  # (B,) position of the first window query
-        ok = view.valid & (view.pos >= 0)
-        prefix = ok & (view.pos < first[:, None, None])  # the code scores keys[:-window] only
+        prefix = window_prefix(view, query_pos, self.window)  # the code scores keys[:-window] only
         p = prefix[:, :, None, None]
         a = attn * p
         base = a.sum(-1, keepdim=True)
