@@ -40,7 +40,7 @@ test-slow: $(STAMP)
 # the compiled Triton kernels on a CUDA GPU, in a process of their own (interpreter-mode modules set
 # TRITON_INTERPRET=1 for their whole process)
 test-gpu: $(STAMP)
-	$(PY) -m pytest -m gpu tests/test_gpu_kernels.py
+	$(PY) -m pytest -m gpu tests/test_gpu_kernels.py tests/test_gpu_train.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1
 if [ -d "$MODEL" ]; then export RETENTION_GPU_MODEL=$MODEL; fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: these checks need a GPU'" || exit 1
 # a process of its own: interpreter-mode test modules set TRITON_INTERPRET=1 for theirs
-$PY -m pytest -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -v --durations=8 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
+$PY -m pytest -p no:cacheprovider -m gpu tests/test_gpu_kernels.py tests/test_gpu_train.py -v --durations=8 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
 $PY -m retention.eval.bench_kernels --seq 4096 16384 32768 --dims 64 128 2>&1 | tee "$OUT/bench_kernels.txt"
 for dtype in float32 bfloat16; do
   $PY -m retention.eval.bench_train --model "$MODEL" --seq-len 4096 --reps 5 --dtype $dtype 2>&1

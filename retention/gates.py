@@ -151,13 +151,15 @@ class RetentionGates(nn.Module):
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid scores ``z``: ``x`` ``(B, T, D)`` -> ``(B, H, T)`` float32."""
-        x = x.to(torch.float32)
+        # in the weights' dtype: float32 gates score in float32 whatever the model's dtype, and DeepSpeed's bf16
+        # engine, which casts the trained module (gates too) to bf16 beside its fp32 master copy, scores in bf16
+        x = x.to(self.W1.dtype)
         phi = torch.einsum("btd,edr->betr", x, self.W1[layer]) + self.b1[layer][None, :, None, :]
         phi = self._act(phi)  # (B, E, T, r)
         w, b = self.readout(layer)
         # per-head MLP: head h reads its own embedding; per-layer MLP: every head reads the shared one
         eq = "bhtr,hr->bht" if phi.shape[1] > 1 else "betr,hr->bht"
-        return torch.einsum(eq, phi, w) + b[None, :, None]
+        return (torch.einsum(eq, phi, w) + b[None, :, None]).float()
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """``log_beta`` for one layer: ``x`` ``(B, T, D)`` -> ``(B, num_kv_heads, T)`` float32, <= 0."""

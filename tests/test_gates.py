@@ -99,6 +99,22 @@ def test_shared_readout_moves_every_layer_and_head():
     assert (after > before).all()
 
 
+@pytest.mark.parametrize("variant", ["global", "trimkv"])
+def test_gates_score_in_their_own_dtype_and_return_float32(variant):
+    """DeepSpeed's bf16 engine casts the trained module, gates included, to bf16 while the model's hidden states may
+    be float32 (seen on an H200 and on DeepSpeed's CPU accelerator: ZeRO-2 in bf16 stopped at the first step). The
+    gates score in their weights' dtype, from hidden states of any dtype, and always return float32 log-beta."""
+    g = make(variant)
+    x = torch.randn(2, 5, D)
+    ref = g(1, x)
+    g16 = make(variant).to(torch.bfloat16)
+    for inp in (x, x.bfloat16()):
+        out = g16(1, inp)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+    assert g(1, x.bfloat16()).dtype == torch.float32  # float32 gates on a bf16 model
+
+
 def test_wrong_hidden_size_is_a_clear_error():
     with pytest.raises(ValueError, match="hidden size 5, gates were built for 24"):
         make()(0, torch.randn(1, 3, 5))

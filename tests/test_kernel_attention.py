@@ -133,6 +133,23 @@ def test_dispatch_uses_reference_on_cpu_and_triton_when_forced(monkeypatch):
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_under_autocast_q_k_v_of_mixed_dtypes_run_in_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast on a GPU a model's RoPE returns float32 q and k beside a bf16 v (seen on an H200: the
+    kernel refused them, so training with fp32 weights and autocast, the GPU default, failed). As SDPA does, the
+    dispatch casts q, k, v to the autocast dtype (fp16 here: the interpreter's bf16 is wrong); log_beta stays fp32."""
+    monkeypatch.setenv("RETENTION_FORCE_TRITON", "1")
+    q, k, v, lb = make(1, 9, 9, 2, 2, 16, torch.float32, lb_lo=-0.5)
+    with pytest.raises(ValueError, match="must share a dtype"):  # without autocast, still a clear error
+        retention_attention(q, k, v.half(), lb)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = retention_attention(q, k, v.half(), lb)
+    assert out.dtype == torch.float16
+    same = retention_attention(q.half(), k.half(), v.half(), lb)
+    torch.testing.assert_close(out, same)
+    (g,) = torch.autograd.grad(out.float().sum(), lb)  # the gates still get their gradient, in fp32
+    assert g.dtype == torch.float32 and g.abs().sum() > 0
+
+
 def test_bad_inputs_are_clear_errors(monkeypatch):
     q, k, v, lb = make(1, 8, 8, 2, 2, 16, torch.float32, lb_lo=-0.5)
     with pytest.raises(ValueError, match="share a dtype"):

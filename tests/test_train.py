@@ -1,6 +1,7 @@
 """End-to-end training on a tiny random Llama: losses move, resume is exact, two processes equal one."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -532,6 +533,28 @@ def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tm
                                        *lora]), resume="latest")
     assert "written by a DeepSpeed run of 2 processes and this run has no DeepSpeed" in capsys.readouterr().out
     assert [r["step"] for r in plain["history"]] == [1, 2, 3]
+
+
+def test_deepspeed_in_bf16_trains_the_gates(tiny_setup, tmp_path):
+    """DeepSpeed's bf16 engine (the qwen3vl recipe's precision) casts the trained module, gates included, to bf16
+    beside fp32 master weights. The gates scored float32 hidden states with bf16 weights and ZeRO-2 stopped at its
+    first step (seen on an H200, and here). One process of ZeRO-2 in bf16 on DeepSpeed's CPU accelerator: it says it
+    runs under DeepSpeed, the loss falls, and the exported gates are float32 and trained. (Its GPU twin, with resume
+    and both stages, is in test_gpu_train.py.)"""
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "bf16")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
+           str(REPO / "configs" / "deepspeed" / "zero2.json"), "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "bf16", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(REPO / "train.py"), "--config", str(cfg_file), "--set", "train.steps=3", "--set", "train.batch_size=2",
+           "--set", "train.mixed_precision=bf16"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 process (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
+    losses = [r["loss"] for r in json.loads((tmp_path / "bf16" / "history.json").read_text())]
+    assert len(losses) == 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    gates = load_gates(tmp_path / "bf16" / "final")
+    assert gates.W1.dtype == torch.float32 and (gates.W1 - tiny_gates_init(gates)).abs().max() > 1e-3
 
 
 class Payload:

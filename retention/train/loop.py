@@ -503,8 +503,9 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
     if main:
         n = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves each rank a shard (numel 0)
-        world = (f"{accelerator.num_processes} processes ({accelerator.distributed_type.value})"
-                 if accelerator.num_processes > 1 else "1 process")
+        kind = accelerator.distributed_type.value
+        world = (f"{accelerator.num_processes} processes ({kind})" if accelerator.num_processes > 1
+                 else "1 process" + ("" if kind == "NO" else f" ({kind})"))  # one GPU under DeepSpeed says so
         data_text = (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, "
                      f"budget {budget_text}" if evicting else
                      f"budget {budget_text}; {len(train_rows)} train / {len(eval_rows)} held-out rows of "

@@ -50,10 +50,17 @@ def retention_attention(
     """Retention-gated attention ``(B, Tq, Hq, D)``; see :mod:`.reference` for the math and shapes.
 
     ``backend``: ``"auto"`` (Triton on CUDA; on CPU SDPA with a materialised bias for short sequences,
-    the blocked reference for long ones), ``"triton"`` or ``"reference"``.
+    the blocked reference for long ones), ``"triton"`` or ``"reference"``. Under autocast, ``q``, ``k`` and ``v``
+    are cast to the autocast dtype first, as SDPA's are.
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        # as SDPA under autocast: q, k, v in the autocast dtype (a model's RoPE multiplies q and k by float32 cos/sin
+        # under bf16 autocast, so they arrive float32 beside a bf16 v); log_beta stays float32
+        dt = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if _use_triton(q, backend):
         from .triton_kernel import retention_attention_triton
 
