@@ -85,6 +85,7 @@ def capacity_loss(
     form: str = "global",
     cu_seqlens: torch.Tensor | None = None,
     reduction: str = "mean",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Hinge on the soft cache size, normalised by how far the full cache is past the budget.
 
@@ -95,6 +96,7 @@ def capacity_loss(
     fraction of the excess the soft cache still keeps, in [0, 1]. The mean runs over active terms
     (positions where the full cache is past the budget), so the term is right for any batch size and
     packing; ``reduction="sum"`` puts the sum in ``loss`` and the count in ``stats["capacity_terms"]``.
+    ``mask`` ``(B, T)`` bool: positions to leave out (False), e.g. a packed row's padding.
     Returns ``(loss, stats)``.
     """
     if form not in ("global", "per_head"):
@@ -109,6 +111,8 @@ def capacity_loss(
         S = capacity_sum(lb, cu_seqlens, reduce=False)  # (B, N, T)
         full = (t + 1)[:, None].expand(B, N, T)
     active = full > budget
+    if mask is not None:
+        active = active & (mask if form == "global" else mask[:, None])
     terms = (S - budget).clamp_min(0) / (full - budget).clamp_min(1)
     count = int(active.sum())
     total = terms[active].sum() if count else lb.sum() * 0.0

@@ -57,6 +57,13 @@ def test_pack_never_cuts_whole_documents():
     assert sum(i >= 1000 for r in rows for i in r.input_ids) == placed_tokens  # no piece of a cut one
     text_ids = [i for r in rows for i in r.input_ids if 0 < i < 1000]  # 0: padding (and one text token)
     assert len(text_ids) == len(set(text_ids))
+    # the padding is counted, and collate leaves it out of the capacity loss
+    padded = [r for r in rows if r.pad]
+    assert padded and all(r.input_ids[-r.pad:] == [0] * r.pad and not any(r.loss_mask[-r.pad:]) for r in padded)
+    assert all(r.position_ids[-r.pad:] == list(range(r.pad)) for r in padded)  # a document of its own
+    batch = collate(rows)
+    assert batch["capacity_mask"].tolist() == [[t < 10 - r.pad for t in range(10)] for r in rows]
+    assert "capacity_mask" not in collate([r for r in rows if not r.pad])
 
 
 def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):

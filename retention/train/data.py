@@ -205,6 +205,7 @@ class PackedRow:
     position_ids: list[int]
     loss_mask: list[bool]
     loss_weight: list[float] | None = None  # per position, the weight of its document's source (None: all 1)
+    pad: int = 0  # padding tokens at the row's end: never distilled, and outside the capacity loss
 
 
 def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]:
@@ -224,6 +225,7 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
     weight: list[float] = []
     waiting: list[dict[str, Any]] = []  # whole documents for the next row
     holds_whole = False  # the open row holds a whole document
+    pad = 0  # padding tokens at the open row's end
 
     def add(piece: list[int], pmask: list[bool], w: float = 1.0) -> None:
         ids.extend(piece)
@@ -237,11 +239,11 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
         holds_whole = True
 
     def close_if_full() -> None:
-        nonlocal ids, pos, mask, weight, holds_whole
+        nonlocal ids, pos, mask, weight, holds_whole, pad
         while len(ids) == seq_len:
             mask[-1] = False  # the row's last token has no next token in this row
-            rows.append(PackedRow(ids, pos, mask, weight if any(w != 1.0 for w in weight) else None))
-            ids, pos, mask, weight, holds_whole = [], [], [], [], False
+            rows.append(PackedRow(ids, pos, mask, weight if any(w != 1.0 for w in weight) else None, pad))
+            ids, pos, mask, weight, holds_whole, pad = [], [], [], [], False, 0
             while waiting and len(waiting[0]["input_ids"]) <= seq_len - len(ids):
                 add_whole(waiting.pop(0))
 
@@ -267,7 +269,8 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
     while holds_whole or waiting:  # no text left to fill around them: pad
         if not ids and waiting:
             add_whole(waiting.pop(0))
-        add([0] * (seq_len - len(ids)), [False] * (seq_len - len(ids)))
+        pad = seq_len - len(ids)
+        add([0] * pad, [False] * pad)
         holds_whole = True
         close_if_full()
     return rows
@@ -275,7 +278,8 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
 
 def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     """Rows -> ``input_ids``, ``position_ids``, ``loss_mask`` ``(B, T)`` and ``cu_seqlens`` over ``B * T``;
-    ``loss_weight`` ``(B, T)`` float32 too when a row holds a source weighted other than 1."""
+    ``loss_weight`` ``(B, T)`` float32 too when a row holds a source weighted other than 1, and ``capacity_mask``
+    ``(B, T)`` bool (False on padding) when a row is padded."""
     ids = torch.tensor([r.input_ids for r in rows])
     pos = torch.tensor([r.position_ids for r in rows])
     B, T = ids.shape
@@ -285,6 +289,8 @@ def collate(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
            "cu_seqlens": cu}
     if any(r.loss_weight is not None for r in rows):
         out["loss_weight"] = torch.tensor([r.loss_weight or [1.0] * T for r in rows], dtype=torch.float32)
+    if any(r.pad for r in rows):
+        out["capacity_mask"] = torch.arange(T)[None] < torch.tensor([[T - r.pad] for r in rows])
     return out
 
 

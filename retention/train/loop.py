@@ -571,7 +571,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
             weights=batch.get("loss_weight") if weighted else None,
         )
         cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"],
-                                           reduction="sum")
+                                           reduction="sum", mask=batch.get("capacity_mask"))
         kl, cap = global_mean(kl_sum, kl_n), global_mean(cap_sum, cap_stats["capacity_terms"])
         loss = kl + cfg.loss.capacity_weight * cap
         if cfg.loss.ce_weight:
