@@ -303,6 +303,19 @@ def load_processor(path: str, config: Any, revision: str | None = None, **kwargs
                       tokenizer=tokenizer, video_processor=None, chat_template=template)
 
 
+def _config_dtype(config: Any) -> torch.dtype:
+    """The floating dtype a model config names (``dtype`` or the older ``torch_dtype``; a VLM's text config too),
+    else float32."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for attr in ("dtype", "torch_dtype"):
+            value = getattr(cfg, attr, None) if cfg is not None else None
+            if isinstance(value, str):
+                value = getattr(torch, value, None)
+            if isinstance(value, torch.dtype) and value.is_floating_point:
+                return value
+    return torch.float32
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -316,21 +329,25 @@ def load_model(
     """Load a base model and its tokenizer (text models) or processor (vision-language models).
 
     ``name_or_path``: an embedded name (``smollm2-135m``), a Hub id (``Qwen/Qwen3-VL-4B-Instruct``) or a
-    local folder. Returns ``(model, tokenizer_or_processor)`` with the model in eval mode. Keyword arguments
+    local folder. ``dtype``: a torch dtype or its name, ``"auto"`` for the checkpoint's own, or None (float32).
+    Returns ``(model, tokenizer_or_processor)`` with the model in eval mode. Keyword arguments
     that name config attributes override them (``sliding_window=None``); the rest go to ``from_pretrained``.
     With ``check_support`` (the default) an architecture the gates cannot drive is refused from its config,
     before the weights load (:func:`retention.attach.check_supported`).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    if isinstance(dtype, str):
+    if isinstance(dtype, str) and dtype != "auto":
         if dtype not in MODEL_DTYPES:  # "int8" got past a torch-attribute check and failed inside transformers
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)} (or a torch.dtype)")
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(MODEL_DTYPES)}, 'auto' (the "
+                             "checkpoint's own) or a torch.dtype")
         dtype = getattr(torch, dtype)
     if device is not None and (problem := device_problem(str(device))):  # before the weights load, not after
         raise ValueError(f"device: {problem}")
     path = resolve_model_path(name_or_path)
     config, model_kwargs = load_config(name_or_path, revision=revision, check_support=check_support, **kwargs)
+    if dtype == "auto":  # as transformers' dtype="auto": the dtype the checkpoint's config names, else float32
+        dtype = _config_dtype(config)
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
                   dtype=dtype or torch.float32, **model_kwargs)
     # the processor first: seconds, where the weights may take minutes, and it fails for reasons of its own

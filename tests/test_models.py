@@ -91,9 +91,28 @@ def test_a_device_or_dtype_load_model_cannot_use_is_refused_before_the_weights_l
         load_model("smollm2-135m", device="cuda")
     with pytest.raises(ValueError, match="'gpu' is not a device"):
         load_model("smollm2-135m", device="gpu")
-    for dtype in ("int8", "float64", "auto"):
-        with pytest.raises(ValueError, match=f"unknown dtype '{dtype}'; use one of float32, bfloat16, float16"):
+    for dtype in ("int8", "float64", "Auto"):
+        with pytest.raises(ValueError, match=f"unknown dtype '{dtype}'; use one of float32, bfloat16, float16, 'auto'"):
             load_model("smollm2-135m", dtype=dtype)
+
+
+def test_dtype_auto_loads_the_checkpoints_own_dtype(tmp_path):
+    """As transformers' dtype="auto": a checkpoint saved in bf16 loads in bf16, one whose config names no dtype in
+    float32; None stays float32 whatever the checkpoint holds."""
+    from tiny_models import tiny_llama
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    tiny_llama().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tok.save_pretrained(tmp_path / "bf16")
+    assert load_model(str(tmp_path / "bf16"), dtype="auto")[0].dtype == torch.bfloat16
+    assert load_model(str(tmp_path / "bf16"))[0].dtype == torch.float32
+    config = tiny_llama().config
+    config.dtype = None
+    assert models._config_dtype(config) == torch.float32
+    config.dtype = "float16"
+    assert models._config_dtype(config) == torch.float16
 
 
 @pytest.mark.parametrize("name", ["./no-such-model", "/no/such/model", "~/no-such-model", "runs/a/no-such-model"])
