@@ -477,8 +477,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path
     train(load_config(cfg_file, over + ["train.steps=3", "train.batch_size=2"]))
     cfg2 = tmp_path / "two.yaml"
     cfg2.write_text(cfg_file.read_text().replace(str(tmp_path / "one"), str(tmp_path / "two")))
-    _two_processes(tmp_path, ["--multi_gpu"], "MULTI_CPU", [[str(REPO / "train.py"), "--config", str(cfg2), "--set",
-                                                             "train.steps=3", "--set", "train.batch_size=1"]])
+    _launched(tmp_path, ["--multi_gpu"], "MULTI_CPU", [[str(REPO / "train.py"), "--config", str(cfg2), "--set",
+                                                         "train.steps=3", "--set", "train.batch_size=1"]])
     h = json.loads((tmp_path / "two" / "history.json").read_text())
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     assert [r["loss"] for r in h] == pytest.approx([r["loss"] for r in h1], rel=1e-5)
@@ -542,15 +542,11 @@ def test_deepspeed_in_bf16_trains_the_gates(tiny_setup, tmp_path):
     runs under DeepSpeed, the loss falls, and the exported gates are float32 and trained. (Its GPU twin, with resume
     and both stages, is in test_gpu_train.py.)"""
     cfg_file, _ = config_for(tiny_setup, tmp_path / "bf16")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
-           str(REPO / "configs" / "deepspeed" / "zero2.json"), "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "bf16", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           str(REPO / "train.py"), "--config", str(cfg_file), "--set", "train.steps=3", "--set", "train.batch_size=2",
-           "--set", "train.mixed_precision=bf16"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 process (DEEPSPEED)" in proc.stdout, proc.stdout[-2000:]
+    zero2 = str(REPO / "configs" / "deepspeed" / "zero2.json")
+    _launched(tmp_path, ["--use_deepspeed", "--deepspeed_config_file", zero2], "DEEPSPEED",
+              [[str(REPO / "train.py"), "--config", str(cfg_file), "--set", "train.steps=3", "--set",
+                "train.batch_size=2", "--set", "train.mixed_precision=bf16"]],
+              processes=1, mixed_precision="bf16", DS_ACCELERATOR="cpu")
     losses = [r["loss"] for r in json.loads((tmp_path / "bf16" / "history.json").read_text())]
     assert len(losses) == 3 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     gates = load_gates(tmp_path / "bf16" / "final")
@@ -608,23 +604,25 @@ def _deepspeed_runs(tmp_path: Path, stage: int, runs: list[list[str]], pythonpat
     ds_config = json.loads((REPO / "configs" / "deepspeed" / f"zero{stage}.json").read_text())
     ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    return _two_processes(tmp_path, ["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")],
-                          "DEEPSPEED", runs, pythonpath, DS_ACCELERATOR="cpu")
+    return _launched(tmp_path, ["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json")],
+                     "DEEPSPEED", runs, pythonpath, DS_ACCELERATOR="cpu")
 
 
-def _two_processes(tmp_path: Path, launcher: list[str], kind: str, runs: list[list[str]], pythonpath: str = str(REPO),
-                   **env: str) -> list[str]:
-    """Launch each of ``runs`` (a script and its arguments) as two CPU processes, as users launch them (``accelerate
-    launch`` with ``launcher``'s flags); each must finish and say it ran as two processes of ``kind``. Their outputs."""
+def _launched(tmp_path: Path, launcher: list[str], kind: str, runs: list[list[str]], pythonpath: str = str(REPO),
+              processes: int = 2, mixed_precision: str = "no", **env: str) -> list[str]:
+    """Launch each of ``runs`` (a script and its arguments) as ``processes`` CPU processes, as users launch them
+    (``accelerate launch`` with ``launcher``'s flags); each must finish and say it ran as that many processes of
+    ``kind``. Their outputs."""
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **env}
+    world = f"{processes} processes ({kind})" if processes > 1 else f"1 process ({kind})"
     outs = []
     for args in runs:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", "2", "--num_machines",
-               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"2 processes ({kind})" in proc.stdout, proc.stdout[-2000:]
+        assert world in proc.stdout, proc.stdout[-2000:]
         outs.append(proc.stdout)
     return outs
 
