@@ -1,4 +1,5 @@
-"""RetentionCache inside ``model.generate``: unlimited budget == DynamicCache, batching == alone, VL, crop."""
+"""RetentionCache inside ``model.generate``: unlimited budget == DynamicCache, batching == alone (every policy), VL,
+crop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import DynamicCache
 from retention.attach import attach_gates
 from retention.compat import cache_kwargs
 from retention.policies import get_policy
+from retention.policies.registry import POLICIES
 from retention.cache import RetentionCache
 from tiny_models import BUILDERS, vl_inputs
 
@@ -85,6 +87,59 @@ def test_batch_of_different_lengths_equals_each_alone(budget_tokens, policy):
         assert torch.equal(out[i, T:], alone[i])
     if budget is not None:
         assert bool((cache.store.lengths.view(3, -1).sum(1) <= budget + 6).all())
+
+
+def _kept(cache: RetentionCache, row: int, shift: int) -> list[list[int]]:
+    """Positions kept per (layer, head) for batch row ``row``, less ``shift`` (its left padding)."""
+    out = []
+    for layer in range(cache.store.num_layers):
+        view = cache.store.gather_layer(layer)
+        for h in range(view.pos.shape[1]):
+            pos = view.pos[row, h][view.valid[row, h] & (view.pos[row, h] >= 0)]
+            out.append(sorted((pos - shift).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"full", "random"}))
+def test_every_policy_keeps_for_a_padded_batch_what_it_keeps_for_each_sequence_alone(name):
+    """A sequence's evictions do not depend on what it is batched with: LAVa's layer entropies, CAKE's layer
+    preferences and PyramidKV's context length are each sequence's own (they were pooled over the batch), and the
+    SnapKV share of ``gates_snapkv`` neither lets padding take picks nor breaks ties by slot."""
+    model = _with_gates("qwen3")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 100, (n,), generator=g) for n in (70, 140, 90, 110)]
+    budget = RetentionCache.budget_for(model, 60)
+
+    def prefill(ids, mask=None):
+        cache = RetentionCache(model, budget=budget, policy=get_policy(name), slack=0)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
+        cache.compress()
+        return cache
+
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
+    batch = prefill(ids, mask)
+    for i, p in enumerate(prompts):
+        alone = prefill(p[None])
+        assert _kept(batch, i, T - len(p)) == _kept(alone, 0, 0), i
+    assert int(batch.store.lengths.sum()) <= len(prompts) * budget
+
+
+def test_per_sequence_allocations_follow_the_batch_reorder():
+    """``select_batch`` (beam search) moves each sequence's layer statistics with its row."""
+    policy = get_policy("lava")
+    policy.entropy.put(0, torch.tensor([1.0, 3.0]))
+    policy.entropy.put(1, torch.tensor([3.0, 1.0]))
+    first = policy.layer_budget_table(100, 2, seq=0).tolist()
+    assert first == [25, 75] and policy.layer_budget_table(100, 2, seq=1).tolist() == [75, 25]
+    policy.select_batch(torch.tensor([1, 1, 0]))
+    assert [policy.layer_budget_table(100, 2, seq=s).tolist() for s in range(3)] == [[75, 25], [75, 25], first]
+    policy.reset()
+    assert policy.layer_budget_table(100, 2) is None
 
 
 @pytest.mark.smollm2

@@ -159,7 +159,7 @@ def test_every_policy_keeps_exactly_its_budget(name, params, mode):
     used = {}  # the allocation the eviction used (streaming policies refresh it as queries arrive)
     for hook in ("layer_budget_table", "head_budget_table"):
         real = getattr(policy, hook)
-        setattr(policy, hook, lambda *a, _r=real, _h=hook: used.setdefault(_h, _r(*a)))
+        setattr(policy, hook, lambda *a, _r=real, _h=hook, **kw: used.setdefault(_h, _r(*a, **kw)))
     ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids[:, :30], **cache_kwargs(cache))  # prefill

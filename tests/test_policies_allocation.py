@@ -15,6 +15,7 @@ from retention.cache import RetentionCache
 from retention.compat import cache_kwargs
 from retention.policies import EvictionPolicy, get_policy
 from retention.policies.pyramidkv import pyramid_budgets
+from retention.policies.window import SequenceStats
 from tiny_models import tiny_llama
 
 LAYERS, KV_HEADS, Q_HEADS = 4, 3, 9
@@ -162,7 +163,7 @@ def test_cake_keeps_the_reference_entries_in_every_head(tau1, tau2):
         disp = -float((A * torch.log(A + 1e-10)).sum())
         var = A.var(1)  # unbiased over the window queries (torch.var's default)
         prefs.append(disp ** (1 / tau1) * float(var.sum()) ** (1 / tau2))
-        assert policy.preference[layer] == pytest.approx(prefs[-1], rel=1e-4)
+        assert float(policy.preference[layer][0]) == pytest.approx(prefs[-1], rel=1e-4)
         ind = A.mean(1) + gamma * var  # (Hq, n)
         pooled = [[sum(float(ind[g, i + d]) for d in range(-2, 3) if 0 <= i + d < n) / 5 for i in range(n)]
                   for g in range(Q_HEADS)]
@@ -183,8 +184,9 @@ def test_cake_keeps_the_window_on_top_and_caps_a_layer_at_its_prefix():
     """Budgets from set preferences: every layer keeps the window plus its share of the prefix budget, a layer
     whose share passes its prefix is capped and the excess spread evenly over the others (remainder first)."""
     pol = get_policy("cake", window=32)
-    pol.preference = {0: 1.0, 1: 1.0, 2: 0.05, 3: 20.0}
-    pol.context = {l: 200 for l in range(4)}
+    prefs = (1.0, 1.0, 0.05, 20.0)
+    pol.preference = SequenceStats({l: torch.tensor([p], dtype=torch.float64) for l, p in enumerate(prefs)})
+    pol.context = SequenceStats({l: torch.tensor([200.0]) for l in range(4)})
     table = pol.head_budget_table(100 * 4 * 3, 4, 3)
     prefix_total = (100 - 32) * 4
     want = reference_adjust([p / 22.05 * prefix_total for p in (1.0, 1.0, 0.05, 20.0)], prefix_total, 200 - 32)
@@ -195,5 +197,5 @@ def test_cake_keeps_the_window_on_top_and_caps_a_layer_at_its_prefix():
 
 def test_cake_falls_back_to_the_even_split_without_room_for_the_windows():
     pol = get_policy("cake", window=32)
-    pol.preference = {0: 1.0, 1: 2.0}
+    pol.preference = SequenceStats({0: torch.tensor([1.0]), 1: torch.tensor([2.0])})
     assert pol.head_budget_table(30 * 2 * 3, 2, 3) is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from retention.policies import get_policy
+from retention.policies.window import SequenceStats
 from test_policies import D, attention, entries_for, layer_view
 
 
@@ -124,8 +125,9 @@ def test_cake_indicator_and_layer_preference():
             torch.testing.assert_close(pol.score(entries_for(view))[0, :n], torch.tensor(want), rtol=1e-5, atol=1e-7)
         disp = -sum(A[g][t][i] * math.log(A[g][t][i] + 1e-10) for g in range(2) for t in range(3) for i in range(n))
         prefs.append(disp * sum(sum(v) for v in var))
-        assert pol.preference[layer] == pytest.approx(prefs[-1], rel=1e-5)
-    pol.context = {0: 1000, 1: 1000}  # long enough that no layer is capped at its prefix
+        assert float(pol.preference[layer][0]) == pytest.approx(prefs[-1], rel=1e-5)
+    # long enough that no layer is capped at its prefix
+    pol.context = SequenceStats({0: torch.tensor([1000.0]), 1: torch.tensor([1000.0])})
     table = pol.head_budget_table(1000, 2, 1)
     shares = [math.floor(p / sum(prefs) * (1000 - 2 * 3)) for p in prefs]
     shares[0] += 1000 - 2 * 3 - sum(shares)  # the truncation's remainder, to the first layer

@@ -139,7 +139,7 @@ def test_lava_scores_pools_and_allocates_from_the_prefix_only():
         total = sum(ref.values())
         entropy.append(-sum(x / total * math.log(x / total) for x in ref.values() if x > 0) / (H * N))
         refs.append(ref)
-        assert math.isclose(policy.entropy[layer], entropy[-1], rel_tol=1e-4)
+        assert math.isclose(float(policy.entropy[layer][0]), entropy[-1], rel_tol=1e-4)
     budget = [math.floor(e / sum(entropy) * per_head * L * H) for e in entropy]
     for layer in range(L):
         rows = kept[layer * H : layer * H + H]

@@ -550,23 +550,18 @@ class RetentionCache(Cache):
         if scope == "global":
             group, budget = local, budgets
         elif scope == "layer":
-            tables = [self.policy.layer_budget_table(int(b), L) for b in budgets.tolist()]
-            if tables[0] is not None:  # allocation across layers from what the policy observed
-                budget = torch.cat([t.to(dev, torch.long) for t in tables])
-            else:
-                budget = (budgets // L).repeat_interleave(L)
+            # each sequence's own allocation across layers (LAVa), from what the policy observed of it and not of
+            # its batchmates; the even split while it has observed nothing
+            budget = torch.cat([_or_even(self.policy.layer_budget_table(b, L, seq=q), b, L, dev)
+                                for q, b in zip(seqs.tolist(), budgets.tolist())])
             group = local * L + layer
         else:
             group = torch.arange(len(rows), device=dev)
-            tables = None
-            if self.policy.head_budgets is None:
-                tables = [self.policy.head_budget_table(int(b), L, H) for b in budgets.tolist()]
-            if tables is not None and tables[0] is not None:  # uneven split across layers (PyramidKV)
-                budget = torch.cat([t.to(dev, torch.long).flatten() for t in tables])
-            elif self.policy.head_budgets is not None:
+            if self.policy.head_budgets is not None:  # a fixed (L, H) split
                 budget = self.policy.head_budgets.to(dev, torch.long).flatten().repeat(len(seqs))
-            else:
-                budget = (budgets // n).repeat_interleave(n)
+            else:  # each sequence's uneven split across layers (PyramidKV, CAKE), else the even one
+                budget = torch.cat([_or_even(self.policy.head_budget_table(b, L, H, seq=q), b, n, dev)
+                                    for q, b in zip(seqs.tolist(), budgets.tolist())])
         keep = select_keep(score, view.pos, valid, group, budget, forced)
         store.compact(rows, keep)
         self._pad_entries[seqs.cpu()] = 0
@@ -605,6 +600,13 @@ class RetentionCache(Cache):
             "peak_entries": self.peak_entries,
             "evictions": self.evictions,
         })
+
+
+def _or_even(table: torch.Tensor | None, total: int, parts: int, device: torch.device) -> torch.Tensor:
+    """A policy's budget table flattened ``(parts,)`` int64, or ``total`` split evenly over ``parts`` without one."""
+    if table is None:
+        return torch.full((parts,), total // parts, dtype=torch.long, device=device)
+    return table.to(device, torch.long).flatten()
 
 
 def kept_where(cache: "RetentionCache", marked: torch.Tensor) -> int:

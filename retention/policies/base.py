@@ -85,14 +85,16 @@ class EvictionPolicy(ABC):
         """Called before each :meth:`score` with the budget being enforced (once for each distinct budget of a batch
         with one budget per sequence; the rows of that budget take that call's scores)."""
 
-    def layer_budget_table(self, total: int, num_layers: int) -> torch.Tensor | None:
-        """Entries per layer ``(L,)`` for ``budget_scope="layer"`` policies that allocate across layers
-        from what they observed (CAKE, LAVa); ``None`` keeps the even split."""
+    def layer_budget_table(self, total: int, num_layers: int, seq: int = 0) -> torch.Tensor | None:
+        """Entries per layer ``(L,)`` of sequence ``seq`` (its row in the batch) for ``budget_scope="layer"``
+        policies that allocate across layers from what they observed of it (LAVa); ``None`` keeps the even
+        split."""
         return None
 
-    def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
-        """Entries per (layer, head) ``(L, H)`` for a total budget, for policies that allocate unevenly
-        across layers (PyramidKV); ``None`` keeps the cache's default split for ``budget_scope``."""
+    def head_budget_table(self, total: int, num_layers: int, num_heads: int, seq: int = 0) -> torch.Tensor | None:
+        """Entries per (layer, head) ``(L, H)`` of sequence ``seq`` (its row in the batch) for a total budget, for
+        policies that allocate unevenly across layers (PyramidKV, CAKE); ``None`` keeps the cache's default split
+        for ``budget_scope``."""
         return None
 
     def validate(self) -> None:

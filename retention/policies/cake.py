@@ -20,14 +20,13 @@ paper's layer-by-layer prefill; one-shot (default) allocates once after the pref
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .window import WindowPolicy, window_attention
+from .window import SequenceStats, WindowPolicy, window_attention
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -68,14 +67,15 @@ class CAKEPolicy(WindowPolicy):
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0 (weight of the attention's variance in the eviction score), got "
                              f"{self.gamma}")
-        self.preference: dict[int, float] = {}
-        self.context: dict[int, int] = {}  # per layer: the entries a head chooses from at the latest observation
+        # per layer and sequence: the preference, and the entries a head chooses from at the latest observation
+        self.preference = SequenceStats()
+        self.context = SequenceStats()
 
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         attn = window_attention(query, view, query_pos, self.window)  # (B, H, G, W, L), softmax over every entry
         B, H, G, W, L = attn.shape
         real = view.valid & (view.pos >= 0)
-        self.context[layer] = int(real.sum(-1).max()) if real.numel() else 0
+        self.context.put(layer, real.sum(-1).amax(-1) if real.numel() else torch.zeros(B))
         # the authors slice the window's own columns off ([..., :-window]) before every statistic, without
         # renormalising: the prefix is what the cache may evict (older than the always-kept window)
         prefix = real & (view.pos <= query_pos[:, -1, None, None] - self.window)  # (B, H, L)
@@ -86,11 +86,11 @@ class CAKEPolicy(WindowPolicy):
         if W > 1:  # a lone query (a decoding step) has no temporal shift: the layer keeps its preference
             # dispersion: the entropy of each window query's own distribution over the prefix, summed over queries
             # and heads (the authors' calculate_entropy over A[:, :, -w:, :-w], eps 1e-10); shift: the summed
-            # variance; the authors run batch 1 and sum over the batch as well
-            disp = -(a * torch.log(a + 1e-10)).sum()
-            shift = var.sum()
-            pref = float(disp.clamp_min(0)) ** (1 / self.tau1) * float(shift.clamp_min(0)) ** (1 / self.tau2)
-            self.preference[layer] = pref if math.isfinite(pref) else float("inf")
+            # variance. The authors run batch 1 and sum over the batch as well; here each sequence has its own
+            disp = -(a * torch.log(a + 1e-10)).flatten(1).sum(1).double()  # (B,)
+            shift = var.flatten(1).sum(1).double()
+            pref = disp.clamp_min(0) ** (1 / self.tau1) * shift.clamp_min(0) ** (1 / self.tau2)
+            self.preference.put(layer, pref.nan_to_num(float("inf")))
         # eviction indicator per query head, avg-pooled with zero padding counted (F.avg_pool1d's default) over
         # the prefix only (window columns are zero here, as the authors' slice pads them), then the group mean;
         # pooling and the group mean are both linear, so their order does not matter
@@ -100,10 +100,10 @@ class CAKEPolicy(WindowPolicy):
                                padding=self.kernel // 2).reshape(B, H, L)
         return ind
 
-    def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor | None:
-        if any(l not in self.preference for l in range(num_layers)):
+    def head_budget_table(self, total: int, num_layers: int, num_heads: int, seq: int = 0) -> torch.Tensor | None:
+        p = self.preference.of(seq, num_layers)
+        if p is None:
             return None  # nothing observed yet: the cache's even split
-        p = torch.tensor([self.preference[l] for l in range(num_layers)], dtype=torch.float64)
         if torch.isinf(p).any():  # a preference past float range takes what the finite ones would share
             p = torch.isinf(p).double()
         units = total // num_heads  # entries per KV head over all layers
@@ -114,14 +114,21 @@ class CAKEPolicy(WindowPolicy):
         # keeps its window on top; budgets are truncated to integers, capped at the layer's prefix (seq_len -
         # window) with the excess handed evenly to the others, and the truncation's remainder added the same way
         share = torch.floor(p / p.sum() * prefix_units).long()
-        cap = torch.tensor([max(self.context.get(l, units) - self.window, 0) for l in range(num_layers)])
+        context = self.context.of(seq, num_layers)
+        context = torch.full((num_layers,), units) if context is None else context.long()
+        cap = (context - self.window).clamp_min(0)
         excess = int((share - cap).clamp_min(0).sum())
         share = _fill(torch.minimum(share, cap), cap, excess)
         share = _fill(share, cap, prefix_units - int(share.sum()))
         per_layer = share + self.window
         return per_layer[:, None].expand(num_layers, num_heads).clone()
 
+    def select_batch(self, indices: torch.Tensor) -> None:
+        super().select_batch(indices)
+        self.preference.select_batch(indices)
+        self.context.select_batch(indices)
+
     def reset(self) -> None:
         super().reset()
-        self.preference.clear()
-        self.context.clear()
+        self.preference.reset()
+        self.context.reset()

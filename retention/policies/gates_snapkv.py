@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..cache.select import rank_in_groups
 from .base import EntryView, protect
 from .global_gates import GlobalGatesPolicy
 from .snapkv import SnapKVPolicy
@@ -52,8 +53,12 @@ class GatesSnapKVPolicy(GlobalGatesPolicy):
         k = min(self._per_head, entries.valid.shape[1])
         if k == 0:
             return gates
-        attn = self.snap.score(entries).masked_fill(~entries.valid, float("-inf"))
-        picked = torch.zeros_like(entries.valid).scatter_(1, attn.topk(k, dim=1).indices, True) & entries.valid
+        # a left-padded row's padding slots (pos -1) would look up position 0's score and take picks from real entries
+        real = entries.valid & (entries.pos >= 0)
+        # ties (max-pooled scores are flat over a peak's neighbours) go to the newer token, as in every top-B here,
+        # so a row's picks do not depend on where its padding puts its entries
+        rows = torch.arange(len(real), device=real.device)
+        picked = real & (rank_in_groups(self.snap.score(entries), entries.pos, real, rows) < k)
         return protect(gates, picked)
 
     def reset(self) -> None:

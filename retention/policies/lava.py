@@ -5,10 +5,10 @@ Score (Eq. 5): ``s_{l,h}[i] = max_k ||V_{l,h}[k]||_1 / w * sum_{j in window} A^j
 (``kernel``, as in its implementation); with GQA the score of a KV entry is the max over the query
 heads of its group. Eviction is layer-wise across heads (dynamic head budgets). Layer budgets are
 dynamic (Eq. 6-7): ``B_l = e_l / sum e * B`` with ``e_l`` the entropy of the layer's normalised scores
-divided by ``H * N``. The last ``window`` tokens are always kept. Scores, pooling, ``max_k`` and the
-entropy cover the ``N`` entries before the window only (Algorithm 1 scores ``i not in [N - w, N]``; the
-authors' code, MGDDestiny/Lava ``snapkv_utils.py``, slices ``attn[..., :-window]`` and
-``value_states[..., :-window, :]``).
+divided by ``H * N``, each sequence of a batch on its own scores. The last ``window`` tokens are always
+kept. Scores, pooling, ``max_k`` and the entropy cover the ``N`` entries before the window only (Algorithm 1
+scores ``i not in [N - w, N]``; the authors' code, MGDDestiny/Lava ``snapkv_utils.py``, slices
+``attn[..., :-window]`` and ``value_states[..., :-window, :]``).
 
 One-shot (default): compress once after the prefill. Streaming: scores and layer entropies are
 refreshed from each chunk's window and the cache is compressed under the same total budget (the
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .scoring import max_pool
-from .window import WindowPolicy, window_attention, window_prefix
+from .window import SequenceStats, WindowPolicy, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -37,7 +37,7 @@ class LAVaPolicy(WindowPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.entropy: dict[int, float] = {}
+        self.entropy = SequenceStats()  # {layer: (B,)}
 
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         W = min(self.window, query.shape[2])
@@ -51,15 +51,20 @@ class LAVaPolicy(WindowPolicy):
         p = (s * ok) / (s * ok).sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
         n = ok.sum(-1).amax(-1).clamp_min(1).float()  # N: entries per head
         ent = -(p * torch.log(p.clamp_min(1e-30))).sum(dim=(1, 2)) / (s.shape[1] * n)
-        self.entropy[layer] = float(ent.mean())
+        self.entropy.put(layer, ent)
         return s
 
-    def layer_budget_table(self, total: int, num_layers: int) -> torch.Tensor | None:
-        if len(self.entropy) < num_layers:
+    def layer_budget_table(self, total: int, num_layers: int, seq: int = 0) -> torch.Tensor | None:
+        e = self.entropy.of(seq, num_layers)
+        if e is None:
             return None
-        e = torch.tensor([self.entropy[l] for l in range(num_layers)]).clamp_min(1e-12)
+        e = e.clamp_min(1e-12)
         return torch.floor(e / e.sum() * total).long()
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        super().select_batch(indices)
+        self.entropy.select_batch(indices)
 
     def reset(self) -> None:
         super().reset()
-        self.entropy.clear()
+        self.entropy.reset()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .snapkv import SnapKVPolicy
+from .window import SequenceStats
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -73,7 +74,8 @@ def pyramid_budgets(total: int, num_layers: int, num_heads: int, beta: float, wi
 class PyramidKVPolicy(SnapKVPolicy):
     beta: float = 20.0
     name: str = "pyramidkv"
-    context: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # candidates per head, per layer
+    # candidates per head, per layer and sequence
+    context: SequenceStats = field(default_factory=SequenceStats, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,14 +84,19 @@ class PyramidKVPolicy(SnapKVPolicy):
 
     def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
         # the entries each head chooses from (PyramidKV's q_len: the prompt in one shot, what is kept plus the
-        # new chunk when streaming); the longest sequence of a batch speaks for all of it
-        self.context[layer] = int((view.valid & (view.pos >= 0)).sum(-1).max()) if view.pos.numel() else 0
+        # new chunk when streaming), each sequence its own (a short prompt batched with a long one keeps its split)
+        real = view.valid & (view.pos >= 0)
+        self.context.put(layer, real.sum(-1).amax(-1) if real.numel() else torch.zeros(real.shape[0]))
         super().observe(layer, query, view, query_pos)
 
-    def head_budget_table(self, total: int, num_layers: int, num_heads: int) -> torch.Tensor:
-        context = max(self.context.values()) if self.context else None
-        return pyramid_budgets(total, num_layers, num_heads, self.beta, self.window, context)
+    def head_budget_table(self, total: int, num_layers: int, num_heads: int, seq: int = 0) -> torch.Tensor:
+        seen = [int(c[seq]) for c in self.context.values() if seq < len(c)]
+        return pyramid_budgets(total, num_layers, num_heads, self.beta, self.window, max(seen) if seen else None)
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        super().select_batch(indices)
+        self.context.select_batch(indices)
 
     def reset(self) -> None:
         super().reset()
-        self.context.clear()
+        self.context.reset()

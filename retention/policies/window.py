@@ -94,6 +94,29 @@ class PositionStats:
         return out
 
 
+class SequenceStats(dict):
+    """Per-layer ``(B,)`` float64 statistics, one per sequence of the batch (a layer's entropy, preference or
+    context length), so that the budget one sequence's layers get does not depend on the sequences batched
+    with it. ``{layer: (B,)}``, kept on the CPU, where the budget tables are computed."""
+
+    def put(self, layer: int, values: torch.Tensor) -> None:
+        self[layer] = values.detach().to("cpu", torch.float64).reshape(-1)
+
+    def of(self, seq: int, num_layers: int) -> torch.Tensor | None:
+        """``(num_layers,)`` float64 of sequence ``seq``, or None while a layer has not been observed."""
+        if any(l not in self for l in range(num_layers)):
+            return None
+        return torch.stack([self[l][seq] for l in range(num_layers)])
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (repeats allowed)."""
+        for layer in list(self):
+            self[layer] = self[layer][indices.cpu()]
+
+    def reset(self) -> None:
+        self.clear()
+
+
 def recent_mask(entries: EntryView, window: int) -> torch.Tensor:
     """``(R, Lpad)`` True for the newest ``window`` tokens of each sequence (always kept)."""
     return entries.pos > entries.step[:, None] - window
