@@ -408,13 +408,13 @@ def test_a_budget_that_holds_the_whole_generation_equals_dynamic_cache_for_a_pad
 
 def test_a_reset_cache_generates_and_reports_as_a_new_one():
     """After a left-padded batch under eviction, ``reset()`` leaves nothing behind: the next batch (padded otherwise, or
-    not at all) generates the same tokens and the same memory report as a new cache."""
+    not at all, of the same size or another) generates the same tokens and the same memory report as a new cache."""
     model = _with_gates("llama")
     opts = dict(budget=30, page_size=3, policy=get_policy("global_gates"), slack=2)
     used = RetentionCache(model, **opts)
     _generate(model, used, **_left_padded([5, 13], 1), max_new_tokens=8, do_sample=False)
     assert used.evictions > 0
-    for lens in ([9, 9], [12, 3]):
+    for lens in ([9, 9], [12, 3], [7, 11, 4], [6]):  # a reset cache once refused a batch of another size
         used.reset()
         new = RetentionCache(model, **{**opts, "policy": get_policy("global_gates")})
         inputs = _left_padded(lens, 2)
@@ -424,6 +424,8 @@ def test_a_reset_cache_generates_and_reports_as_a_new_one():
         assert a.keys() == b.keys() and torch.equal(a.pop("entries_per_head"), b.pop("entries_per_head"))
         a.pop("pool_capacity_bytes"), b.pop("pool_capacity_bytes")  # the pool keeps its size over a reset
         assert a == b and a["evictions"] > 0
+    with pytest.raises(RuntimeError, match=r"holds 1 sequence but got a batch of 2.*cache.reset\(\)"):
+        _generate(model, used, **_left_padded([5, 8], 0), max_new_tokens=2)  # still holding a sequence: refused
 
 
 def test_kept_where_counts_neither_padding_nor_positions_past_the_marks():

@@ -298,12 +298,17 @@ class RetentionCache(Cache):
             # padding counts live on the host: the decode path reads them every layer
             self._pad_entries = torch.zeros(B, dtype=torch.long)
             self._start = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
+        elif self.store.batch != B and not any(self._seen):  # new or reset: take the batch as it comes
+            self.store.select_batch(torch.zeros(B, dtype=torch.long))  # B empty sequences, on the same pool
+            self._pad_entries = torch.zeros(B, dtype=torch.long)
+            self._start = torch.zeros(B, dtype=torch.long, device=self.store.lengths.device)
         elif self.store.batch != B:
             hint = (f"; to continue each held sequence {B // self.store.batch} times call "
                     f"cache.batch_repeat_interleave({B // self.store.batch}) first"
                     if B % self.store.batch == 0 else "")
-            raise RuntimeError(f"RetentionCache holds {self.store.batch} sequences but got a batch of {B}{hint}; "
-                               "or use a new cache")
+            held = f"{self.store.batch} sequence{'s' if self.store.batch != 1 else ''}"
+            raise RuntimeError(f"RetentionCache holds {held} but got a batch of {B}{hint}; "
+                               "or call cache.reset() to start over with the new batch")
         if self._static is not None:  # a decode step GraphDecoder planned: no host work, so a graph can record it
             self.store.write(self._static["slots"][layer_idx], key_states.reshape(B * H, D),
                              value_states.reshape(B * H, D), log_beta.reshape(B * H), self._static["pos"])
@@ -389,8 +394,7 @@ class RetentionCache(Cache):
 
     def reset(self) -> None:
         """Forget every sequence (the pages go back to the pool, which stays allocated) and the counters of
-        :meth:`memory_report`; the budget and policy stay. The cache then holds as many sequences as before: a
-        batch of another size needs a new cache."""
+        :meth:`memory_report`; the budget and policy stay. The next forward may bring a batch of any size."""
         self.evictions, self.peak_entries = 0, 0
         if self.store is not None:
             self.store.clear()
