@@ -57,6 +57,12 @@ def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] 
     return out
 
 
+def _same_weights(a: RetentionGates, b: RetentionGates) -> bool:
+    """Whether two gate sets hold equal tensors under the same names."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def _per_source(values: Sequence[object]) -> str | None:
     """``None`` when every source has the same value, else a line listing each source's (``source i: value``)."""
     if len({json.dumps(v, sort_keys=True, default=str) for v in values}) == 1:
@@ -91,6 +97,13 @@ def average_checkpoints(
                          "give it a larger --weights value)")
     folders = [checkpoint_folder(p) for p in paths]  # each Hub repo downloaded once
     gate_sets = [RetentionGates.from_pretrained(folder) for folder in folders]  # a missing file, NaN / inf weights
+    same = next(((i, j) for j in range(len(gate_sets)) for i in range(j)
+                 if _same_weights(gate_sets[i], gate_sets[j])), None)
+    if same is not None:  # copies of one checkpoint in two folders (or a repo and its download): no soup either
+        i, j = same
+        raise ValueError(f"{paths[i]} and {paths[j]} hold the same gate weights: averaging gates with themselves "
+                         "gives them back unchanged; name one of them (to count it more, give it a larger "
+                         "--weights value)")
     configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
     if len(bases) > 1:

@@ -191,3 +191,15 @@ def test_average_refuses_one_checkpoint_named_twice(tmp_path, capsys, monkeypatc
         err = capsys.readouterr().err
         assert f"and {same} are the same checkpoint ({pa.resolve()})" in err and "--weights" in err
     assert not (tmp_path / "soup").exists()
+
+
+def test_average_refuses_copies_of_one_checkpoint_in_two_folders(tmp_path, capsys):
+    """A copy of a checkpoint in another folder passed the by-path check and was written as a two-source soup."""
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama")
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama")
+    copy = shutil.copytree(pa, tmp_path / "copy")
+    assert main(["average", str(pb), str(pa), str(copy), "--out", str(tmp_path / "soup")]) == 2
+    err = capsys.readouterr().err
+    assert f"{pa} and {copy} hold the same gate weights" in err and "--weights" in err
+    assert not (tmp_path / "soup").exists()
+    assert main(["average", str(pa), str(pb), "--out", str(tmp_path / "soup")]) == 0  # distinct sets still average
