@@ -129,6 +129,60 @@ def test_every_policy_keeps_for_a_padded_batch_what_it_keeps_for_each_sequence_a
     assert int(batch.store.lengths.sum()) <= len(prompts) * budget
 
 
+ONE_SHOT = sorted(n for n in set(POLICIES) - {"full", "random"} if get_policy(n).mode == "one_shot")
+
+
+@pytest.mark.parametrize("name", ONE_SHOT)
+def test_one_shot_policies_observe_the_same_window_however_the_prompt_is_chunked(name):
+    """The observation window is the prompt's last ``window`` tokens whatever the chunking: a last chunk shorter than
+    the window once observed only its own queries, so a prompt of 101 tokens in chunks of 32 (last chunk 5) or 7
+    (last chunk 3) kept other entries than in one forward, and a left-padded batch (chunked at other offsets) other
+    entries than each sequence alone."""
+    model = _with_gates("qwen3")
+    g = torch.Generator().manual_seed(4)
+    budget = RetentionCache.budget_for(model, 40)
+
+    def run(ids, mask=None, chunk=None):
+        cache = RetentionCache(model, budget=budget, policy=get_policy(name), slack=0)
+        kw = {} if chunk is None else {"prefill_chunk_size": chunk}
+        out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **kw)
+        return out[:, ids.shape[1] :], cache
+
+    ids = torch.randint(1, 100, (1, 101), generator=g)
+    ref, cache = run(ids)
+    for chunk in (7, 32):
+        got, chunked = run(ids, chunk=chunk)
+        assert torch.equal(got, ref) and _kept(chunked, 0, 0) == _kept(cache, 0, 0), chunk
+    prompts = [torch.randint(1, 100, (n,), generator=g) for n in (70, 101)]
+    T = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(len(prompts), T, dtype=torch.long), torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: the short prompt's chunks start 31 tokens off its own
+        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
+    out, batch = run(ids, mask, chunk=32)
+    for i, p in enumerate(prompts):
+        alone, cache = run(p[None], chunk=32)
+        assert torch.equal(out[i], alone[0]) and _kept(batch, i, T - len(p)) == _kept(cache, 0, 0), i
+
+
+def test_window_queries_carry_over_forwards_and_follow_the_batch():
+    """A chunk shorter than the window observes the earlier forwards' last queries too; a decoding step its own;
+    ``select_batch`` and ``reset`` move and drop what is carried."""
+    policy = get_policy("snapkv", window=4)
+    q = torch.arange(2 * 1 * 6 * 1, dtype=torch.float32).view(2, 1, 6, 1)
+    pos = torch.arange(6).repeat(2, 1)
+    wq, wp = policy.window_queries(0, q, pos)
+    assert torch.equal(wq, q[:, :, 2:]) and torch.equal(wp, pos[:, 2:])
+    wq, wp = policy.window_queries(0, q[:, :, :2] + 100, pos[:, :2] + 6)  # a 2-token chunk: 2 carried, 2 new
+    assert wp[0].tolist() == [4, 5, 6, 7] and torch.equal(wq[:, :, :2], q[:, :, 4:]) and (wq[:, :, 2:] >= 100).all()
+    step, step_pos = policy.window_queries(0, q[:, :, :1], pos[:, :1] + 8)  # a decoding step: its own query
+    assert step.shape[2] == 1 and step_pos.tolist() == [[8], [8]]
+    policy.select_batch(torch.tensor([1]))
+    wq, wp = policy.window_queries(0, q[1:, :, :2], pos[1:, :2] + 9)
+    assert wp.tolist() == [[7, 8, 9, 10]] and float(wq[0, 0, 0, 0]) == float(q[1, 0, 1, 0] + 100)
+    policy.reset()
+    assert policy.window_queries(0, q[:1, :, :2], pos[:1, :2])[1].tolist() == [[0, 1]]
+
+
 def test_per_sequence_allocations_follow_the_batch_reorder():
     """``select_batch`` (beam search) moves each sequence's layer statistics with its row."""
     policy = get_policy("lava")

@@ -71,6 +71,7 @@ class DefensiveKVPolicy(WindowPolicy):
         self._cap = max(total // (num_layers * num_heads) - self.window, 0)
 
     def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
+        query, query_pos = self.window_queries(layer, query, query_pos)
         if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
             return  # decoding steps do not move one-shot scores
         risk, tag = self._risk(layer, query, view, query_pos)

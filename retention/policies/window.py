@@ -130,6 +130,11 @@ class WindowPolicy(EvictionPolicy):
     last ``window`` queries); scores are stored by true position, looked up at eviction, and the
     window's own tokens are always kept. One-shot policies keep the prefill's scores while decoding;
     streaming ones refresh them with every forward.
+
+    The window is the last ``window`` tokens of the input however it was chunked: a forward of fewer tokens
+    (a prefill's last chunk, a short question after a long context) observes the queries of the tokens before
+    it as well, kept from earlier forwards (as the papers' window is the prompt's last ``w`` tokens, which a
+    one-shot prefill sees in one forward). A decoding step observes its own query only, as before.
     """
 
     window: int = 32
@@ -142,12 +147,28 @@ class WindowPolicy(EvictionPolicy):
         self.validate()
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        self._tail: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: the last queries (B, Hq, <=w, D), pos
+
+    def window_queries(self, layer: int, query: torch.Tensor, query_pos: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries ``(B, Hq, W, D)`` and positions ``(B, W)`` a forward of ``query`` ``(B, Hq, Q, D)``
+        observes: with ``Q > 1`` the last ``window`` of every query seen so far (earlier forwards' included),
+        with ``Q == 1`` (a decoding step) its own. Records this forward's queries for the next one."""
+        prev = self._tail.get(layer)
+        if prev is not None and prev[0].shape[0] == query.shape[0] and query.shape[2] < self.window:
+            q = torch.cat([prev[0].to(query.dtype), query], 2)[:, :, -self.window :]
+            pos = torch.cat([prev[1], query_pos], 1)[:, -self.window :]
+        else:
+            q, pos = query[:, :, -self.window :], query_pos[:, -self.window :]
+        self._tail[layer] = (q.detach(), pos)
+        return (query, query_pos) if query.shape[2] == 1 else (q, pos)
 
     @abstractmethod
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)`` scores of the layer's kept entries."""
 
     def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
+        query, query_pos = self.window_queries(layer, query, query_pos)
         if query.shape[2] == 1 and layer in self.stats.tables and self.mode == "one_shot":
             return  # decoding steps do not move one-shot scores
         self.stats.write(layer, self.layer_scores(layer, query, view, query_pos), view)
@@ -160,5 +181,11 @@ class WindowPolicy(EvictionPolicy):
         s = self.adjust(self.stats.lookup(entries), entries)
         return protect(s, recent_mask(entries, self.window))
 
+    def select_batch(self, indices: torch.Tensor) -> None:
+        super().select_batch(indices)
+        self._tail = {layer: (q[indices.to(q.device)], pos[indices.to(pos.device)])
+                      for layer, (q, pos) in self._tail.items()}
+
     def reset(self) -> None:
         self.stats.reset()
+        self._tail.clear()
