@@ -150,3 +150,16 @@ def test_restkv_reconstruction_score():
             per_g.append(A[g][0][i] / (1 - A[g][0][i]) * float((o - v[i] @ w_o[g]).norm()))
         want.append(sum(per_g) / 2)
     torch.testing.assert_close(pol.score(entries_for(view))[0, :5], torch.tensor(want[:5]), rtol=1e-4, atol=1e-6)
+
+
+def test_cake_preference_past_float_range_reads_as_inf():
+    """A preference that overflows float64 (here dispersion ** 1000) is inf, and the layers holding one share the
+    prefix budget; it once became the largest finite float, which left the other layers their windows only."""
+    pol = get_policy("cake", window=3, kernel=1, tau1=0.001)
+    for layer in range(3):
+        view, q, qpos = setup(L=7, Q=3, seed=layer)
+        pol.observe(layer, q, view, qpos)
+    assert all(math.isinf(float(pol.preference[layer][0])) for layer in range(3))
+    pol.context = SequenceStats({layer: torch.tensor([1000.0]) for layer in range(3)})
+    table = pol.head_budget_table(999, 3, 1)
+    assert table[:, 0].tolist() == [333, 333, 333]

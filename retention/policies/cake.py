@@ -90,7 +90,8 @@ class CAKEPolicy(WindowPolicy):
             disp = -(a * torch.log(a + 1e-10)).flatten(1).sum(1).double()  # (B,)
             shift = var.flatten(1).sum(1).double()
             pref = disp.clamp_min(0) ** (1 / self.tau1) * shift.clamp_min(0) ** (1 / self.tau2)
-            self.preference.put(layer, pref.nan_to_num(float("inf")))
+            # past float range (or inf * 0): inf, which the budget table reads as "takes the whole share"
+            self.preference.put(layer, torch.where(pref.isfinite(), pref, torch.full_like(pref, float("inf"))))
         # eviction indicator per query head, avg-pooled with zero padding counted (F.avg_pool1d's default) over
         # the prefix only (window columns are zero here, as the authors' slice pads them), then the group mean;
         # pooling and the group mean are both linear, so their order does not matter
