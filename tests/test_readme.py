@@ -27,9 +27,9 @@ def run_example(code: str, cwd: Path) -> str:
 
 def test_the_readme_has_the_examples_this_file_runs():
     blocks = python_blocks()
-    assert len(blocks) == 4, "a Python example was added to or removed from the README: update tests/test_readme.py"
+    assert len(blocks) == 5, "a Python example was added to or removed from the README: update tests/test_readme.py"
     assert "model, tok" in blocks[1] and "GraphDecoder(model, cache)" in blocks[2]  # the later examples reuse the model
-    assert "RetentionChat(model, tok" in blocks[3]
+    assert "RetentionChat(model, tok" in blocks[3] and "class LowKeyNorm(EvictionPolicy)" in blocks[4]
 
 
 def test_python_in_ten_lines(tmp_path):
@@ -44,3 +44,10 @@ def test_inference_with_a_global_budget_then_a_chat(tmp_path):
     generated = out.splitlines()[0]  # generate's reply, then the cache's report, then GraphDecoder's reply
     assert generated.strip() and out.count(generated + "\n") == 2  # the planned steps decode generate's tokens
     assert out.count("KV cache:") == 2  # the cache's memory report, then the chat's
+
+
+def test_writing_a_policy(tmp_path):
+    """The custom policy example evicts through the cache: fewer entries kept than a full cache, at least one round."""
+    out = run_example(python_blocks()[4], tmp_path)  # a 39-token prompt outgrows 16 entries per head and the slack
+    kept, full = (int(n.replace(",", "")) for n in re.search(r"KV cache: ([\d,]+) of ([\d,]+) entries", out).groups())
+    assert kept < full and int(re.search(r"eviction rounds: (\d+)", out).group(1)) >= 1
