@@ -160,7 +160,7 @@ class WindowPolicy(EvictionPolicy):
             pos = torch.cat([prev[1], query_pos], 1)[:, -self.window :]
         else:
             q, pos = query[:, :, -self.window :], query_pos[:, -self.window :]
-        self._tail[layer] = (q.detach(), pos)
+        self._tail[layer] = (q.detach().clone(), pos.clone())  # a copy: a slice would hold a long chunk's queries
         return (query, query_pos) if query.shape[2] == 1 else (q, pos)
 
     @abstractmethod
