@@ -77,16 +77,21 @@ def test_batch_of_different_lengths_equals_each_alone(budget_tokens, policy):
                         input_ids=p[None], max_new_tokens=10, do_sample=False)
         alone.append(out[0, len(p) :])
     T = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding
-        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
     cache = RetentionCache(model, budget=budget, policy=get_policy(policy), slack=0)
-    out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    out = _generate(model, cache, **_pad_left(prompts), max_new_tokens=10, do_sample=False)
     for i in range(len(prompts)):
         assert torch.equal(out[i, T:], alone[i])
     if budget is not None:
         assert bool((cache.store.lengths.view(3, -1).sum(1) <= budget + 6).all())
+
+
+def _pad_left(prompts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` ``(len(prompts), longest)`` of 1-D prompts, left-padded with 0."""
+    T = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(len(prompts), T, dtype=torch.long), torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
+    return dict(input_ids=ids, attention_mask=mask)
 
 
 def _kept(cache: RetentionCache, row: int, shift: int) -> list[list[int]]:
@@ -110,19 +115,15 @@ def test_every_policy_keeps_for_a_padded_batch_what_it_keeps_for_each_sequence_a
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (70, 140, 90, 110)]
     budget = RetentionCache.budget_for(model, 60)
 
-    def prefill(ids, mask=None):
+    def prefill(input_ids, attention_mask=None):
         cache = RetentionCache(model, budget=budget, policy=get_policy(name), slack=0)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
+            model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache))
         cache.compress()
         return cache
 
     T = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding
-        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
-    batch = prefill(ids, mask)
+    batch = prefill(**_pad_left(prompts))
     for i, p in enumerate(prompts):
         alone = prefill(p[None])
         assert _kept(batch, i, T - len(p)) == _kept(alone, 0, 0), i
@@ -142,11 +143,12 @@ def test_one_shot_policies_observe_the_same_window_however_the_prompt_is_chunked
     g = torch.Generator().manual_seed(4)
     budget = RetentionCache.budget_for(model, 40)
 
-    def run(ids, mask=None, chunk=None):
+    def run(input_ids, attention_mask=None, chunk=None):
         cache = RetentionCache(model, budget=budget, policy=get_policy(name), slack=0)
         kw = {} if chunk is None else {"prefill_chunk_size": chunk}
-        out = _generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **kw)
-        return out[:, ids.shape[1] :], cache
+        out = _generate(model, cache, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8,
+                        do_sample=False, **kw)
+        return out[:, input_ids.shape[1] :], cache
 
     ids = torch.randint(1, 100, (1, 101), generator=g)
     ref, cache = run(ids)
@@ -155,10 +157,7 @@ def test_one_shot_policies_observe_the_same_window_however_the_prompt_is_chunked
         assert torch.equal(got, ref) and _kept(chunked, 0, 0) == _kept(cache, 0, 0), chunk
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (70, 101)]
     T = max(len(p) for p in prompts)
-    ids, mask = torch.zeros(len(prompts), T, dtype=torch.long), torch.zeros(len(prompts), T, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: the short prompt's chunks start 31 tokens off its own
-        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
-    out, batch = run(ids, mask, chunk=32)
+    out, batch = run(**_pad_left(prompts), chunk=32)  # the short prompt's chunks start 31 tokens off its own
     for i, p in enumerate(prompts):
         alone, cache = run(p[None], chunk=32)
         assert torch.equal(out[i], alone[0]) and _kept(batch, i, T - len(p)) == _kept(cache, 0, 0), i
@@ -442,10 +441,7 @@ def test_prompt_lookup_decoding_under_a_budget_equals_greedy_replay(budget_token
 
 def _left_padded(lens, seed):
     g = torch.Generator().manual_seed(seed)
-    ids, mask = torch.zeros(len(lens), max(lens), dtype=torch.long), torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for b, n in enumerate(lens):
-        ids[b, max(lens) - n :], mask[b, max(lens) - n :] = torch.randint(1, 100, (n,), generator=g), 1
-    return dict(input_ids=ids, attention_mask=mask)
+    return _pad_left([torch.randint(1, 100, (n,), generator=g) for n in lens])
 
 
 @pytest.mark.parametrize("chunk", [None, 4])
