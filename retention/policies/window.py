@@ -156,11 +156,14 @@ class WindowPolicy(EvictionPolicy):
         with ``Q == 1`` (a decoding step) its own. Records this forward's queries for the next one."""
         prev = self._tail.get(layer)
         if prev is not None and prev[0].shape[0] == query.shape[0] and query.shape[2] < self.window:
-            q = torch.cat([prev[0].to(query.dtype), query], 2)[:, :, -self.window :]
+            # new tensors of under 2 * window queries: the slices hold nothing larger
+            q = torch.cat([prev[0].to(query.dtype), query.detach()], 2)[:, :, -self.window :]
             pos = torch.cat([prev[1], query_pos], 1)[:, -self.window :]
+            self._tail[layer] = (q, pos)
         else:
             q, pos = query[:, :, -self.window :], query_pos[:, -self.window :]
-        self._tail[layer] = (q.detach().clone(), pos.clone())  # a copy: a slice would hold a long chunk's queries
+            # a copy: a slice would keep this forward's whole query tensor (a long chunk's) alive
+            self._tail[layer] = (q.detach().clone(), pos.clone())
         return (query, query_pos) if query.shape[2] == 1 else (q, pos)
 
     @abstractmethod
