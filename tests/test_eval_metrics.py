@@ -98,3 +98,20 @@ def test_kl_and_top1_refuses_logits_of_another_shape():
         kl_and_top1(ref, ref[:1])
     with pytest.raises(ValueError, match="one shape"):
         kl_and_top1(ref[None], ref[None])  # a batch dimension left on
+
+
+def test_recall_does_not_find_a_number_inside_a_longer_one():
+    """A reply of 13323233333 held the needle 1332323 as a substring and scored 100: a longer number is another
+    number. Digits next to the answer's digits rule it out; punctuation, letters or spaces beside it do not."""
+    assert recall(" 13323233333333333333333", ["1332323"]) == 0.0
+    assert recall(":\n\n1. 86333858\n2. 863338", ["8633385"]) == 0.0
+    assert recall("The 7053354433543543435", ["7053354"]) == 0.0
+    assert recall("x 01332323 x", ["1332323"]) == 0.0 and recall("0123", ["123"]) == 0.0
+    assert recall("0123", ["0123"]) == 100.0 and recall("(1332323).", ["1332323"]) == 100.0
+    assert recall("is: 1332323, and 99", ["1332323"]) == 100.0 and recall("no.1332323st", ["1332323"]) == 100.0
+    # a multi-value reply: the number standing alone counts, the one inside a longer number does not
+    assert recall("1. 7440635\n2. 74406361", ["7440635", "7440636"]) == pytest.approx(50.0)
+    # LongBench's passage_count and passage_retrieval_en (scored by recall) compare whole numbers
+    assert recall("There are 13 unique paragraphs.", ["3"]) == 0.0 and recall("Paragraph 12", ["Paragraph 1"]) == 0.0
+    assert recall("Paragraph 1.", ["Paragraph 1"]) == 100.0
+    assert recall("VAR ABCDE and XYZQW", ["abcde", "xyzqw"]) == 100.0  # words: matched as before

@@ -1,10 +1,10 @@
 """Metrics on hand-checkable definitions.
 
 Generated replies: ``recall`` (share of the reference strings found in the reply, RULER's string
-match), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l`` (LCS-based F-measure on
-words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character similarity of the
-first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and top-1
-agreement of next-token distributions. Scores are percentages.
+match, a number not inside a longer one), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
+(LCS-based F-measure on words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character
+similarity of the first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and
+top-1 agreement of next-token distributions. Scores are percentages.
 """
 
 from __future__ import annotations
@@ -26,12 +26,21 @@ def normalize(s: str) -> str:
     return " ".join(s.split())
 
 
+def _contains(text: str, answer: str) -> bool:
+    """Whether ``answer`` is in ``text``, an answer that starts or ends with a digit not next to another digit."""
+    # a plain substring found the needle 1332323 in the reply 13323233333: a longer number is another number
+    before = r"(?<!\d)" if answer[:1].isdigit() else ""
+    after = r"(?!\d)" if answer[-1:].isdigit() else ""
+    return re.search(before + re.escape(answer) + after, text) is not None
+
+
 def recall(reply: str, answers: list[str]) -> float:
-    """Percentage of the reference strings contained in the reply (case- and spacing-insensitive)."""
+    """Percentage of the reference strings contained in the reply (case- and spacing-insensitive); a reference
+    that starts or ends with a digit does not count inside a longer number."""
     if not answers:
         raise ValueError("recall needs at least one reference answer")
     out = " ".join(reply.lower().split())
-    return 100.0 * sum(" ".join(a.lower().split()) in out for a in answers) / len(answers)
+    return 100.0 * sum(_contains(out, " ".join(a.lower().split())) for a in answers) / len(answers)
 
 
 def _f1(pred: list[str], ref: list[str]) -> float:
