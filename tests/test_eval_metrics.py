@@ -115,3 +115,12 @@ def test_recall_does_not_find_a_number_inside_a_longer_one():
     assert recall("There are 13 unique paragraphs.", ["3"]) == 0.0 and recall("Paragraph 12", ["Paragraph 1"]) == 0.0
     assert recall("Paragraph 1.", ["Paragraph 1"]) == 100.0
     assert recall("VAR ABCDE and XYZQW", ["abcde", "xyzqw"]) == 100.0  # words: matched as before
+
+
+def test_choice_does_not_read_the_article_a_as_a_letter():
+    """``answer is a bit unclear`` committed to (A): the letter was matched case-insensitively with the phrase. The
+    phrase still is (LongBench v2's extraction takes capital letters only)."""
+    assert extract_choice("I think the answer is a bit unclear.") is None
+    assert choice("so the answer is a mix of both", ["A"]) == 0.0
+    assert extract_choice("The Answer is: (b)") is None and extract_choice("ANSWER IS D") == "D"
+    assert extract_choice("the answer is B, since") == "B" and extract_choice("answer is (C)") == "C"

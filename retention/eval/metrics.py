@@ -82,7 +82,8 @@ def rouge_l(reply: str, answers: list[str]) -> float:
 
 def extract_choice(reply: str) -> str | None:
     """The multiple-choice letter a reply commits to: ``(B)``, ``answer is C``, or a bare leading letter."""
-    m = re.search(r"\(([ABCD])\)", reply) or re.search(r"answer is:?\s*\(?([ABCD])\b", reply, re.I) \
+    # the phrase in any case, the letter a capital: re.I read "the answer is a bit unclear" as (A)
+    m = re.search(r"\(([ABCD])\)", reply) or re.search(r"(?i:answer is):?\s*\(?([ABCD])\b", reply) \
         or re.match(r"\s*([ABCD])\b", reply)
     return m.group(1).upper() if m else None
 
