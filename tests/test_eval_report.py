@@ -543,3 +543,25 @@ def test_gap_weighs_a_tasks_lengths_equally_and_pairs_items_whatever_the_row_ord
     rows = [r for r in rows if r["budget"] != "full"] + full_rows
     assert paired_gap_interval(rows, A, FULL, ["t"]) == pytest.approx((20.0, 20.0))
     assert "+20.0 [+20.0, +20.0]" in summary_table(rows)
+
+
+@pytest.mark.parametrize("field, values", [("protocol", ("query_agnostic", "query_aware")), ("model", ("m", "m2")),
+                                           ("gates_id", ("0123456789ab", "ba9876543210")),
+                                           ("max_new_tokens", (24, 64)), ("prefill", ("one_shot", "streaming"))])
+def test_pool_refuses_sets_scored_with_another_setup(field, values):
+    """Sets of a method scored under another protocol, model, gates or decoding were pooled into one mean, while a
+    resumed sweep sets such rows aside so that one table never mixes two setups. A value a set's rows do not record
+    (rows from before it was) cannot be checked and passes."""
+    from retention.eval.pool import pool_rows
+
+    s0 = [{**r, field: values[0]} for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})]
+    s1 = [{**r, field: values[1]} if r["method"] == "global_gates" else {**r, field: values[0]}
+          for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})]
+    with pytest.raises(ValueError, match=f"s1 scored global_gates with {field} {values[1]!r}, s0 with {values[0]!r}"):
+        pool_rows({"s0": s0, "s1": s1})
+    unrecorded = [{k: v for k, v in r.items() if k != field} for r in s1]
+    rows, _ = pool_rows({"s0": s0, "s1": unrecorded})
+    assert len(rows) == 20
+    # a method the pool leaves out is not checked
+    rows, left_out = pool_rows({"s0": s0, "s1": s1}, methods=["full"])
+    assert len(rows) == 10 and left_out == ["global_gates: not in --methods"]

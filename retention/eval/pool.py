@@ -16,6 +16,10 @@ from .budgets import parse_budget
 from .runner import jsonl, load_result_file, row_key
 
 Cell = tuple[str, str, str, int]  # method, budget key, task, length: what the summary averages over items
+# what a method's score depends on beyond its items (the row key's protocol and prefill, runner.sweep_settings, the
+# gates): sets that recorded other values are other setups, whose items one mean must not mix
+SETUP_FIELDS = ("model", "protocol", "prefill", "split", "dtype", "max_new_tokens", "chunk", "chat_template_kwargs",
+                "policy", "gates_id")
 
 
 def _cell(r: dict[str, Any]) -> Cell:
@@ -52,7 +56,8 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]],
     that all of them scored (of ``methods`` only, if given), each marked with its set (``pooled_from``), and
     one line per method saying what was left out and why. Raises ``ValueError`` naming the set and the fix when
     a set is empty, lacks a requested method, holds a row (same task, item, method, budget) that another set
-    holds too (pooled items must be distinct: different seeds), or no cell is in every set."""
+    holds too (pooled items must be distinct: different seeds), scored a method with another setup than another set
+    (:data:`SETUP_FIELDS`: model, protocol, gates...), or no cell is in every set."""
     if len(sets) < 2:
         raise ValueError("pooling needs two or more results files")
     if methods is not None and not methods:
@@ -76,6 +81,7 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]],
     if not keep:
         raise ValueError("no (method, budget, task, length) is scored in every results file: nothing to pool")
     rows, seen = [], {}
+    setup: dict[tuple[str, str], tuple[Any, str]] = {}  # (method, field) -> (value, the set that recorded it)
     for name, set_rows in sets.items():
         for r in set_rows:
             if _cell(r) not in keep:
@@ -85,6 +91,13 @@ def pool_rows(sets: dict[str, list[dict[str, Any]]],
                 raise ValueError(f"{name} and {seen[k]} both hold {r['task']} item {r['item']!r} ({r['method']}, "
                                  f"{r['budget']}): pool sweeps of different items (another `seed:`)")
             seen[k] = name
+            # a value a row does not record (rows from before it was) counts as the same, as a resumed sweep reads it
+            for f in (f for f in SETUP_FIELDS if f in r):
+                value, other = setup.setdefault((r["method"], f), (r[f], name))
+                if r[f] != value:
+                    raise ValueError(f"{name} scored {r['method']} with {f} {r[f]!r}, {other} with {value!r}: pool "
+                                     "sweeps of the same setup on different items (another `seed:`), or leave the "
+                                     "method out (--methods)")
             rows.append({**r, "pooled_from": name})
     left_out = [f"{m}: not in --methods" for m in sorted({c[0] for c in held - wanted})]
     left_out += _left_out({c: tuple(n for n, have in cells.items() if c not in have) for c in wanted - keep}, held)
