@@ -124,3 +124,14 @@ def test_choice_does_not_read_the_article_a_as_a_letter():
     assert choice("so the answer is a mix of both", ["A"]) == 0.0
     assert extract_choice("The Answer is: (b)") is None and extract_choice("ANSWER IS D") == "D"
     assert extract_choice("the answer is B, since") == "B" and extract_choice("answer is (C)") == "C"
+
+
+def test_recall_does_not_find_a_word_inside_a_longer_word():
+    """dialogue_memory's name Ada was found in "Your name is Adam" (and in "Canada"), Ines in "lines", and
+    common_words' "abandon" in a list that named "abandoned": a longer word is another word."""
+    assert recall("Your name is Adam.", ["Ada"]) == 0.0 and recall("You live in Canada", ["Ada"]) == 0.0
+    assert recall("The lines say so", ["Ines"]) == 0.0 and recall("1. abandoned 2. abet", ["abandon", "abet"]) == 50.0
+    assert recall("Your name is Ada.", ["Ada"]) == 100.0 and recall("Ada's pet", ["ada"]) == 100.0
+    assert recall("VAR ABCDE = 12", ["abcde"]) == 100.0 and recall("no.1332323st", ["1332323"]) == 100.0
+    assert recall("a-b!", ["a-b"]) == 100.0 and recall("xa-bx", ["a-b"]) == 0.0
+    assert recall("café au lait", ["café"]) == 100.0  # edges that are not ASCII letters or digits: a plain substring

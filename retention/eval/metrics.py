@@ -1,7 +1,7 @@
 """Metrics on hand-checkable definitions.
 
 Generated replies: ``recall`` (share of the reference strings found in the reply, RULER's string
-match, a number not inside a longer one), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
+match, not inside a longer number or word), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
 (LCS-based F-measure on words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character
 similarity of the first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and
 top-1 agreement of next-token distributions. Scores are percentages.
@@ -26,17 +26,24 @@ def normalize(s: str) -> str:
     return " ".join(s.split())
 
 
+def _run(ch: str) -> str:
+    """The ASCII characters that would run on from ``ch`` into a longer number or word (none for other ``ch``)."""
+    return "0-9" if ch.isascii() and ch.isdigit() else "a-z" if ch.isascii() and ch.isalpha() else ""
+
+
 def _contains(text: str, answer: str) -> bool:
-    """Whether ``answer`` is in ``text``, an answer that starts or ends with a digit not next to another digit."""
-    # a plain substring found the needle 1332323 in the reply 13323233333: a longer number is another number
-    before = r"(?<!\d)" if answer[:1].isdigit() else ""
-    after = r"(?!\d)" if answer[-1:].isdigit() else ""
+    """Whether ``answer`` (lower case) is in ``text`` (lower case) with no digit running on from an edge digit of it
+    and no letter from an edge letter."""
+    # a plain substring found the needle 1332323 in the reply 13323233333 and the name Ada in "Your name is Adam":
+    # a longer number or word is another one
+    first, last = _run(answer[:1]), _run(answer[-1:])
+    before, after = (f"(?<![{first}])" if first else ""), (f"(?![{last}])" if last else "")
     return re.search(before + re.escape(answer) + after, text) is not None
 
 
 def recall(reply: str, answers: list[str]) -> float:
     """Percentage of the reference strings contained in the reply (case- and spacing-insensitive); a reference
-    that starts or ends with a digit does not count inside a longer number."""
+    does not count inside a longer number or word (a letter beside a digit, or punctuation, ends either)."""
     if not answers:
         raise ValueError("recall needs at least one reference answer")
     out = " ".join(reply.lower().split())
