@@ -493,3 +493,20 @@ def test_kept_where_counts_neither_padding_nor_positions_past_the_marks():
     streams = model.config.num_hidden_layers * model.config.num_key_value_heads
     assert kept_where(cache, marked) == streams
     assert kept_where(cache, marked[:-1]) == 0  # the marks end before the last token: it is not marked
+
+
+def test_flex_attention_left_padding_is_padding():
+    """With ``attn_implementation="flex_attention"`` the layers' mask is a ``BlockMask``, not a tensor: the cache
+    read no padding off it, so left-padding tokens were stored and attended as real tokens at positions 0..p-1 and a
+    padded row generated something else than alone."""
+    model = BUILDERS["llama"](attn_implementation="flex_attention")
+    attach_gates(model, mode="score")
+    prompts = [torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 11)]
+    budget = RetentionCache.budget_for(model, 6)
+    alone = [_generate(model, RetentionCache(model, budget=budget, slack=0), input_ids=p[None], max_new_tokens=6,
+                       do_sample=False)[0, len(p):] for p in prompts]
+    cache = RetentionCache(model, budget=budget, slack=0)
+    out = _generate(model, cache, **_pad_left(prompts), max_new_tokens=6, do_sample=False)
+    assert torch.equal(out[0, 11:], alone[0]) and torch.equal(out[1, 11:], alone[1]) and cache.evictions > 0
+    view = cache.store.gather_layer(0)
+    assert int(view.pos[0][view.valid[0] & (view.pos[0] >= 0)].min()) >= 7  # row 0's 7 padding tokens hold no position
