@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -213,3 +215,78 @@ def test_gather_layer_sizes_its_padding_from_the_host_lengths():
     assert wider.valid.shape == (2, 2, 16) and store.longest(1) == 14
     assert torch.equal(wider.valid[..., :12].flatten(0, 1), want.valid) and not wider.valid[..., 12:].any()
     assert torch.equal(wider.keys[..., :12, :].flatten(0, 1)[want.valid], want.keys[want.valid])
+
+
+def test_random_operations_equal_a_list_model():
+    """Seeded random appends (by rows and by layer), decode reservations (written or released), compactions, batch
+    selections with repeats, clears and pool growth, on a store whose host lengths are apart from the device ones
+    (as on a GPU) or not: after every operation each stream holds exactly a plain list's keys, values, log betas and
+    positions in order, every page is free or owned by the one stream that lists it, and the pool grows only when
+    its free pages cannot hold what is needed."""
+    for seed in range(40):
+        rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+        B, L, H, D, ps = rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 4)
+        store = PagedKVStore(B, L, H, D, page_size=ps, initial_pages=rng.choice([None, 1]))
+        split = rng.random() < 0.5
+        if split:
+            store.host_lengths = store.lengths.clone()
+        model: list[list[tuple]] = [[] for _ in range(store.num_streams)]
+
+        def draw(R: int, T: int) -> tuple[torch.Tensor, ...]:
+            return (torch.randn(R, T, D, generator=g), torch.randn(R, T, D, generator=g),
+                    -torch.rand(R, T, generator=g), torch.randint(-1, 1000, (R, T), generator=g))
+
+        def add(rows: list[int], k, v, lb, pos) -> None:
+            for i, r in enumerate(rows):
+                model[r] += [(k[i, t], v[i, t], float(lb[i, t]), int(pos[i, t])) for t in range(k.shape[1])]
+
+        for _ in range(30):
+            op = rng.choice(["rows", "layer", "reserve", "release", "compact", "select", "clear"])
+            capacity, peak = store.pool.capacity, 0  # peak: pages held between a reservation and its release
+            if op == "rows":
+                rows, T = rng.sample(range(store.num_streams), rng.randint(1, store.num_streams)), rng.randint(0, 9)
+                k, v, lb, pos = draw(len(rows), T)
+                store.append(torch.tensor(rows), k, v, lb, pos)
+                add(rows, k, v, lb, pos)
+            elif op == "layer":
+                layer, T = rng.randrange(L), rng.choice([1, 2, 7])
+                k, v, lb, pos = draw(B * H, T)
+                store.append_layer(layer, k, v, lb, pos)
+                add(store.streams(layer).tolist(), k, v, lb, pos)
+            elif op in ("reserve", "release"):
+                slot = store.reserve_next()
+                if op == "reserve":
+                    k, v, lb, pos = draw(store.num_streams, 1)
+                    store.write(slot, k[:, 0], v[:, 0], lb[:, 0], pos[:, 0])
+                    add(list(range(store.num_streams)), k, v, lb, pos)
+                else:
+                    peak = store.pool.num_used
+                    store.release_next()
+            elif op == "compact":
+                rows = torch.tensor(rng.sample(range(store.num_streams), rng.randint(1, store.num_streams)))
+                keep = torch.rand(store.gather(rows, with_kv=False).valid.shape, generator=g) < rng.random()
+                store.compact(rows, keep)
+                for i, r in enumerate(rows.tolist()):
+                    model[r] = [e for j, e in enumerate(model[r]) if keep[i, j]]
+            elif op == "select":
+                order = [rng.randrange(B) for _ in range(rng.randint(1, 3))]
+                store.select_batch(torch.tensor(order))
+                n = L * H
+                B, model = len(order), [list(model[b * n + j]) for b in order for j in range(n)]
+                if split:
+                    store.host_lengths = store.lengths.clone()
+            else:
+                store.clear()
+                model = [[] for _ in model]
+            store.check()
+            assert torch.equal(store.host_lengths, store.lengths)
+            assert store.pool.num_used == sum(-(-len(m) // ps) for m in model)
+            assert store.pool.capacity == capacity or max(peak, store.pool.num_used) > capacity, "grew with free pages"
+            view = store.gather(torch.arange(store.num_streams))
+            for r, m in enumerate(model):
+                assert int(view.valid[r].sum()) == len(m), (seed, op, r)
+                assert view.pos[r, : len(m)].tolist() == [e[3] for e in m], (seed, op, r)
+                assert view.log_beta[r, : len(m)].tolist() == [e[2] for e in m]
+                if m:
+                    assert torch.equal(view.keys[r, : len(m)], torch.stack([e[0] for e in m]))
+                    assert torch.equal(view.values[r, : len(m)], torch.stack([e[1] for e in m]))
