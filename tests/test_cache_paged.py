@@ -72,6 +72,20 @@ def test_pool_grows_and_reuses_freed_pages():
     pool.check()
 
 
+def test_growth_hands_out_freed_pages_before_new_ones():
+    """The new pages of a growth went on top of the free stack: a page freed before the growth was passed over
+    for new ids (4, 5 here, not 1, 4), against the pool's own rule that freed and low ids come back first."""
+    pool = PagePool(head_dim=1, page_size=1, capacity=4)
+    assert pool.alloc(torch.zeros(4, dtype=torch.long)).tolist() == [0, 1, 2, 3]
+    pool.free(torch.tensor([1]))
+    assert pool.alloc(torch.zeros(2, dtype=torch.long)).tolist() == [1, 4] and pool.capacity == 8
+    pool.free(torch.tensor([2, 0]))
+    pool.grow(9)  # a growth on its own: the freed pages stay on top, the new ones below in ascending order
+    got = pool.alloc(torch.zeros(5, dtype=torch.long)).tolist()
+    assert sorted(got[:2]) == [0, 2] and got[2:] == [5, 6, 7] and pool.capacity == 16
+    pool.check()
+
+
 def test_double_free_raises():
     pool = PagePool(head_dim=2, page_size=2, capacity=4)
     p = pool.alloc(torch.tensor([0]))

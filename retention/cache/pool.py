@@ -67,9 +67,10 @@ class PagePool:
         self.keys, self.values = extend(self.keys), extend(self.values)
         self.log_beta, self.pos, self.owner = extend(self.log_beta), extend(self.pos, -1), extend(self.owner, -1)
         free = torch.empty(new, dtype=torch.long, device=self.device)
-        free[: self._n_free] = self._free[: self._n_free]
-        # new pages go under the existing free ones so low ids are reused first (denser memory)
-        free[self._n_free : self._n_free + extra] = torch.arange(new - 1, self.capacity - 1, -1, device=self.device)
+        # new pages go under the existing free ones (the stack's top is handed out first), so freed pages and
+        # then the lowest new ids are reused first (denser memory)
+        free[:extra] = torch.arange(new - 1, self.capacity - 1, -1, device=self.device)
+        free[extra : extra + self._n_free] = self._free[: self._n_free]
         self._free, self._n_free, self.capacity = free, self._n_free + extra, new
 
     def alloc(self, owners: torch.Tensor) -> torch.Tensor:
