@@ -525,7 +525,7 @@ def test_eval_without_a_subcommand_names_the_subcommands(capsys):
 
     with pytest.raises(SystemExit) as stop:
         main([])
-    assert stop.value.code == 2 and "arguments are required: {run,report,pool,list}" in capsys.readouterr().err
+    assert stop.value.code == 2 and "arguments are required: {run,report,pool,rescore,list}" in capsys.readouterr().err
 
 
 def test_gap_weighs_a_tasks_lengths_equally_and_pairs_items_whatever_the_row_order():

@@ -850,3 +850,52 @@ def test_an_interrupted_sweep_says_how_to_go_on(tmp_path, capsys, monkeypatch):
     cfg.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nmethods: [full]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 130
     assert "interrupted: 2 rows are in" in capsys.readouterr().err
+
+
+def test_rescore_scores_stored_replies_again_under_the_current_metrics(tmp_path, capsys):
+    """A metric fix changes rows already on disk: ``rescore`` regenerates the items from the config and the rows' own
+    seeds (tokenizer only), scores each stored reply again and rewrites only what changed; rows of other items than
+    the config makes are refused, and --dry-run writes nothing."""
+    from retention.eval.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single, fidelity]\n"
+                 "lengths: [96]\nitems: 2\nmax_new_tokens: 2\nmethods: [{name: full}]\n")
+    for seed in (3, 4):
+        assert main(["run", "--config", str(p), "--seed", str(seed), "--quiet"]) == 0
+    results = tmp_path / "out" / "results.jsonl"
+    before = results.read_bytes()
+    assert main(["rescore", str(results), "--config", str(p)]) == 0
+    assert "every stored reply scores as recorded" in capsys.readouterr().out and results.read_bytes() == before
+
+    rows = read_results(results)
+    i = next(i for i, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 4)
+    j = next(j for j, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 3)
+    from retention.eval.models import tiny_tokenizer
+    from retention.eval.tasks import generate
+
+    tok = tiny_tokenizer()
+    needle = {it.id: it.answers[0] for seed in (3, 4) for it in generate("niah_single", tok, 96, 2, seed=seed)}
+    # what a plain substring test scored 100: the needle inside a longer number; and a reply that does hold it
+    rows[i] = {**rows[i], "reply": f" {needle[rows[i]['item']]}7.", "score": 100.0}
+    rows[j] = {**rows[j], "reply": f" It is {needle[rows[j]['item']]}.", "score": 0.0}
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tampered = results.read_bytes()
+    assert main(["rescore", str(results), "--config", str(p), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 rows score otherwise: nothing written" in out and results.read_bytes() == tampered
+    assert main(["rescore", str(results), "--config", str(p)]) == 0
+    after = read_results(results)
+    assert after[i]["score"] == 0.0 and after[j]["score"] == 100.0
+    assert [r for k, r in enumerate(after) if k not in (i, j)] == [r for k, r in enumerate(rows) if k not in (i, j)]
+
+    other = tmp_path / "other.yaml"  # other haystack text under the same ids: the rows' item_sha says so
+    other.write_text(p.read_text().replace("items: 2", "items: 2\nsource: pydoc"))
+    capsys.readouterr()
+    assert main(["rescore", str(results), "--config", str(other)]) == 2
+    assert "scored on other text under the same ids" in capsys.readouterr().err
+    few = tmp_path / "few.yaml"
+    few.write_text(p.read_text().replace("[niah_single, fidelity]", "[niah_multikey, fidelity]"))
+    assert main(["rescore", str(results), "--config", str(few)]) == 2
+    assert "rows name items the config does not generate" in capsys.readouterr().err
+    assert read_results(results) == after

@@ -125,6 +125,30 @@ def _pool(args: argparse.Namespace) -> int:
     return _publish(args, out)
 
 
+def _rescore(args: argparse.Namespace) -> int:
+    """Score the stored replies of RESULTS again under the current metrics (:mod:`retention.eval.rescore`)."""
+    from .config import EvalConfigError, load_eval_config
+    from .models import eval_tokenizer
+    from .rescore import rescore_results
+    from .runner import results_file
+
+    try:
+        cfg = load_eval_config(args.config)
+        path = results_file(args.results)
+        changed, moved = rescore_results(path, cfg, eval_tokenizer(cfg.model), write=not args.dry_run)
+    except (EvalConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not changed:
+        print(f"{path}: every stored reply scores as recorded")
+        return 0
+    print("\n".join(changed) + "\nmeans that moved (task, length, method, budget):\n  " + "\n  ".join(moved))
+    print(f"\n{len(changed)} rows score otherwise: " + ("nothing written (--dry-run)" if args.dry_run else
+                                                       f"{path} rewritten; remake its pages (report or pool with the "
+                                                       "same --summary, --card, --readme)"))
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     """What a sweep config can name: tasks (generated and Hub sets), methods and budgets, with their params."""
     import inspect
@@ -190,8 +214,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_commands(p: argparse.ArgumentParser) -> None:
-    """Add ``run``, ``report``, ``pool`` and ``list`` to ``p``."""
-    sub = p.add_subparsers(dest="eval_command", required=True, metavar="{run,report,pool,list}")  # the error names them
+    """Add ``run``, ``report``, ``pool``, ``rescore`` and ``list`` to ``p``."""
+    # the metavar makes the error name them
+    sub = p.add_subparsers(dest="eval_command", required=True, metavar="{run,report,pool,rescore,list}")
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
@@ -213,6 +238,13 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--methods", default=None, help="comma-separated labels to keep (default: those in every file)")
     _publish_args(pool)
     pool.set_defaults(func=_pool)
+    rescore = sub.add_parser("rescore", help="score a results file's stored replies again under the current metrics "
+                                             "(no model run: the config's items are regenerated with its tokenizer)")
+    rescore.add_argument("results", help="a sweep's output folder or its results.jsonl (or a published or pooled copy)")
+    rescore.add_argument("--config", required=True, help="the eval config that produced the rows (its tasks, params "
+                                                        "and source; the rows' own seeds and splits are used)")
+    rescore.add_argument("--dry-run", action="store_true", help="print what would change, write nothing")
+    rescore.set_defaults(func=_rescore)
     sub.add_parser(
         "list", help="the tasks, methods and budgets a sweep config can name, with their params"
     ).set_defaults(func=_list)

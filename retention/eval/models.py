@@ -26,6 +26,17 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
 
 
+def eval_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a sweep's model, without its weights (what generates its items)."""
+    if spec in TINY_MODELS:
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    from retention.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec))
+
+
 def eval_model_config(spec: str) -> Any:
     """A sweep's model config without its weights (what fails or is refused before they load): a tiny model's from
     :data:`TINY_MODELS`, any other's from :func:`retention.models.load_config` (its errors name the fix)."""
