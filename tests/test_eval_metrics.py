@@ -126,6 +126,20 @@ def test_choice_does_not_read_the_article_a_as_a_letter():
     assert extract_choice("the answer is B, since") == "B" and extract_choice("answer is (C)") == "C"
 
 
+def test_substring_is_rulers_own_match_for_the_hub_ruler_set():
+    """The Hub RULER set keeps RULER's plain substring test (string_match_all), so its numbers compare with the
+    published ones; the generated tasks' recall reads whole numbers and words."""
+    from retention.eval.metrics import score_reply
+
+    assert score_reply("substring", ":\n\n1. 5991977\n2. 59195816", ["9195816", "5991977", "9837550"]) == (
+        pytest.approx(200 / 3))
+    assert score_reply("recall", ":\n\n1. 5991977\n2. 59195816", ["9195816", "5991977", "9837550"]) == (
+        pytest.approx(100 / 3))
+    assert score_reply("substring", "Your name is ADAM", ["ada"]) == 100.0
+    with pytest.raises(ValueError, match="substring needs at least one"):
+        score_reply("substring", "x", [])
+
+
 def test_recall_does_not_find_a_word_inside_a_longer_word():
     """dialogue_memory's name Ada was found in "Your name is Adam" (and in "Canada"), Ines in "lines", and
     common_words' "abandon" in a list that named "abandoned": a longer word is another word."""

@@ -154,7 +154,7 @@ def test_hub_loaders_on_local_files(tmp_path, monkeypatch):
 
     ruler = load_ruler(data_files=write("r.jsonl", [{"context": "c", "question": "q", "answer": ["x"],
                                                      "task": "niah"}]))
-    assert ruler[0].task == "ruler/niah" and ruler[0].answers == ["x"]
+    assert ruler[0].task == "ruler/niah" and ruler[0].answers == ["x"] and ruler[0].metric == "substring"
     lb = load_longbench("qasper", data_files=write("l.jsonl", [{"context": "c", "input": "q", "answers": ["a"],
                                                                 "_id": "1"}]))
     assert lb[0].answers == ["a"] and "q" in lb[0].question
@@ -233,8 +233,8 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
         by_task.setdefault(r["task"], []).append(r)
     assert sorted(by_task) == ["longbench/hotpotqa", "longbench_v2", "ruler/niah_single_1", "ruler/vt"]
     assert {t: {r["metric"] for r in rs} for t, rs in by_task.items()} == {
-        "longbench/hotpotqa": {"f1"}, "longbench_v2": {"choice"}, "ruler/niah_single_1": {"recall"},
-        "ruler/vt": {"recall"}}
+        "longbench/hotpotqa": {"f1"}, "longbench_v2": {"choice"}, "ruler/niah_single_1": {"substring"},
+        "ruler/vt": {"substring"}}
     assert all(len(rs) == 4 for rs in by_task.values())  # 2 items (of each RULER task) x (full + one budget)
     assert {r["item"] for r in by_task["longbench/hotpotqa"]} == {"lb0@96", "lb1@96"}
     # LongBench's truncation: at most `length` tokens, the beginning and the end of the context kept

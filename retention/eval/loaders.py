@@ -73,13 +73,15 @@ def _take(rows, limit: int | None):
 # --- RULER -----------------------------------------------------------------------------------------
 def load_ruler(length: int | str = 4096, split: str = "test", data_files: Any = None, limit: int | None = None,
                tasks: list[str] | None = None, revision: str | None = None) -> list[Item]:
-    """RULER at one context length (kvpress' Hub export); ``tasks`` filters, e.g. ``["niah_single_1"]``."""
+    """RULER at one context length (kvpress' Hub export); ``tasks`` filters, e.g. ``["niah_single_1"]``. Scored with
+    RULER's own plain substring match (:func:`retention.eval.metrics.substring`), as its published numbers are."""
     rows = _load_rows("ruler", str(length), split, data_files, revision)
     items = []
     for i, r in _take((r for r in rows if tasks is None or r["task"] in tasks), limit):
         answers = r["answer"] if isinstance(r["answer"], list) else [r["answer"]]
         items.append(Item(f"ruler/{r['task']}", f"ruler-{length}-{i}", r["context"], r["question"], list(answers),
-                          answer_prefix=r.get("answer_prefix") or "", max_new_tokens=r.get("max_new_tokens")))
+                          answer_prefix=r.get("answer_prefix") or "", max_new_tokens=r.get("max_new_tokens"),
+                          metric="substring"))
     return items
 
 

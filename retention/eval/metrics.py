@@ -1,7 +1,7 @@
 """Metrics on hand-checkable definitions.
 
-Generated replies: ``recall`` (share of the reference strings found in the reply, RULER's string
-match, not inside a longer number or word), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
+Generated replies: ``recall`` (share of the reference strings found in the reply as whole numbers or words: the
+generated tasks' metric), ``substring`` (RULER's own string match, a plain substring test: the Hub RULER set's), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
 (LCS-based F-measure on words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character
 similarity of the first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and
 top-1 agreement of next-token distributions. Scores are percentages.
@@ -41,13 +41,23 @@ def _contains(text: str, answer: str) -> bool:
     return re.search(before + re.escape(answer) + after, text) is not None
 
 
+def _share_found(reply: str, answers: list[str], found: Callable[[str, str], bool], name: str) -> float:
+    if not answers:
+        raise ValueError(f"{name} needs at least one reference answer")
+    out = " ".join(reply.lower().split())
+    return 100.0 * sum(found(out, " ".join(a.lower().split())) for a in answers) / len(answers)
+
+
 def recall(reply: str, answers: list[str]) -> float:
     """Percentage of the reference strings contained in the reply (case- and spacing-insensitive); a reference
     does not count inside a longer number or word (a letter beside a digit, or punctuation, ends either)."""
-    if not answers:
-        raise ValueError("recall needs at least one reference answer")
-    out = " ".join(reply.lower().split())
-    return 100.0 * sum(_contains(out, " ".join(a.lower().split())) for a in answers) / len(answers)
+    return _share_found(reply, answers, _contains, "recall")
+
+
+def substring(reply: str, answers: list[str]) -> float:
+    """RULER's ``string_match_all``: percentage of the reference strings that are substrings of the reply
+    (case-insensitive), so "59195816" holds 9195816. For the Hub RULER set, whose published scores use it."""
+    return _share_found(reply, answers, lambda out, a: a in out, "substring")
 
 
 def _f1(pred: list[str], ref: list[str]) -> float:
@@ -109,7 +119,7 @@ def edit_sim(reply: str, answers: list[str]) -> float:
 
 
 METRICS: dict[str, Callable[[str, list[str]], float]] = {
-    "recall": recall, "f1": f1, "rouge_l": rouge_l, "choice": choice, "edit_sim": edit_sim,
+    "recall": recall, "substring": substring, "f1": f1, "rouge_l": rouge_l, "choice": choice, "edit_sim": edit_sim,
 }
 
 
