@@ -253,7 +253,8 @@ def retention_attention_function(
                                                       query_weights=state.past_mass_queries)
             return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
-    if state.layer == 0 and isinstance(attention_mask, torch.Tensor):  # once per forward (a device sync)
+    # once per forward (a device sync); flex_attention's mask is a BlockMask, which _new_token_valid reads too
+    if state.layer == 0 and attention_mask is not None:
         from .cache.hf import _new_token_valid
 
         valid = _new_token_valid(attention_mask, key.shape[0], key.shape[2])

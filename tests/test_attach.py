@@ -340,6 +340,21 @@ def test_student_mode_refuses_a_padded_batch_instead_of_attending_to_the_padding
             model(input_ids=ids, attention_mask=padded)
 
 
+def test_student_mode_refuses_a_padded_batch_under_flex_attention():
+    """Under flex_attention the mask reaches the layers as a BlockMask, which the padding check skipped: the
+    padded batch trained on its pad tokens. It is refused as a dense mask's is; an unpadded one runs."""
+    model = tiny_llama(attn_implementation="flex_attention")
+    att = attach_gates(model)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    with torch.no_grad(), att.student():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits,
+                                   model(input_ids=ids).logits)
+        with pytest.raises(ValueError, match="student mode does not support padded batches"):
+            model(input_ids=ids, attention_mask=padded)
+
+
 def test_gates_trained_for_another_model_of_the_same_shapes_are_warned_about():
     import warnings
 
