@@ -853,10 +853,9 @@ class RetentionChat:
         closer = self._after_last_reply(self.messages)
         if self._last_reply_ended:  # the stop token was generated; generate feeds it with the next turn
             stop = self.tokenizer.decode(self.ids[0, -1:], skip_special_tokens=False)
-            if closer.startswith(stop):
-                closer = closer[len(stop) :]
-            else:
-                closer = ""
+            # a stop id the template does not close with (eos_token_id=[..., "!"]) ended the reply's text: the
+            # template's closer still follows it, as _after_reply feeds it
+            closer = closer[len(stop) :] if closer.startswith(stop) else closer
         return closer
 
     def _prefill_multimodal(self, turn: dict[str, Any]) -> None:

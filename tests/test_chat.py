@@ -940,3 +940,18 @@ def test_a_reply_stopped_by_a_list_of_eos_ids_is_recorded(smollm2):
             and chat.cache.get_seq_length() == chat.ids.shape[1] - 1)
     assert chat._last_reply_ended == (int(chat.ids[0, -1]) in (tok.eos_token_id, tok.convert_tokens_to_ids("!")))
     assert isinstance(chat.send("Again."), str)
+
+
+def test_a_reply_ended_on_a_stop_id_the_template_does_not_close_with_is_closed_as_rendered(smollm2):
+    """A reply that ended on a given stop id other than the template's closer ("!" in eos_token_id=[..., "!"]) is
+    closed as the template renders it: the next turn fed nothing of <|im_end|>\\n, so the model read "...!<|im_start|>
+    user" and every later turn ran on a conversation the template never writes."""
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=24)
+    chat.send("Say hello.", eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("!")])
+    assert chat._last_reply_ended and chat.messages[-1]["content"].endswith("!")
+    chat.send("Again.", max_new_tokens=1)
+    prompt = tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True, tokenize=False)
+    want = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert torch.equal(chat.ids[:, : want.shape[1]], want) and chat.ids.shape[1] == want.shape[1] + 1
+    model.retention.detach()
