@@ -659,8 +659,8 @@ class RetentionChat:
                             attention_mask=torch.ones_like(full),
                             **cache_kwargs(self.cache),
                             streamer=streamer,
-                            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                            **kwargs,
+                            **{"pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                               **kwargs},  # a pad_token_id given wins (a batch of one is never padded anyway)
                         )
                 except BaseException as e:  # re-raised in the caller's thread
                     result["error"] = e
@@ -707,7 +707,7 @@ class RetentionChat:
         with at most a repetition penalty changing the logits (the model's generation config included). Otherwise it
         goes through generate, with a warning that says why."""
         plain = {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "stopping_criteria",
-                 "prefill_chunk_size", "repetition_penalty", *_SAMPLING}
+                 "prefill_chunk_size", "repetition_penalty", "pad_token_id", *_SAMPLING}
         others = {**_PLAIN_GENERATION, **(_OTHER_SAMPLING if kwargs.get("do_sample") else {})}
         gc = self.model.generation_config
         changed = {name: getattr(gc, name, None) for name, default in others.items()
@@ -951,6 +951,9 @@ def _check_generation_values(options: dict[str, Any], error: type[Exception]) ->
 
 # generate() keywords that are neither GenerationConfig fields nor in its signature
 _GENERATE_EXTRAS = frozenset({"tokenizer", "assistant_tokenizer"})
+# generate() arguments the chat passes itself (given again, generate raised a TypeError at every turn), and instead
+_CHAT_PASSES = {"streamer": "stream() yields the reply as it is generated",
+                "inputs": "send() takes the message; the chat feeds the conversation before it"}
 
 
 def _check_generation_options(model: nn.Module, options: dict[str, Any], error: type[Exception]) -> None:
@@ -962,6 +965,9 @@ def _check_generation_options(model: nn.Module, options: dict[str, Any], error: 
 
     from .policies.registry import POLICIES
 
+    if passed := sorted(k for k in options if k in _CHAT_PASSES):
+        raise error(f"{', '.join(passed)}: the chat passes {'it' if len(passed) == 1 else 'them'} to generate itself ("
+                    + "; ".join(_CHAT_PASSES[k] for k in passed) + ")")
     config = getattr(unwrap(model), "generation_config", None) or GenerationConfig()
     own = set(inspect.signature(unwrap(model).generate).parameters) | _GENERATE_EXTRAS
     unknown = sorted(k for k in options if k not in own and not hasattr(config, k))

@@ -557,7 +557,10 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
                                           ({"do_sample": True, "top_k": -1}, "top_k must be an integer >= 0"),
                                           ({"do_sample": True, "top_p": float("nan")}, "top_p must be in"),
                                           ({"repetition_penalty": 0}, "repetition_penalty must be above 0"),
-                                          ({"top_kk": 5}, "unknown option.s. top_kk")])
+                                          ({"top_kk": 5}, "unknown option.s. top_kk"),
+                                          ({"streamer": None}, r"streamer: the chat passes it to generate itself "
+                                                               r"\(stream\(\) yields the reply"),
+                                          ({"inputs": None}, "inputs: the chat passes it to generate itself")])
 def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs(smollm2, kwargs, words):
     """They failed inside generate's thread with transformers' streamer errors ("TextStreamer only supports batch
     size 1"); now they are named as the chat's, and the session goes on unchanged."""
@@ -954,4 +957,17 @@ def test_a_reply_ended_on_a_stop_id_the_template_does_not_close_with_is_closed_a
     prompt = tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True, tokenize=False)
     want = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert torch.equal(chat.ids[:, : want.shape[1]], want) and chat.ids.shape[1] == want.shape[1] + 1
+    model.retention.detach()
+
+
+def test_a_pad_token_id_given_is_taken_as_generate_takes_it(smollm2):
+    """pad_token_id, as generate takes it (model.generate(..., pad_token_id=tok.eos_token_id) is a common habit), was
+    passed twice to generate: a TypeError at every turn, from the constructor's options too, after the chat had
+    taken them."""
+    model, tok = smollm2
+    plain = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
+    given = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6, pad_token_id=tok.eos_token_id)
+    assert given.send("Hi.") == plain.send("Hi.")
+    assert given.send("Again.", pad_token_id=0) == plain.send("Again.")
+    assert torch.equal(given.ids, plain.ids)
     model.retention.detach()
