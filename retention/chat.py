@@ -618,6 +618,10 @@ class RetentionChat:
                     f"{key}={kwargs[key]}: a chat keeps one reply per turn in its cache; for beams or several "
                     "samples call model.generate with a RetentionCache directly (it supports both)"
                 )
+        if kwargs.get("return_dict_in_generate"):  # failed in the commit, after the reply, its entries left behind
+            raise ChatInputError("return_dict_in_generate: a chat returns the reply's text and keeps its tokens "
+                                 "(chat.ids); for scores or hidden states call model.generate with a RetentionCache "
+                                 "directly")
         kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         if not is_count(kwargs["max_new_tokens"]) or kwargs["max_new_tokens"] < 1:
             raise ChatInputError(f"max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
@@ -654,7 +658,7 @@ class RetentionChat:
                         if graphs:
                             result["out"] = self._graph_generate(full, kwargs, streamer)
                             return
-                        result["out"] = self.model.generate(
+                        out = self.model.generate(
                             input_ids=full,
                             attention_mask=torch.ones_like(full),
                             **cache_kwargs(self.cache),
@@ -662,6 +666,8 @@ class RetentionChat:
                             **{"pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
                                **kwargs},  # a pad_token_id given wins (a batch of one is never padded anyway)
                         )
+                        # the ids, also when the model's generation config asks for an output object
+                        result["out"] = out if torch.is_tensor(out) else out.sequences
                 except BaseException as e:  # re-raised in the caller's thread
                     result["error"] = e
                     streamer.end()

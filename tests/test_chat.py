@@ -560,7 +560,9 @@ def test_a_conversation_past_the_models_positions_is_warned_once(smollm2, capsys
                                           ({"top_kk": 5}, "unknown option.s. top_kk"),
                                           ({"streamer": None}, r"streamer: the chat passes it to generate itself "
                                                                r"\(stream\(\) yields the reply"),
-                                          ({"inputs": None}, "inputs: the chat passes it to generate itself")])
+                                          ({"inputs": None}, "inputs: the chat passes it to generate itself"),
+                                          ({"return_dict_in_generate": True, "output_scores": True},
+                                           "return_dict_in_generate: a chat returns the reply's text")])
 def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs(smollm2, kwargs, words):
     """They failed inside generate's thread with transformers' streamer errors ("TextStreamer only supports batch
     size 1"); now they are named as the chat's, and the session goes on unchanged."""
@@ -971,3 +973,19 @@ def test_a_pad_token_id_given_is_taken_as_generate_takes_it(smollm2):
     assert given.send("Again.", pad_token_id=0) == plain.send("Again.")
     assert torch.equal(given.ids, plain.ids)
     model.retention.detach()
+
+
+def test_a_generation_config_asking_for_an_output_object_still_chats(smollm2):
+    """A model whose generation config sets return_dict_in_generate made generate return an output object, which the
+    commit indexed as ids: a TypeError after every reply, its entries left in the cache."""
+    model, tok = smollm2
+    plain = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
+    reply = plain.send("Hi.")
+    model.generation_config.return_dict_in_generate = True
+    try:
+        chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=6)
+        assert chat.send("Hi.") == reply and torch.equal(chat.ids, plain.ids)
+        assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+    finally:
+        model.generation_config.return_dict_in_generate = False
+        model.retention.detach()
