@@ -651,6 +651,9 @@ class RetentionChat:
                                                                  _StopWhenAsked()])
 
             graphs = self.cuda_graphs and self._graphs_decode(kwargs)
+            # generate finds stop strings with the tokenizer, which it refused to go without: the chat has it
+            stops = kwargs.get("stop_strings", getattr(self.model.generation_config, "stop_strings", None))
+            tokenizer = {"tokenizer": self.tokenizer} if stops and "tokenizer" not in kwargs else {}
 
             def run() -> None:
                 try:
@@ -665,6 +668,7 @@ class RetentionChat:
                             streamer=streamer,
                             **{"pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
                                **kwargs},  # a pad_token_id given wins (a batch of one is never padded anyway)
+                            **tokenizer,
                         )
                         # the ids, also when the model's generation config asks for an output object
                         result["out"] = out if torch.is_tensor(out) else out.sequences

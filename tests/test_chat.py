@@ -989,3 +989,20 @@ def test_a_generation_config_asking_for_an_output_object_still_chats(smollm2):
     finally:
         model.generation_config.return_dict_in_generate = False
         model.retention.detach()
+
+
+def test_stop_strings_stop_the_reply_with_the_chats_tokenizer(smollm2):
+    """stop_strings, as generate takes them, failed at every turn: generate needs the tokenizer to find them, which
+    the chat has and did not pass. The reply now ends on the string, and the next turn closes it as the template
+    renders it."""
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=30)
+    whole = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=30).send("Tell me about rivers.")
+    assert "," in whole[:-1]
+    reply = chat.send("Tell me about rivers.", stop_strings=[","])
+    assert reply == whole[: whole.index(",") + 1] and not chat._last_reply_ended
+    chat.send("Go on.", max_new_tokens=1)
+    prompt = tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True, tokenize=False)
+    want = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert torch.equal(chat.ids[:, : want.shape[1]], want)
+    model.retention.detach()
