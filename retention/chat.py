@@ -330,6 +330,21 @@ class RetentionChat:
         if problem := template_variables_problem({} if chat_template_kwargs is None else chat_template_kwargs):
             raise ChatSetupError(f"chat_template_kwargs {problem}")
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # the policy and cuda_graphs are checked before the gates attach (or replace the attached ones): a failed
+        # chat left them on the model, where the next chat's gates=None kept them
+        if isinstance(policy, str):  # as RetentionCache resolves a name
+            from .policies.registry import get_policy
+
+            try:
+                policy = get_policy(policy)
+            except ValueError as e:
+                raise ChatSetupError(str(e)) from None
+        if cuda_graphs:
+            why = ("the model is on the CPU; load it on a CUDA GPU" if self.device.type != "cuda" else
+                   f"{type(policy).__name__} reads the queries as they come"
+                   if isinstance(policy, EvictionPolicy) and policy.needs_queries else None)
+            if why:
+                raise ChatSetupError(f"cuda_graphs (--cuda-graphs): {why}; leave it out to decode with generate")
         asked_untrained = isinstance(gates, str) and gates == "untrained"
         gates = _load_gates(gates, model)
         attachment = getattr(unwrap(model), "retention", None)
@@ -363,12 +378,6 @@ class RetentionChat:
                           "enforced (leave the budget out, or pick a policy that evicts)", stacklevel=2)
         self.chunk_size, self.max_new_tokens, self.system = chunk_size, max_new_tokens, system
         self.generation_kwargs = {"do_sample": False, **generation_kwargs}
-        if cuda_graphs:
-            why = ("the model is on the CPU; load it on a CUDA GPU" if self.device.type != "cuda" else
-                   f"{type(self.cache.policy).__name__} reads the queries as they come"
-                   if self.cache.policy.needs_queries else None)
-            if why:
-                raise ChatSetupError(f"cuda_graphs (--cuda-graphs): {why}; leave it out to decode with generate")
         # replies decode through GraphDecoder (each step a replayed CUDA graph); _graph_replay=False runs the
         # same planned steps eagerly, which is how the CPU tests check the path
         self.cuda_graphs, self._graph_replay, self._decoder = cuda_graphs, True, None

@@ -1006,3 +1006,18 @@ def test_stop_strings_stop_the_reply_with_the_chats_tokenizer(smollm2):
     want = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert torch.equal(chat.ids[:, : want.shape[1]], want)
     model.retention.detach()
+
+
+def test_a_bad_policy_or_cuda_graphs_on_the_cpu_is_refused_before_the_gates_attach(smollm2):
+    """An unknown policy name or cuda_graphs on the CPU failed after the chat had attached its gates: a failed
+    RetentionChat(model, tok, "untrained", policy="snapKV!") left untrained gates on the model, and the next
+    RetentionChat(model, tok) kept them (gates=None keeps what is attached) instead of the shipped ones."""
+    model, tok = smollm2
+    for given, words in ((dict(policy="snapKV!"), r"unknown policy 'snapKV!'; available: \[.*'snapkv'"),
+                         (dict(cuda_graphs=True), "cuda_graphs .--cuda-graphs.: the model is on the CPU")):
+        with pytest.raises(ChatSetupError, match=words):
+            RetentionChat(model, tok, "untrained", budget_tokens=64, **given)
+        assert getattr(model, "retention", None) is None
+    chat = RetentionChat(model, tok, budget_tokens=64, policy="snapkv")
+    assert chat.cache.policy.name == "snapkv"
+    model.retention.detach()
