@@ -565,3 +565,19 @@ def test_pool_refuses_sets_scored_with_another_setup(field, values):
     # a method the pool leaves out is not checked
     rows, left_out = pool_rows({"s0": s0, "s1": s1}, methods=["full"])
     assert len(rows) == 10 and left_out == ["global_gates: not in --methods"]
+
+
+def test_a_failed_row_leaves_the_gap_and_its_interval_over_the_same_items():
+    """A failed row (score None) dropped out of its method's mean but not out of the other's, while the interval
+    pairs items both scored: the page read +16.7 [+0.0, +0.0], a point outside its own interval. The point is now
+    over the paired items too, in the summary, the pair table and the gap plot's points."""
+    from retention.eval.report import gap_points, pair_table, paired_gap
+
+    rows = _rows(*A, "t", [100.0, 100.0, 100.0, 100.0, None, 100.0]) + _rows(*FULL, "t", [100.0] * 4 + [0.0, 100.0])
+    assert paired_gap(rows, A, FULL, ["t"]) == 0.0 and paired_gap_interval(rows, A, FULL, ["t"]) == (0.0, 0.0)
+    assert "+0.0 [+0.0, +0.0]" in summary_table(rows) and "+16.7" not in summary_table(rows)
+    assert "| global_gates - full | 10% | +0.0 [+0.0, +0.0] |" in pair_table(rows, [("global_gates", "full")])
+    assert gap_points(rows)["global_gates"][0][1:] == (0.0, 0.0, 0.0)
+    # with every item scored by both, the point is the difference of the means, as before
+    whole = _rows(*A, "t", [90.0, 80.0, 100.0, 70.0, 60.0]) + _rows(*FULL, "t", [100.0, 100.0, 90.0, 100.0, 80.0])
+    assert paired_gap(whole, A, FULL, ["t"]) == pytest.approx(-14.0) and "-14.0 [" in summary_table(whole)

@@ -206,6 +206,36 @@ def _common_tasks(means: dict) -> list[str]:
     return sorted(set.intersection(*[set(d) - set(_STATS) for d in means.values()])) if means else []
 
 
+def _paired_differences(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str],
+                        tasks: list[str]) -> dict[str, list[Any]] | None:
+    """Per task, one array per length of ``score(a) - score(b)`` over the items both scored (same item ids), in item
+    order; ``None`` unless every task of ``tasks`` has some."""
+    import numpy as np
+
+    scores: dict[tuple, dict[str, float]] = defaultdict(dict)  # (method, budget, task, length) -> item -> score
+    for r in rows:
+        if r.get("score") is not None and r["task"] in tasks:
+            scores[(r["method"], r["budget"], r["task"], r["length"])][str(r["item"])] = float(r["score"])
+    per_task: dict[str, list] = defaultdict(list)
+    for task, length in sorted({(k[2], k[3]) for k in scores}):
+        sa, sb = scores.get((*a, task, length), {}), scores.get((*b, task, length), {})
+        if sa or sb:
+            per_task[task].append(np.array([sa[i] - sb[i] for i in sorted(set(sa) & set(sb))]))
+    return per_task if set(per_task) == set(tasks) else None
+
+
+def paired_gap(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str]) -> float | None:
+    """The gap ``a - b`` in points over the items both scored, averaged as the summary averages scores (items, then
+    lengths, then ``tasks``): the point :func:`paired_gap_interval` brackets. It equals the difference of the two
+    means unless one method has failed rows (``score: None``), whose items the other's mean still counts."""
+    import numpy as np
+
+    diffs = _paired_differences(rows, a, b, tasks)
+    if diffs is None or any(len(d) == 0 for ds in diffs.values() for d in ds):
+        return None
+    return float(np.mean([np.mean([d.mean() for d in ds]) for ds in diffs.values()]))
+
+
 def paired_gap_interval(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str],
                         level: float = 0.95, draws: int = 4000, seed: int = 0,
                         min_items: int = 5) -> tuple[float, float] | None:
@@ -220,22 +250,12 @@ def paired_gap_interval(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple
     """
     import numpy as np
 
-    scores: dict[tuple, dict[str, float]] = defaultdict(dict)  # (method, budget, task, length) -> item -> score
-    for r in rows:
-        if r.get("score") is not None and r["task"] in tasks:
-            scores[(r["method"], r["budget"], r["task"], r["length"])][str(r["item"])] = float(r["score"])
-    rng = np.random.default_rng(seed)
-    per_task: dict[str, list] = defaultdict(list)
-    for task, length in sorted({(k[2], k[3]) for k in scores}):
-        sa, sb = scores.get((*a, task, length), {}), scores.get((*b, task, length), {})
-        if not sa and not sb:
-            continue
-        d = np.array([sa[i] - sb[i] for i in sorted(set(sa) & set(sb))])
-        if len(d) < max(min_items, 2):
-            return None
-        per_task[task].append(d[rng.integers(0, len(d), size=(draws, len(d)))].mean(axis=1))
-    if set(per_task) != set(tasks):
+    diffs = _paired_differences(rows, a, b, tasks)
+    if diffs is None or any(len(d) < max(min_items, 2) for ds in diffs.values() for d in ds):
         return None
+    rng = np.random.default_rng(seed)
+    per_task = {t: [d[rng.integers(0, len(d), size=(draws, len(d)))].mean(axis=1) for d in ds]
+                for t, ds in diffs.items()}
     gaps = np.mean([np.mean(v, axis=0) for v in per_task.values()], axis=0)
     lo, hi = np.quantile(gaps, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
@@ -272,6 +292,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         def gap(m: str, b: str, other: tuple[str, str], value: float) -> str:
             ci = paired_gap_interval(rows, (m, b), other, tasks)
             shown.append(ci is not None)
+            if ci is not None:  # the point over the items both scored, as its interval (failed rows aside)
+                value = paired_gap(rows, (m, b), other, tasks)
             return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
 
         full_key = next((k for k in avg if k[1] == "full"), None)
@@ -338,7 +360,8 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
                 continue
             per_task = [means[ka][t] - means[kb][t] for t in tasks]
             ci = paired_gap_interval(rows, ka, kb, tasks)
-            gap = f"{statistics.mean(per_task):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+            point = statistics.mean(per_task) if ci is None else paired_gap(rows, ka, kb, tasks)
+            gap = f"{point:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
             body.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | "
                         + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
     lines = ["Paired gaps, A minus B in points (the mean over tasks with a 95% paired-bootstrap interval over the "
@@ -419,8 +442,8 @@ def gap_points(rows: list[dict[str, Any]], level: float = 0.95) -> dict[str, lis
     out: dict[str, list] = defaultdict(list)
     for k in means:
         if k[1] != "full" and k[0] not in refs:
-            gap = score[k] - score[full]
             ci = paired_gap_interval(rows, k, full, tasks, level=level)
+            gap = score[k] - score[full] if ci is None else paired_gap(rows, k, full, tasks)
             out[k[0]].append((means[k]["__kv__"] * 100, gap, *(ci or (gap, gap))))
     return {m: sorted(p) for m, p in sorted(out.items())}
 
