@@ -321,6 +321,7 @@ class RetentionChat:
             _check_text("system", system, ChatSetupError)
         _check_generation_options(model, generation_kwargs, ChatSetupError)
         _check_generation_values(generation_kwargs, ChatSetupError)
+        _check_one_reply(generation_kwargs, ChatSetupError)  # at setup, not at every send() after it
         self.model, self.processor = model, processor
         self.max_positions: int | None = getattr(text_config_of(model), "max_position_embeddings", None)
         # inputs go where the embeddings are (the first GPU of a model spread with device_map="auto")
@@ -621,16 +622,7 @@ class RetentionChat:
                 f"{', '.join(assisted)}: assisted decoding works on the first turn only, since transformers "
                 "re-feeds every earlier turn to a filled cache; pass it to the first send() or drop it"
             )
-        for key in ("num_beams", "num_return_sequences"):
-            if (kwargs.get(key) or 1) > 1:
-                raise ChatInputError(
-                    f"{key}={kwargs[key]}: a chat keeps one reply per turn in its cache; for beams or several "
-                    "samples call model.generate with a RetentionCache directly (it supports both)"
-                )
-        if kwargs.get("return_dict_in_generate"):  # failed in the commit, after the reply, its entries left behind
-            raise ChatInputError("return_dict_in_generate: a chat returns the reply's text and keeps its tokens "
-                                 "(chat.ids); for scores or hidden states call model.generate with a RetentionCache "
-                                 "directly")
+        _check_one_reply(kwargs, ChatInputError)
         kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         if not is_count(kwargs["max_new_tokens"]) or kwargs["max_new_tokens"] < 1:
             raise ChatInputError(f"max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
@@ -966,6 +958,18 @@ def _check_generation_values(options: dict[str, Any], error: type[Exception]) ->
         if options.get(name) is not None and (options.get("do_sample") or not sampling):
             if problem := generation_value_problem(name, options[name]):
                 raise error(f"{name} {problem}")
+
+
+def _check_one_reply(options: dict[str, Any], error: type[Exception]) -> None:
+    """``error`` when ``options`` ask generate for more than one reply's ids (beams, several sequences, an output
+    object): a chat keeps one reply per turn in its cache."""
+    for key in ("num_beams", "num_return_sequences"):
+        if (options.get(key) or 1) > 1:
+            raise error(f"{key}={options[key]}: a chat keeps one reply per turn in its cache; for beams or several "
+                        "samples call model.generate with a RetentionCache directly (it supports both)")
+    if options.get("return_dict_in_generate"):  # failed in the commit, after the reply, its entries left behind
+        raise error("return_dict_in_generate: a chat returns the reply's text and keeps its tokens (chat.ids); for "
+                    "scores or hidden states call model.generate with a RetentionCache directly")
 
 
 # generate() keywords that are neither GenerationConfig fields nor in its signature

@@ -111,6 +111,10 @@ def chat_loop(chat: RetentionChat, lines: Iterable[str]) -> None:
         except (ChatInputError, ChatSetupError) as e:  # nothing was sent; the cache is as before
             dropped = f" (its {len(pending)} image(s) dropped too: attach them again)" if pending else ""
             print(f"error: {e}; the message was not sent{dropped}", file=sys.stderr)
+        except RuntimeError as e:  # out of GPU memory, say: the turn is not kept, the conversation before it is
+            print(f"\nerror: the turn failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it is "
+                  "not kept. The conversation so far is: /save FILE keeps it, and the next message feeds it again",
+                  file=sys.stderr)
         pending = []
 
 
@@ -143,11 +147,17 @@ def _chat_command(args: argparse.Namespace) -> int:
     try:  # and a file that is no saved conversation, or no conversation log
         if args.resume and args.history:
             raise ChatInputError("--resume and --history both start the conversation: give one")
+        if args.resume and args.system is not None:  # it was dropped without a word
+            raise ChatInputError(f"--system: the conversation in {args.resume} goes on with the system prompt it was "
+                                 "saved with; leave --system out")
         shown = None  # the file whose turns hold images: a text-only model cannot take them
         if args.resume and read_transcript(args.resume)["image_turns"]:
             shown = args.resume
         if args.history:
             history = read_history(args.history)
+            if args.system is not None and history[0] is not None and history[0] != args.system:  # --system won
+                raise ChatInputError(f"--system: {args.history} starts with a system prompt of its own; leave "
+                                     "--system out, or edit the file's")
             shown = args.history if any(images for _, _, images in history[1]) else None
         if shown is not None:
             _check_shows_images(args.model, shown)

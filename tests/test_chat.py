@@ -381,6 +381,25 @@ def test_ctrl_c_in_the_chat_loop_stops_the_reply_not_the_chat(capsys):
     assert [t for t, _ in chat.sent] == ["story", "and then?"] and "once upon [stopped]" in out
 
 
+def test_a_turn_that_fails_midway_leaves_the_chat_loop_running(capsys):
+    """Out of GPU memory mid-reply ended `retention chat` with a traceback, losing a conversation the chat itself
+    repairs on the next turn (and /save could still write). The loop says the turn failed and goes on."""
+    from retention.chat_cli import chat_loop
+
+    class OutOfMemory(_ScriptedChat):
+        def stream(self, text, images):
+            self.sent.append((text, len(images)))
+            yield "once"
+            if text == "story":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    chat = OutOfMemory(multimodal=False)
+    chat_loop(chat, ["story", "and then?"])
+    err = capsys.readouterr().err
+    assert [t for t, _ in chat.sent] == ["story", "and then?"]
+    assert "the turn failed (OutOfMemoryError: CUDA out of memory." in err and "/save FILE keeps it" in err
+
+
 def test_ctrl_c_shows_the_reply_as_kept(capsys):
     """The streamer holds back a word's start, and tokens made before the stop lands are kept as well: the screen
     showed "I [stopped]" where the history (and a /save) kept "In the". The loop now prints the rest of the kept reply
@@ -575,6 +594,19 @@ def test_generation_settings_a_chat_cannot_take_are_refused_before_anything_runs
     assert chat.memory()["tokens_seen"] == seen and chat.messages == messages
     assert chat.send("Again.")
     chat.model.retention.detach()
+
+
+@pytest.mark.parametrize("kwargs,words", [({"num_beams": 2}, "num_beams=2: a chat keeps one reply per turn"),
+                                          ({"num_return_sequences": 3, "do_sample": True}, "num_return_sequences=3"),
+                                          ({"return_dict_in_generate": True}, "return_dict_in_generate: a chat")])
+def test_a_chat_set_up_for_several_replies_is_refused_at_setup(smollm2, kwargs, words):
+    """RetentionChat(..., num_beams=2) was accepted, then every send() refused it: the setting is the chat's, so
+    the constructor refuses it, before the gates attach."""
+    model, tok = smollm2
+    before = getattr(model, "retention", None)
+    with pytest.raises(ChatSetupError, match=words):
+        RetentionChat(model, tok, budget_tokens=64, **kwargs)
+    assert getattr(model, "retention", None) is before  # no gates attached or replaced
 
 
 def test_chat_command_takes_a_baseline_policy(smollm2, capsys, monkeypatch):
@@ -922,6 +954,11 @@ def test_a_conversation_log_goes_on_from_the_command_line(smollm2, tmp_path, cap
         assert words[name] in capsys.readouterr().err
     assert main(["chat", "--history", str(tmp_path / "log.json"), "--resume", str(tmp_path / "log.json")]) == 2
     assert "give one" in capsys.readouterr().err
+    # --system beside a log that has its own was dropped without a word (and --resume dropped it always)
+    assert main(["chat", "--history", str(tmp_path / "log.json"), "--system", "Be long."]) == 2
+    assert "starts with a system prompt of its own" in capsys.readouterr().err
+    assert main(["chat", "--resume", str(tmp_path / "log.json"), "--system", "Be long."]) == 2
+    assert "goes on with the system prompt it was saved with" in capsys.readouterr().err
 
     fed = {}
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
