@@ -149,3 +149,12 @@ def test_recall_does_not_find_a_word_inside_a_longer_word():
     assert recall("VAR ABCDE = 12", ["abcde"]) == 100.0 and recall("no.1332323st", ["1332323"]) == 100.0
     assert recall("a-b!", ["a-b"]) == 100.0 and recall("xa-bx", ["a-b"]) == 0.0
     assert recall("café au lait", ["café"]) == 100.0  # edges that are not ASCII letters or digits: a plain substring
+
+
+@pytest.mark.parametrize("metric", ["recall", "substring", "f1", "rouge_l", "choice", "edit_sim"])
+def test_an_item_without_answers_is_a_clear_error_for_every_metric(metric):
+    """f1 and edit_sim failed inside max(), choice on answers[0], and rouge_l scored 0 without a word."""
+    from retention.eval.metrics import score_reply
+
+    with pytest.raises(ValueError, match=f"{metric} needs at least one reference answer"):
+        score_reply(metric, "some reply", [])

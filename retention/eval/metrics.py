@@ -127,6 +127,8 @@ def score_reply(metric: str, reply: str, answers: list[str]) -> float:
     """Score a reply with a metric by name."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; available: {sorted(METRICS)}")
+    if not answers:  # f1, choice and edit_sim failed inside max() or on [0]; rouge_l scored 0 without a word
+        raise ValueError(f"{metric} needs at least one reference answer; this item has none")
     return METRICS[metric](reply, answers)
 
 
