@@ -438,6 +438,12 @@ def attach_gates(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if getattr(base, "retention", None) is not None:
         raise RuntimeError("this model already has retention gates attached; call model.retention.detach() first")
+    if any(hasattr(m, "_retention_state") for m in modules):
+        # attached through a model around or inside this one (the causal LM and its decoder share these layers): a
+        # second hook would score every layer twice, and either detach would break the other's forward
+        owner = next(m for m in modules if hasattr(m, "_retention_state"))._retention_state.attachment.model
+        raise RuntimeError(f"this model's layers already have retention gates attached (through the "
+                           f"{type(owner).__name__} holding them); call its .retention.detach() first")
     if gates is None or isinstance(gates, GateConfig):
         config = gates if isinstance(gates, GateConfig) else GateConfig.for_model(model, **gate_options)
         gates = RetentionGates(config, seed=seed)

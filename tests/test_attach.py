@@ -399,3 +399,25 @@ def test_a_seed_builds_the_same_new_gates_and_is_refused_with_built_ones():
     with pytest.raises(ValueError, match="seed are only used when building new gates"):
         attach_gates(model, built, seed=0)
     assert getattr(model, "retention", None) is None
+
+
+def test_gates_attached_through_the_causal_lm_are_not_attached_again_through_its_decoder():
+    """attach_gates(model.model) after attach_gates(model) was accepted: every layer got a second hook, the outer
+    handle's teacher mode no longer ran the plain model, and either detach() broke the other's forward."""
+    model = tiny_llama()
+    x = inputs_for("llama")
+    with torch.no_grad():
+        want = model(**x).logits
+    outer = attach_gates(model, mode="teacher")
+    with pytest.raises(RuntimeError, match="layers already have retention gates attached.*LlamaForCausalLM"):
+        attach_gates(model.model)
+    assert len(model.model.layers[0].self_attn._forward_pre_hooks) == 1 and not hasattr(model.model, "retention")
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, want)
+    outer.detach()
+    inner = attach_gates(model.model, mode="teacher")  # the other way round, too
+    with pytest.raises(RuntimeError, match="layers already have retention gates attached.*LlamaModel"):
+        attach_gates(model)
+    inner.detach()
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, want)
