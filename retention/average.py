@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -28,8 +29,10 @@ def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     weights = [1.0] * n if weights is None else [float(w) for w in weights]
     if len(weights) != n:
         raise ValueError(f"{len(weights)} weights for {n} gate sets: give one weight per checkpoint")
-    if any(not w >= 0 for w in weights) or sum(weights) <= 0:  # `not w >= 0` also catches NaN
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+    if any(not 0 <= w < math.inf for w in weights) or sum(weights) <= 0:  # `not` also catches NaN
+        raise ValueError(f"weights must be finite and >= 0 with a positive sum, got {weights}")
+    # scaled by the largest first: a sum that overflows (1e308 twice) would turn every weight into 0
+    weights = [w / max(weights) for w in weights]
     return [w / sum(weights) for w in weights]
 
 

@@ -1,6 +1,7 @@
 """Averaging gate checkpoints: the weighted mean of every parameter, written as an ordinary checkpoint."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from retention.average import average_checkpoints, average_gates
+from retention.average import average_checkpoints, average_gates, normalised_weights
 from retention.cli import main
 from retention.gates import GateConfig, RetentionGates
 from retention.hub import export_gates, load_gates
@@ -50,6 +51,20 @@ def test_average_refuses_other_layouts_and_bad_weights():
         average_gates([a, _gates(1)], [1.0, -0.5])
     with pytest.raises(ValueError, match="at least two"):
         average_gates([a])
+
+
+def test_weights_that_are_infinite_or_whose_sum_overflows_are_refused_or_kept_exact():
+    """inf was taken as a weight (inf / inf: NaN gates, returned without a word) and 1e308 twice summed to inf, so
+    every normalised weight was 0 and the "mean" was all-zero gates; the CLI then blamed weights it had made."""
+    a, b = _gates(0), _gates(1)
+    for bad in ([math.inf, 1.0], [1.0, -math.inf], [math.nan, 1.0]):
+        with pytest.raises(ValueError, match=r"finite and >= 0.*got \[(inf|nan|1.0)"):
+            average_gates([a, b], bad)
+    assert normalised_weights([1e308, 1e308], 2) == [0.5, 0.5]
+    assert normalised_weights([1e308, 3e307], 2) == pytest.approx([1 / 1.3, 0.3 / 1.3])
+    mean = average_gates([a, b], [1e308, 1e308])
+    for name, t in mean.state_dict().items():
+        torch.testing.assert_close(t, 0.5 * a.state_dict()[name] + 0.5 * b.state_dict()[name])
 
 
 def test_average_command_writes_a_checkpoint_that_records_its_sources(tmp_path, capsys):
