@@ -208,6 +208,7 @@ class RetentionGates(nn.Module):
         from .io import atomic_directory, save_state
 
         path = Path(path).expanduser()  # as from_pretrained reads "~/gates"
+        check_finite_before_writing(self, path)
         check_gate_folder_target(path)
         with atomic_directory(path) as tmp:
             save_state(self.state_dict(), tmp / "gates.safetensors")
@@ -262,6 +263,14 @@ def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
     """The tensors of ``state`` that hold NaN or inf, each as ``name (k of n values)``; empty when all are finite."""
     return [f"{name} ({bad} of {t.numel()} values)" for name, t in state.items()
             if (bad := int((~torch.isfinite(t)).sum()))]
+
+
+def check_finite_before_writing(gates: RetentionGates, path: str | Path) -> None:
+    """ValueError before gates holding NaN or inf are written to ``path``: loading refuses them, so the write would
+    only replace what is there (earlier, good gates) with a checkpoint nothing can read."""
+    if bad := nonfinite_tensors(gates.state_dict()):
+        raise ValueError(f"the gates to write to {path} hold NaN or inf ({', '.join(bad)}): nothing written; a "
+                         "training run that diverged should export a checkpoint from before the loss went NaN")
 
 
 def is_gate_folder(path: str | Path) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .gates import RetentionGates, check_gate_folder_target, is_gate_folder
+from .gates import RetentionGates, check_finite_before_writing, check_gate_folder_target, is_gate_folder
 from .io import atomic_directory, save_state
 
 CHECKPOINT_FILES = ("gates.safetensors", "config.json", "README.md")
@@ -110,6 +110,7 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     if info.get("base_model"):  # one name for the base: the gates' own may be a local folder they were trained from
         gate_config["base_model"] = info["base_model"]
     config = {"gate_config": gate_config, "format": "retention-gates/1", **info}
+    check_finite_before_writing(gates, path)  # what loading refuses must not replace what is there
     check_gate_folder_target(path)  # the folder is replaced whole: never over someone's files
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})

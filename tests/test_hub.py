@@ -378,3 +378,21 @@ def test_a_checkpoint_with_nan_or_inf_weights_is_refused(tmp_path):
         assert str(bad) in msg and "W1 (1 of" in msg and "b (1 of" in msg and "b1" not in msg
         assert "diverged" in msg and "train.lr" in msg and "--export RUN/checkpoints/step-N" in msg
     assert load_gates(shipped).config.variant == "trimkv"  # finite gates load as before
+
+
+def test_gates_with_nan_or_inf_weights_are_never_written_over_a_checkpoint(checkpoint):
+    """export_gates and save_pretrained wrote NaN gates (a diverged run's, handed to the API) over the good checkpoint
+    at that path: the write succeeded and the folder then held gates that every load refuses."""
+    path, gates, _ = checkpoint
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    bad = RetentionGates(gates.config)
+    bad.load_state_dict(gates.state_dict())
+    with torch.no_grad():
+        bad.W1.view(-1)[0] = float("nan")
+        bad.b.fill_(float("inf"))
+    for write in (lambda p: export_gates(bad, p, base_model="tiny-llama"), bad.save_pretrained):
+        with pytest.raises(ValueError, match=r"hold NaN or inf \(W1 \(1 of \d+ values\), b \(1 of 1 values\)\)"):
+            write(path)
+        assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+        assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]  # no temp folder either
+    assert load_gates(path).fingerprint() == gates.fingerprint()
