@@ -7,9 +7,11 @@ revision, budget, training summary) and ``README.md`` (a model card with Hub met
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -178,8 +180,11 @@ def card_figures(path: str | Path) -> list[str]:
     """The images the checkpoint's model card shows from its own folder (markdown ``![..](name)`` links that
     are relative paths), in order: they go up with the checkpoint so the card on the Hub shows them."""
     card = Path(path) / "README.md"
-    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", card.read_text()) if card.is_file() else []
-    return list(dict.fromkeys(x for x in links if "://" not in x and not x.startswith(("/", "#", ".."))))
+    # a link may carry a title, ![x](a.png "title"); its target is kept as the upload's relative path, so
+    # "./a.png" becomes "a.png" (the upload's patterns match "a.png" only)
+    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", card.read_text()) if card.is_file() else []
+    links = [posixpath.normpath(x) for x in links if "://" not in x and not x.startswith(("/", "#"))]
+    return list(dict.fromkeys(x for x in links if not x.startswith("..")))
 
 
 def check_push_target(repo_id: str, token: str | None = None) -> None:
@@ -224,8 +229,8 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     api = HfApi(token=token or os.environ.get("HF_TOKEN"))
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            folder_path=str(path), repo_id=repo_id, allow_patterns=list(CHECKPOINT_FILES) + figures,
+        info = api.upload_folder(  # the patterns are fnmatch's: a figure named "fig[1].png" must match itself only
+            folder_path=str(path), repo_id=repo_id, allow_patterns=[*CHECKPOINT_FILES, *map(glob.escape, figures)],
             commit_message="Upload retention gates",
         )
     except HfHubHTTPError as e:

@@ -396,3 +396,24 @@ def test_gates_with_nan_or_inf_weights_are_never_written_over_a_checkpoint(check
         assert {f.name: f.read_bytes() for f in path.iterdir()} == before
         assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]  # no temp folder either
     assert load_gates(path).fingerprint() == gates.fingerprint()
+
+
+def test_push_sends_images_linked_with_a_dot_path_a_title_or_a_bracket_in_their_name(checkpoint, fake_hub):
+    """Links the card renders but push missed: ./a.png passed the check that the file is there, then matched no
+    upload pattern ("a.png" does not match "./a.png"); ![d](d.png "title") was no figure at all; a name with
+    brackets is a glob class to the upload's patterns. Each was left out while push reported success."""
+    from retention.hub import card_figures
+
+    path, _, _ = checkpoint
+    (path / "README.md").write_text((path / "README.md").read_text() + '\n![a](./a.png)\n![b](figs/./b.png)'
+                                    '\n![d](d.png "the title")\n![e](e[1].png)\n![up](../up.png)\n')
+    for name in ("a.png", "figs/b.png", "d.png", "e[1].png", "e1.png"):
+        (path / name).parent.mkdir(exist_ok=True)
+        (path / name).write_bytes(name.encode())
+    (path.parent / "up.png").write_bytes(b"outside the checkpoint")
+    assert card_figures(path) == ["a.png", "figs/b.png", "d.png", "e[1].png"]
+    hub = fake_hub()
+    push_to_hub(path, "me/gates")
+    sent = hub.committed_files()
+    assert sorted(sent) == ["README.md", "a.png", "config.json", "d.png", "e[1].png", "figs/b.png", "gates.safetensors"]
+    assert all(sent[name] == name.encode() for name in ("a.png", "figs/b.png", "d.png", "e[1].png"))
