@@ -266,6 +266,11 @@ def retention_attention_function(
             )
     log_beta = state.log_beta
     Tq, Tk = query.shape[2], key.shape[2]
+    sink = state.attachment.sink
+    if sink and Tq != Tk and Tk - Tq < sink:
+        # cached decoding while the sequence is still within its first `sink` tokens (a prompt shorter than the
+        # sink): those keep log_beta = 0 here too, as a forward over the whole sequence gives them
+        state.log_beta = log_beta = log_beta.masked_fill(torch.arange(Tk - Tq, Tk, device=log_beta.device) < sink, 0.0)
     if Tk == Tq:
         state.history = log_beta
     else:  # decoding with a cache: past log_beta were kept by earlier calls
@@ -277,7 +282,6 @@ def retention_attention_function(
                 "start generation from an empty cache after switching to student mode"
             )
     cu = _cu_seqlens(kwargs, query.shape[0], Tq) if Tq == Tk else None
-    sink = state.attachment.sink
     if sink and Tq == Tk:
         # the inference policy always keeps each sequence's first tokens: never decay them here either,
         # so the gates learn the rest with the sink in place (the losses read the masked scores)

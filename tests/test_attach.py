@@ -421,3 +421,19 @@ def test_gates_attached_through_the_causal_lm_are_not_attached_again_through_its
     inner.detach()
     with torch.no_grad():
         assert torch.equal(model(**x).logits, want)
+
+
+def test_cached_student_decoding_keeps_the_sink_of_a_prompt_shorter_than_it():
+    """With sink=4 and a 2-token prompt, the prefill kept tokens 0-1 at log_beta 0 but cached decoding let tokens
+    2-3 decay, where a forward over the whole sequence keeps them too: generation and recompute disagreed."""
+    model = tiny_llama()
+    att = attach_gates(model, bias_init=-2.0)  # beta ~ 0.12: a sink that is not kept changes the output
+    att.sink = 4
+    ids = torch.randint(0, 100, (1, 2), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        assert all((lb[..., -1] < 0).all() for lb in att.log_betas())  # the last token (past the sink) decays
+        att.reset()
+        full = model(input_ids=out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1)[0], full[0, 1:-1], rtol=1e-5, atol=1e-5)
