@@ -105,7 +105,9 @@ def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[
             return
         old = None
         if path.exists():
-            old = path.with_name(f".old-{path.name}-{os.getpid()}")
+            # a name no earlier run can hold: a crash between the two renames leaves its .old- folder behind, and a
+            # later process of the same pid (common in containers) could not move the folder onto it
+            old = path.with_name(f".old-{tmp.name.removeprefix('.tmp-')}")
             os.replace(path, old)
         os.replace(tmp, path)
         if old is not None:

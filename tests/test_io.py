@@ -24,6 +24,23 @@ def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
     assert (target / "a").read_text() == "two" and _leftovers(tmp_path) == []
 
 
+def test_a_crashed_runs_old_folder_does_not_block_a_later_write_of_the_same_pid(tmp_path):
+    """A crash between the two renames leaves the previous folder as .old-NAME-PID; a later process of the same pid
+    (containers reuse pids) could not move its folder onto that name, so every later write failed."""
+    import os
+
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as tmp:
+        (tmp / "a").write_text("one")
+    stale = tmp_path / f".old-ckpt-{os.getpid()}"  # what the crashed run of this pid left, still holding files
+    stale.mkdir()
+    (stale / "a").write_text("crashed run's")
+    with atomic_directory(target) as tmp:
+        (tmp / "a").write_text("two")
+    assert (target / "a").read_text() == "two" and (stale / "a").read_text() == "crashed run's"
+    assert _leftovers(tmp_path) == [stale.name]
+
+
 def test_a_cache_built_twice_at_once_keeps_the_first(tmp_path):
     target = tmp_path / "cache-key"
     with atomic_directory(target, keep_existing=True) as mine:
