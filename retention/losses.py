@@ -79,6 +79,22 @@ def positions_in_document(cu_seqlens: torch.Tensor | None, batch: int, seqlen: i
     return idx - first
 
 
+def capacity_terms(cu_seqlens: torch.Tensor | None, batch: int, streams: int, seqlen: int, budget: float,
+                   form: str = "global", mask: torch.Tensor | None = None,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries a full cache holds at each position of its document and which positions the capacity hinge
+    counts (full cache past the budget, inside ``mask``): ``(B, T)`` for ``form="global"``, ``(B, streams, T)`` per
+    head. Known from a row's layout alone, so a step can count its terms before any forward."""
+    if form not in ("global", "per_head"):
+        raise ValueError(f"capacity form must be 'global' or 'per_head', got {form!r}")
+    t = positions_in_document(cu_seqlens, batch, seqlen, device).float()
+    full = (t + 1) * streams if form == "global" else (t + 1)[:, None].expand(batch, streams, seqlen)
+    active = full > budget
+    if mask is not None:
+        active = active & (mask.to(active.device) if form == "global" else mask.to(active.device)[:, None])
+    return full, active
+
+
 def capacity_loss(
     log_betas: list[torch.Tensor],
     budget: float,
@@ -99,20 +115,10 @@ def capacity_loss(
     ``mask`` ``(B, T)`` bool: positions to leave out (False), e.g. a packed row's padding.
     Returns ``(loss, stats)``.
     """
-    if form not in ("global", "per_head"):
-        raise ValueError(f"capacity form must be 'global' or 'per_head', got {form!r}")
     lb = torch.cat(log_betas, dim=1)  # (B, L*H, T)
     B, N, T = lb.shape
-    t = positions_in_document(cu_seqlens, B, T, lb.device).float()
-    if form == "global":
-        S = capacity_sum(lb, cu_seqlens, reduce=True)  # (B, T)
-        full = (t + 1) * N
-    else:
-        S = capacity_sum(lb, cu_seqlens, reduce=False)  # (B, N, T)
-        full = (t + 1)[:, None].expand(B, N, T)
-    active = full > budget
-    if mask is not None:
-        active = active & (mask if form == "global" else mask[:, None])
+    full, active = capacity_terms(cu_seqlens, B, N, T, budget, form, mask, lb.device)
+    S = capacity_sum(lb, cu_seqlens, reduce=form == "global")  # (B, T) global, (B, N, T) per head
     terms = (S - budget).clamp_min(0) / (full - budget).clamp_min(1)
     count = int(active.sum())
     total = terms[active].sum() if count else lb.sum() * 0.0

@@ -28,7 +28,7 @@ from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig, check_gate_folder_target
 from retention.hub import export_gates, load_gates, local_checkpoint, push_to_hub
 from retention.io import exclusive_use
-from retention.losses import beta_stats, capacity_loss, distillation_kl
+from retention.losses import beta_stats, capacity_loss, capacity_terms, distillation_kl
 from retention.models import cache_dir, load_model, looks_like_a_path
 from retention.templates import with_template_variables
 
@@ -519,14 +519,36 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         if tracker_note:
             print(f"[retention] {tracker_note}")
 
-    def global_mean(total: torch.Tensor, count: float) -> torch.Tensor:
+    def global_mean(total: torch.Tensor, count: float, accumulated: int = 1) -> torch.Tensor:
         """Sum over this rank / count over all ranks, times the world size (DDP averages gradients):
-        the gradient equals one process's pooled mean over the same global batch."""
+        the gradient equals one process's pooled mean over the same global batch. ``count``: the whole step's
+        (all ``accumulated`` micro-batches'), whose losses accelerate divides by ``accumulated``."""
         n = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
         # counts may be weights < 1
-        return total * accelerator.num_processes / torch.where(n > 0, n, torch.ones_like(n))
+        return total * (accelerator.num_processes * accumulated) / torch.where(n > 0, n, torch.ones_like(n))
 
-    def evict_losses(example, fraction: float, weighted: bool = True):
+    gate_streams = attachment.gates.config.num_layers * attachment.gates.config.num_kv_heads
+
+    def step_counts(batches: list) -> dict[str, float]:
+        """This rank's count for each mean over a step's micro-batches: distilled positions (or their weights),
+        capacity terms and cross-entropy targets. Each micro-batch's sum is divided by the step's count, not its
+        own, so batch_size 1 x grad_accum 2 trains as batch_size 2 on the same rows (a micro-batch's own mean
+        gave a row of few distilled positions, or of a lightly weighted source, as much say as a full one)."""
+        kl = cap = ce = 0.0
+        for batch in batches:
+            if evicting:
+                example, _ = batch
+                kl += sum(example.targets) * example.weight
+                continue
+            mask, weight = batch["loss_mask"], batch.get("loss_weight")
+            kl += float(mask.sum()) if weight is None else float(weight[mask].sum())
+            B, T = mask.shape
+            cap += int(capacity_terms(batch["cu_seqlens"], B, gate_streams, T, budget, cfg.loss.capacity_form,
+                                      batch.get("capacity_mask"))[1].sum())
+            ce += float(mask[:, :-1].sum())
+        return {"kl": kl, "capacity": cap, "ce": ce}
+
+    def evict_losses(example, fraction: float, weighted: bool = True, counts: dict[str, float] | None = None):
         """Objective ``evict``: KL over an item's continuation read over a relaxed global top-B of its context;
         held-out (``weighted=False``) over the hard top-B itself, what inference keeps, whatever ``evict_tau``."""
         dev = accelerator.device
@@ -540,7 +562,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         weights = mask.float() * (example.weight if weighted else 1.0)
         kl_sum, kl_n = distillation_kl(h_s, h_t, lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
                                        reduction="sum", weights=weights)
-        kl = global_mean(kl_sum, kl_n)
+        kl = global_mean(kl_sum, counts["kl"], cfg.train.grad_accum) if counts else global_mean(kl_sum, kl_n)
         # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
         cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"],
                      "capacity_terms": 1}
@@ -554,10 +576,12 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
             cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
         return loss, kl, torch.zeros((), device=dev), cap_stats, log_betas
 
-    def losses(batch, weighted: bool = True):
-        """``weighted=False``: the plain mean KL (held-out KL stays comparable whatever the sources' weights)."""
+    def losses(batch, weighted: bool = True, counts: dict[str, float] | None = None):
+        """``weighted=False``: the plain mean KL (held-out KL stays comparable whatever the sources' weights).
+        ``counts``: the step's :func:`step_counts`, for a training micro-batch (else the batch's own means)."""
         if evicting:
-            return evict_losses(*batch, weighted=weighted)
+            return evict_losses(*batch, weighted=weighted, counts=counts)
+        accumulated = cfg.train.grad_accum if counts else 1
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
         # packed rows carry positions restarting in each document (the teacher's block-diagonal mask and
@@ -572,14 +596,16 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         )
         cap_sum, cap_stats = capacity_loss(log_betas, budget, cfg.loss.capacity_form, batch["cu_seqlens"],
                                            reduction="sum", mask=batch.get("capacity_mask"))
-        kl, cap = global_mean(kl_sum, kl_n), global_mean(cap_sum, cap_stats["capacity_terms"])
+        kl = global_mean(kl_sum, counts["kl"] if counts else kl_n, accumulated)
+        cap = global_mean(cap_sum, counts["capacity"] if counts else cap_stats["capacity_terms"], accumulated)
         loss = kl + cfg.loss.capacity_weight * cap
         if cfg.loss.ce_weight:
             ce = nn.functional.cross_entropy(
                 lm_head(h_s[:, :-1]).flatten(0, 1).float(), batch["input_ids"][:, 1:].flatten(), reduction="none"
             )
             m = batch["loss_mask"][:, :-1].flatten().float()
-            loss = loss + cfg.loss.ce_weight * global_mean((ce * m).sum(), int(m.sum()))
+            loss = loss + cfg.loss.ce_weight * global_mean((ce * m).sum(), counts["ce"] if counts else int(m.sum()),
+                                                           accumulated)
         return loss, kl, cap, cap_stats, log_betas
 
     def evaluate() -> dict[str, float]:
@@ -622,9 +648,13 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     with StopRequests(announce=main) as stop_requests:
         while step < cfg.train.steps:
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler steps after it)
-            for _ in range(cfg.train.grad_accum):
+            batches = [stream.next_batch() for _ in range(cfg.train.grad_accum)]
+            counts = step_counts(batches)
+            parts = []
+            for batch in batches:
                 with accelerator.accumulate(distiller):
-                    loss, kl, cap, cap_stats, log_betas = losses(stream.next_batch())
+                    loss, kl, cap, cap_stats, log_betas = losses(batch, counts=counts)
+                    parts.append((loss.detach(), kl.detach(), cap.detach()))
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and cfg.train.clip:
                         accelerator.clip_grad_norm_(params, cfg.train.clip)
@@ -634,8 +664,9 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
                     optimizer.zero_grad()
             step += 1
             bstats = beta_stats(log_betas)
-            # each rank holds its share of the global mean: the sum over ranks / world is that mean
-            loss, kl, cap = (accelerator.reduce(x.detach(), "mean") for x in (loss, kl, cap))
+            # each micro-batch holds grad_accum times its share of the step's mean, each rank its share of the
+            # global mean: the mean over micro-batches, then over ranks, is the step's pooled mean
+            loss, kl, cap = (accelerator.reduce(torch.stack(x).mean(), "mean") for x in zip(*parts))
             record = {
                 "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
                 "lr": lr, **cap_stats,
