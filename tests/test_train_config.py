@@ -37,6 +37,9 @@ def test_bad_types_and_ranges(tmp_path):
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  steps: many\n"))
     with pytest.raises(ConfigError, match="train.lr must be > 0"):
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ntrain:\n  lr: -1\n"))
+    for keep in (0, -1):  # -1 deleted every checkpoint the run wrote, the latest first, so --resume found none
+        with pytest.raises(ConfigError, match="train.keep_checkpoints must be > 0"):
+            load_config(write(tmp_path, f"budget:\n  tokens_per_head: 8\ntrain:\n  keep_checkpoints: {keep}\n"))
     with pytest.raises(ConfigError, match="data.sources.0.kind = 'audio'.*choose one of"):
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - kind: audio\n"))
 

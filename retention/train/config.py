@@ -225,7 +225,9 @@ POSITIVE = {
     "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau",
     "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
-    "train.eval_batches", "train.stop_after", "lora.r", "budget.tokens_per_head", "budget.global_entries",
+    "train.eval_batches", "train.stop_after", "lora.r",
+    # the run prunes to the newest keep_checkpoints: -1 deleted each checkpoint it wrote (old[:1]), 0 kept them all
+    "train.keep_checkpoints", "budget.tokens_per_head", "budget.global_entries",
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
 NON_NEGATIVE = {
