@@ -897,6 +897,17 @@ def test_rows_longer_than_the_models_positions_are_refused_before_it_loads(tiny_
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_a_global_budget_that_holds_a_whole_row_is_refused_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
+    """3 layers x 2 KV heads x 32 tokens: a budget of 192 entries keeps every one, so the capacity loss has no term."""
+    import retention.train.loop as loop
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"budget.global_entries = 192 holds every entry .*\(192: .*never acts"):
+        train(load_config(cfg_file, over + ["budget.tokens_per_head=null", "budget.global_entries=192"]))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError

@@ -74,6 +74,14 @@ def test_synthetic_task_options_are_checked_before_the_model_loads(tmp_path):
                                        "params: {keys: 8}}\n"))
 
 
+def test_a_budget_that_holds_a_whole_row_is_refused(tmp_path):
+    """A budget of a row's every token leaves the capacity loss without a term: the run trained the gates on the KL
+    alone (beta towards 1, keep everything) and said nothing."""
+    with pytest.raises(ConfigError, match="tokens_per_head = 64.*line 2.*data.seq_len = 64 row.*never acts"):
+        load_config(write(tmp_path, "budget:\n  tokens_per_head: 64\ndata:\n  seq_len: 64\n"))
+    load_config(write(tmp_path, "budget:\n  tokens_per_head: 63\ndata:\n  seq_len: 64\n"))
+
+
 def test_budget_needs_exactly_one_form(tmp_path):
     with pytest.raises(ConfigError, match="exactly one of budget.tokens_per_head or budget.global_entries"):
         load_config(write(tmp_path, "train:\n  steps: 2\n"))

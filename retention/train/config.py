@@ -372,6 +372,13 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
             "budget: set exactly one of budget.tokens_per_head or budget.global_entries"
             f"{_where('budget', lines, source)}"
         )
+    if cfg.loss.objective == "distill" and b.tokens_per_head is not None and b.tokens_per_head >= cfg.data.seq_len:
+        # a cache of a row's every token is within the budget: the capacity loss has no term, and the gates learn
+        # only to keep everything (the KL's pull)
+        where = _where("budget.tokens_per_head", lines, source)
+        raise ConfigError(f"budget.tokens_per_head = {b.tokens_per_head}{where} holds every entry of a data.seq_len = "
+                          f"{cfg.data.seq_len} row, so the capacity loss never acts; give a budget below data.seq_len "
+                          "(or longer rows)")
     if not cfg.data.sources:
         raise ConfigError(f"data.sources must list at least one source{_where('data.sources', lines, source)}")
     for i, src in enumerate(cfg.data.sources):

@@ -315,6 +315,22 @@ def check_positions(cfg: Config, model_config: Any) -> None:
                          f"(max_position_embeddings): use --set data.seq_len={limit} or less")
 
 
+def check_budget(cfg: Config, model_config: Any) -> None:
+    """Refuse a global budget that holds every entry of a full row (layers x KV heads x ``seq_len``): the capacity
+    loss would have no term and the gates would learn only to keep everything (``budget.tokens_per_head`` is
+    checked with the config, before the model's shapes are known)."""
+    from retention.attach import text_config
+
+    b, tc = cfg.budget, text_config(model_config)
+    if cfg.loss.objective != "distill" or b.global_entries is None:
+        return
+    full = tc.num_hidden_layers * tc.num_key_value_heads * cfg.data.seq_len
+    if b.global_entries >= full:
+        raise SystemExit(f"budget.global_entries = {b.global_entries} holds every entry of a full row of "
+                         f"{cfg.model.name} ({full}: layers x KV heads x data.seq_len {cfg.data.seq_len}), so the "
+                         "capacity loss never acts; give a smaller budget (or longer rows)")
+
+
 def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
            model_and_processor: tuple | None) -> dict[str, Any]:
     from accelerate import Accelerator
@@ -352,7 +368,9 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     if model_and_processor is None:  # the model's config, not its weights: what cannot work fails before the load
         from retention.models import load_config
 
-        check_positions(cfg, load_config(cfg.model.name, revision=cfg.model.revision)[0])
+        model_config = load_config(cfg.model.name, revision=cfg.model.revision)[0]
+        check_positions(cfg, model_config)
+        check_budget(cfg, model_config)
     start_gates = None
     if src:  # loaded (and widened) before the model, so a bad checkpoint or width fails before the expensive load
         start_gates = load_gates(src)
@@ -391,6 +409,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     if model_and_processor is not None:
         model, processor = model_and_processor
         check_positions(cfg, unwrap(model).config)
+        check_budget(cfg, unwrap(model).config)
     else:
         model, processor = load_model(
             cfg.model.name, dtype=cfg.model.dtype, revision=cfg.model.revision,
