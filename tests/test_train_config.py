@@ -62,6 +62,17 @@ def test_source_weights_are_checked_and_described(tmp_path):
         load_config(write(tmp_path, head + "    - {kind: multimodal, path: x.jsonl, weight: 2}\n"))
 
 
+def test_multimodal_sources_beside_text_or_in_batches_are_refused_before_the_model_loads(tmp_path):
+    """Both failed only once the vision-language model had loaded and the data was built (a DataError from
+    build_multimodal, or from the first batch after the held-out pass)."""
+    head = "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - {kind: multimodal, path: x.jsonl}\n"
+    with pytest.raises(ConfigError, match=r"data.sources.0 \(.*line 5\): multimodal .*also has \['chat'\]"):
+        load_config(write(tmp_path, head + "    - {kind: chat, path: sharegpt}\n"))
+    with pytest.raises(ConfigError, match=r"train.batch_size = 2 \(.*line 7\).*set train.batch_size: 1"):
+        load_config(write(tmp_path, head + "train:\n  batch_size: 2\n"))
+    assert load_config(write(tmp_path, head + "train:\n  grad_accum: 2\n")).train.grad_accum == 2
+
+
 def test_synthetic_task_options_are_checked_before_the_model_loads(tmp_path):
     head = "budget:\n  tokens_per_head: 8\ndata:\n  seq_len: 256\n  sources:\n"
     with pytest.raises(ConfigError, match=r"data.sources.0.params \(.*line 6\): niah_multikey takes no option 'key'"):

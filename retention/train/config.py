@@ -408,6 +408,18 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                               "its photos make it a multimodal conversation, which trains with loss.objective: distill "
                               f"beside kind: multimodal sources only (this config has {others or 'objective evict'}); "
                               "train it in a vision-language run of its own")
+    # refused by the multimodal data only after the (vision-language) model had loaded
+    shown = [i for i, s in enumerate(cfg.data.sources) if s.kind == "multimodal" or i in imaged]
+    if shown and cfg.loss.objective != "evict":
+        mixed = sorted({s.kind for i, s in enumerate(cfg.data.sources) if i not in shown})
+        if mixed:
+            raise ConfigError(f"data.sources.{shown[0]}{_where(f'data.sources.{shown[0]}', lines, source)}: "
+                              f"multimodal conversations train in a vision-language run of their own, beside other "
+                              f"multimodal sources only (this config also has {mixed}); use one kind per run")
+        if cfg.train.batch_size != 1:
+            raise ConfigError(f"train.batch_size = {cfg.train.batch_size}{_where('train.batch_size', lines, source)}: "
+                              "multimodal conversations are not packed into a batch; set train.batch_size: 1 and "
+                              "raise train.grad_accum (or use more GPUs) instead")
     if cfg.loss.objective == "evict":
         fr = cfg.loss.evict_fractions
         if not fr or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fr):
