@@ -224,6 +224,9 @@ def test_bad_evict_configs_name_the_fix(tmp_path):
         _config(tmp_path, root, "train.batch_size=2")
     with pytest.raises(ConfigError, match="evict_fractions"):
         _config(tmp_path, root, "loss.evict_fractions=[1.5]")
+    # a budget went unread (the run kept 10% of each context, whatever it said)
+    with pytest.raises(ConfigError, match=r"budget.tokens_per_head \(--set .*reads no budget.*loss.evict_fractions"):
+        _config(tmp_path, root, "budget.tokens_per_head=8")
 
 
 def test_widen_to_needs_gates_to_widen(tmp_path):

@@ -438,6 +438,11 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         if cfg.lora.enabled:
             raise ConfigError("lora.enabled: objective 'evict' trains the gates only; set lora.enabled: false or "
                               "loss.objective: distill")
+        if not unset:  # it was read by nothing: the run kept evict_fractions of each context instead
+            key = "budget.tokens_per_head" if b.tokens_per_head is not None else "budget.global_entries"
+            raise ConfigError(f"{key}{_where(key, lines, source)}: objective 'evict' keeps loss.evict_fractions of "
+                              "each item's context and reads no budget; remove the budget section and list the shares "
+                              "in loss.evict_fractions (e.g. [0.05, 0.1, 0.2])")
     if cfg.gates.widen_to is not None and not cfg.gates.init_from:
         raise ConfigError(f"gates.widen_to = {cfg.gates.widen_to}{_where('gates.widen_to', lines, source)}: it widens "
                           "the gates of gates.init_from; set init_from, or set gates.gate_hidden to train new gates of "
