@@ -1,9 +1,10 @@
 """Metrics on hand-checkable definitions.
 
 Generated replies: ``recall`` (share of the reference strings found in the reply as whole numbers or words: the
-generated tasks' metric), ``substring`` (RULER's own string match, a plain substring test: the Hub RULER set's), ``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l``
-(LCS-based F-measure on words), ``choice`` (the letter of a multiple-choice answer), ``edit_sim`` (character
-similarity of the first non-comment code line, as LongBench's code tasks). Fidelity: KL(full || compressed) and
+generated tasks' metric), ``substring`` (RULER's own string match, a plain substring test: the Hub RULER set's),
+``f1`` (SQuAD/LongBench token F1, best over references), ``rouge_l`` (LCS-based F-measure on words), ``choice`` (the
+letter of a multiple-choice answer), ``edit_sim`` (character similarity of the first non-comment code line, as
+LongBench's code tasks). Fidelity: KL(full || compressed) and
 top-1 agreement of next-token distributions. Scores are percentages.
 """
 
