@@ -760,6 +760,32 @@ def test_a_resumed_sweep_rescores_rows_of_another_setup(tmp_path, capsys):
     assert "rows were scored with another setup" not in capsys.readouterr().out and len(read_results(results)) == 4
 
 
+def test_a_resumed_sweep_rescores_rows_of_a_label_given_another_method(tmp_path, capsys):
+    """Rows were kept under their label alone: a config that gave the label another policy or other parameters
+    re-ran into the same output kept the old method's rows and reported them as the new one's."""
+    def config(method):
+        p = tmp_path / "c.yaml"
+        p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nlengths: [128]\n"
+                     f"budgets: [0.25]\nitems: 2\nmax_new_tokens: 2\nmethods: [{{name: full}}, {method}]\n")
+        return load_eval_config(p)
+
+    results = run_sweep(config("{name: snapkv, params: {window: 8}, label: mine}"), progress=False)
+    rows = read_results(results)
+    assert {(r["policy"], str(r["params"])) for r in rows if r["method"] == "mine"} == {("snapkv", "{'window': 8}")}
+    run_sweep(config("{name: snapkv, params: {window: 8}, label: mine}"), progress=False)  # the same: nothing to do
+    assert read_results(results) == rows
+    capsys.readouterr()
+    run_sweep(config("{name: snapkv, params: {window: 16}, label: mine}"), progress=False)
+    assert "2 rows were scored with another setup than this config's: mine params" in capsys.readouterr().out
+    now = read_results(results)
+    assert len(now) == 4 and {r["params"]["window"] for r in now if r["method"] == "mine"} == {16}
+    run_sweep(config("{name: streamingllm, label: mine}"), progress=False)
+    assert "mine policy ('snapkv' -> 'streamingllm')" in capsys.readouterr().out
+    now = read_results(results)
+    assert len(now) == 4 and {r["policy"] for r in now if r["method"] == "mine"} == {"streamingllm"}
+    assert [r for r in now if r["method"] == "full"] == [r for r in rows if r["method"] == "full"]
+
+
 def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatch, capsys):
     """`chat_template_kwargs: {enable_thinking: false}` renders every prompt as apply_chat_template(...,
     enable_thinking=False) does (Qwen3's empty reasoning block); rows record it, so a resumed sweep with other

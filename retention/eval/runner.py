@@ -21,7 +21,7 @@ from retention.models import is_multimodal
 
 from .config import EvalConfig
 from .loaders import HUB_TASKS, hub_task_items
-from .methods import PolicyCache
+from .methods import Method, PolicyCache
 from .models import max_positions
 from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
                          shares_history)
@@ -123,10 +123,18 @@ def item_sha(item: Item) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+def method_spec(method: Method) -> dict[str, Any]:
+    """What a method's label stands for: its policy and parameters, recorded in each row (a label is the user's
+    name for a method, so an edited config can give it another policy or other parameters)."""
+    return {"policy": method.name, "params": json.loads(json.dumps(method.params, sort_keys=True, default=str))}
+
+
 def _set_aside_stale(results: Path, gate_ids: dict[str, str | None], settings: dict[str, Any],
-                     item_shas: dict[tuple, str]) -> list[dict[str, Any]]:
+                     item_shas: dict[tuple, str],
+                     specs: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The rows of ``results`` a resumed sweep may keep. A row scored with other gates than its method has now
-    (say the shipped checkpoint changed), with other settings (:func:`sweep_settings`: another model,
+    (say the shipped checkpoint changed), by another policy or parameters under the same label (``specs``:
+    :func:`method_spec` of each label), with other settings (:func:`sweep_settings`: another model,
     ``max_new_tokens``...) or on another item under the same id (:func:`item_sha`) moves to
     ``results.replaced.jsonl`` and is scored again, so one table never mixes two setups. A value a row does not
     record (rows from before it was recorded) counts as the same."""
@@ -135,6 +143,8 @@ def _set_aside_stale(results: Path, gate_ids: dict[str, str | None], settings: d
         now = gate_ids.get(r.get("method"))
         if now and r.get("gates_id", now) != now:
             found.append(f"{r['method']} gates ({r['gates_id']} -> {now})")
+        spec = (specs or {}).get(r.get("method"), {})
+        found += [f"{r['method']} {k} ({r[k]!r} -> {v!r})" for k, v in spec.items() if k in r and r[k] != v]
         found += [f"{k} ({r[k]!r} -> {v!r})" for k, v in settings.items() if k in r and r[k] != v]
         sha = item_shas.get((r.get("task"), r.get("length"), r.get("item")))
         if sha and r.get("item_sha", sha) != sha:
@@ -254,7 +264,8 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     out_dir.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(results)
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
-    done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas)}
+    specs = {m.label: method_spec(m) for m in cfg.method_list()}
+    done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas, specs)}
     jobs = list(_jobs(cfg, items, done))
     references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
@@ -375,7 +386,7 @@ def _check_items_fit(cfg: EvalConfig, items: list[tuple[str, int, Any]], tokeniz
 def _write_rows(fh, bar, rows, results_, method, item, settings, cfg, shas, gate_ids) -> None:
     """Append one (item, method)'s rows, each flushed to disk as it is written (a resumed sweep keeps them)."""
     for row, res in zip(rows, results_):
-        res = {**row, "policy": method.name, "metric": item.metric, **settings, "seed": cfg.seed,
+        res = {**row, **method_spec(method), "metric": item.metric, **settings, "seed": cfg.seed,
                "split": cfg.split, "item_sha": shas[(row["task"], row["length"], row["item"])],
                **({"gates_id": gate_ids[method.label]} if gate_ids[method.label] else {}), **res}
         fh.write(json.dumps(res) + "\n")
