@@ -70,13 +70,19 @@ def frequent_words(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed
         def draw() -> str:
             return rng.choices(vocab, weights)[0]
         words = _fit_list(tokenizer, length, draw, header, numbered=False)
-        counts = {w: words.count(w) for w in vocab}
-        ranked = sorted(vocab, key=lambda w: -counts[w])
-        if counts[ranked[top - 1]] == counts[ranked[top]]:  # a tie at the cut makes the answer ambiguous
-            words += [ranked[k] for k in range(top) for _ in range(top - k)]
-            rng.shuffle(words)
+        while True:
             counts = {w: words.count(w) for w in vocab}
             ranked = sorted(vocab, key=lambda w: -counts[w])
+            if counts[ranked[top - 1]] != counts[ranked[top]]:
+                break
+            # a tie at the cut makes the answer ambiguous: more of the top words break it, within the length
+            # (appended to a list already fitted to it, they made contexts of 1043 tokens for 1024); else a word fewer
+            extra = [ranked[k] for k in range(top) for _ in range(top - k)]
+            if count_tokens(tokenizer, header + " ".join(words + extra)) <= length:
+                words += extra
+                rng.shuffle(words)
+            else:
+                words = words[:-1]
         context = header + " ".join(words)
         items.append(Item("frequent_words", item_id("frequent_words", split, length, seed, i), context,
                           f"What are the {top} most frequently appeared coded words in the above coded text?",
