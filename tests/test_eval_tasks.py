@@ -142,6 +142,19 @@ def test_document_qa_too_short_for_the_length_says_why(tok):
         generate("document_qa", tok, 4096, 1, source="pydoc")
 
 
+@pytest.mark.parametrize("task, length, message", [
+    ("niah_multikey", 64, "length 64 is too short: the task's text without filler .* is 86 tokens"),
+    ("variable_tracking", 80, "length 80 is too short: the task's text without filler"),
+    ("dialogue_memory", 64, "length 64 is too short: the dialogue's opening turns alone are"),
+    ("document_qa", 100, "document_qa: length 100 holds the 2 section headings but not one sentence"),
+])
+def test_a_length_too_short_for_the_tasks_own_text_is_refused(tok, task, length, message):
+    """The generators returned what did not fit as it was: contexts of 86 tokens at length 64 (rows say 64), and
+    document_qa items asking about a sentence (its first) that the context, its headings alone, did not hold."""
+    with pytest.raises(ValueError, match=message):
+        generate(task, tok, length, 6, seed=7)
+
+
 @pytest.mark.parametrize("task, params, message", [
     ("niah_multikey", {"key": 8}, "niah_multikey takes no option 'key'; its options: keys"),
     ("niah_multikey", {"keys": 40}, "keys must be a whole number from 1 to 30, got 40"),

@@ -56,6 +56,10 @@ def fit_length(tokenizer: PreTrainedTokenizerBase, target: int, build: Callable[
     inserted needles are counted exactly as the model will see them.
     """
     lo, hi = 0, max_units
+    least = count_tokens(tokenizer, build(0))
+    if least > target:  # was returned as it was: a context past its length, under that length's name
+        raise ValueError(f"length {target} is too short: the task's text without filler (instructions, needles) is "
+                         f"{least} tokens; raise the length")
     if count_tokens(tokenizer, build(hi)) <= target:
         raise ValueError(f"not enough filler ({max_units} units) for {target} tokens")
     while hi - lo > 1:

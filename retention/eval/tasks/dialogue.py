@@ -72,6 +72,10 @@ def talk_about_passages(tokenizer: PreTrainedTokenizerBase, rng: random.Random, 
         return [{"role": "user", "content": " ".join(sents) + "\n\n" + ask},
                 {"role": "assistant", "content": reply.format(s=quote)}]
 
+    if not fits(opening):  # was returned as it was: a conversation past its length, under that length's name
+        have = count_tokens(tokenizer, render_chat(tokenizer, opening))
+        raise ValueError(f"length {length} is too short: the dialogue's opening turns alone are {have} tokens; "
+                         "raise the length")
     turns: list[dict[str, str]] = []
     while True:  # whole exchanges while they fit, then a last one cut to fit
         sents = passage(rng, rng.randint(3, 8), split, source)

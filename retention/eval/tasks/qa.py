@@ -58,6 +58,9 @@ def document_qa(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: i
                 f"document_qa: item {i} has {len(chosen)} sections of {split!r} {source!r} documents, cut at the "
                 f"shortest one's {most} sentences: {have} tokens, short of length {length}; lower the length, or "
                 f"{fix}") from None
+        if k == 0:  # headings alone: the quoted sentence (sents[0]) would not be in the context
+            raise ValueError(f"document_qa: length {length} holds the {len(chosen)} section headings but not one "
+                             "sentence under each; raise the length or give fewer sections (params: {sections: N})")
         target = rng.randrange(len(chosen))
         heading, answer, sents = chosen[target]
         quote = sents[rng.randrange(max(1, k))]
