@@ -245,6 +245,35 @@ def test_hub_sets_run_as_sweep_tasks(tmp_path):
     assert item.id != hub_task_items("longbench", tok, 64, 1, subset="hotpotqa", data_files=files["longbench"])[0].id
 
 
+def test_items_of_one_id_in_two_hub_sets_are_each_prefilled(tmp_path):
+    """RULER listed twice (one task each) gives items of one id (ruler-96-0): the sweep kept its shared prefill by
+    item id, so policies scored the second set's item from the first one's context (the full cache, never shared,
+    did not)."""
+    from retention.eval.models import load_eval_model
+
+    text = lambda i, way: " ".join(f"Sentence {k} of document {i} says the river runs {way}." for k in range(60))
+    data = tmp_path / "r.jsonl"
+    data.write_text("".join(json.dumps({"context": text(i, way)[:600], "question": q, "answer": [way], "task": t,
+                                        "answer_prefix": "It runs", "max_new_tokens": 4}) + "\n"
+                            for i, (t, way, q) in enumerate([("niah_single_1", "south", "Which way?"),
+                                                             ("vt", "north", "Where does the river run to?")])))
+    model, tok = load_eval_model("tiny-llama-random")
+
+    def sweep(out, tasks):
+        listed = "".join(f"  - {{name: ruler, params: {{tasks: [{t}], data_files: {data}}}}}\n" for t in tasks)
+        (tmp_path / "c.yaml").write_text(
+            f"model: tiny-llama-random\noutput: {tmp_path / out}\ntasks:\n{listed}lengths: [96]\nbudgets: [0.5]\n"
+            "items: 1\nmax_new_tokens: 4\nmethods: [{name: full}, {name: streamingllm}]\n")
+        return read_results(run_sweep(load_eval_config(tmp_path / "c.yaml"), (model, tok), progress=False))
+
+    both, alone = sweep("both", ["niah_single_1", "vt"]), sweep("alone", ["vt"])
+    assert {r["item"] for r in both} == {"ruler-96-0"} and len(both) == 4
+    keep = ("method", "context_tokens", "kept_entries", "reply")
+    vt = [{k: r[k] for k in keep} for r in both if r["task"] == "ruler/vt"]
+    assert vt == [{k: r[k] for k in keep} for r in alone]
+    assert len({r["reply"] for r in both if r["method"] == "full"}) == 2  # the two items' replies do differ
+
+
 @pytest.mark.parametrize("task, message", [
     ("{name: longbench, params: {subset: nosuch}}", "unknown subset 'nosuch'"),
     ("{name: ruler, params: {limit: 3}}", "come from the sweep's items / lengths"),

@@ -267,19 +267,21 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     specs = {m.label: method_spec(m) for m in cfg.method_list()}
     done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas, specs)}
     jobs = list(_jobs(cfg, items, done))
-    references: dict[str, Any] = {}  # fidelity: the full-context logits, once per item
+    # what is computed once per item is kept for the item itself, not its id: two Hub sets of one sweep (ruler listed
+    # twice) hold items of one id, and the second item was scored from the first one's prefill
+    reference: tuple[Item, Any] | None = None  # fidelity: the full-context logits, once per item
     with open(results, "a") as fh, tqdm(total=sum(len(j[2]) for j in jobs), desc=f"eval {out_dir.name}", unit="run",
                                         disable=not progress) as bar:
-        shared: tuple[str, SharedPrefill] | None = None  # the current item's context, prefilled once
-        shared_chat: tuple[str, Any] | None = None  # the current dialogue-with-images' history, fed once
+        shared: tuple[Item, SharedPrefill] | None = None  # the current item's context, prefilled once
+        shared_chat: tuple[Item, Any] | None = None  # the current dialogue-with-images' history, fed once
         for item, method, budgets, rows in jobs:
             bar.set_postfix(task=item.task, method=method.label, refresh=False)
             if is_multimodal_item(item):
                 history = None
                 if shares_history(method, cfg.prefill):
-                    if shared_chat is None or shared_chat[0] != item.id:
+                    if shared_chat is None or shared_chat[0] is not item:
                         shared_chat = None  # free the previous item's first
-                        shared_chat = (item.id, shared_history(model, processor, item, cfg.chunk))
+                        shared_chat = (item, shared_history(model, processor, item, cfg.chunk))
                     history = shared_chat[1]
                 results_ = run_chat_item_budgets(model, processor, item, method, budgets, prefill_mode=cfg.prefill,
                                                  chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens, history=history)
@@ -287,17 +289,17 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
                 continue
             share = None
             if shareable(method, cfg.prefill):
-                if shared is None or shared[0] != item.id:
+                if shared is None or shared[0] is not item:
                     shared = None  # free the previous item's first
                     head, _ = context_and_prompt(tok, item, cfg.protocol)
-                    shared = (item.id, SharedPrefill(model, head))
+                    shared = (item, SharedPrefill(model, head))
                 share = shared[1]
             ref = None
             if item.metric == "fidelity":
-                if item.id not in references:
-                    references.clear()  # jobs of one item are consecutive: keep one at a time
-                    references[item.id] = reference_logits(model, item)
-                ref = references[item.id]
+                if reference is None or reference[0] is not item:  # jobs of one item are consecutive: one at a time
+                    reference = None
+                    reference = (item, reference_logits(model, item))
+                ref = reference[1]
             results_ = run_item_budgets(model, tok, item, method, budgets, protocol=cfg.protocol,
                                         prefill_mode=cfg.prefill, chunk=cfg.chunk, max_new_tokens=cfg.max_new_tokens,
                                         reference=ref, shared=share)
