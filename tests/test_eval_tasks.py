@@ -143,9 +143,9 @@ def test_document_qa_too_short_for_the_length_says_why(tok):
 
 
 @pytest.mark.parametrize("task, length, message", [
-    ("niah_multikey", 64, "length 64 is too short: the task's text without filler .* is 86 tokens"),
-    ("variable_tracking", 80, "length 80 is too short: the task's text without filler"),
-    ("dialogue_memory", 64, "length 64 is too short: the dialogue's opening turns alone are"),
+    ("niah_multikey", 64, "^niah_multikey: length 64 is too short: the task's text without filler .* is 86 tokens"),
+    ("variable_tracking", 80, "^variable_tracking: length 80 is too short: the task's text without filler"),
+    ("dialogue_memory", 64, "^dialogue_memory: length 64 is too short: the dialogue's opening turns alone are"),
     ("document_qa", 100, "document_qa: length 100 holds the 2 section headings but not one sentence"),
 ])
 def test_a_length_too_short_for_the_tasks_own_text_is_refused(tok, task, length, message):

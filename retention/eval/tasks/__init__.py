@@ -87,7 +87,12 @@ def generate(task: str, tokenizer: PreTrainedTokenizerBase, length: int, n: int,
              source: str = "auto", **params: Any) -> list[Item]:
     """Items of a task by name (``params``: the task's own options, e.g. ``keys=8`` for ``niah_multikey``)."""
     check_params(task, params)
-    return TASKS[task](tokenizer, length, n, seed=seed, split=split, source=source, **params)
+    try:
+        return TASKS[task](tokenizer, length, n, seed=seed, split=split, source=source, **params)
+    except ValueError as e:  # shared helpers (fit_length, the dialogue turns) do not know which task of a sweep failed
+        if str(e).startswith(f"{task}:"):
+            raise
+        raise ValueError(f"{task}: {e}") from None
 
 
 __all__ = ["Item", "TASKS", "check_params", "generate"]
