@@ -547,7 +547,8 @@ def test_gap_weighs_a_tasks_lengths_equally_and_pairs_items_whatever_the_row_ord
 
 @pytest.mark.parametrize("field, values", [("protocol", ("query_agnostic", "query_aware")), ("model", ("m", "m2")),
                                            ("gates_id", ("0123456789ab", "ba9876543210")),
-                                           ("max_new_tokens", (24, 64)), ("prefill", ("one_shot", "streaming"))])
+                                           ("max_new_tokens", (24, 64)), ("prefill", ("one_shot", "streaming")),
+                                           ("params", ({"sink": 4}, {"sink": 0}))])
 def test_pool_refuses_sets_scored_with_another_setup(field, values):
     """Sets of a method scored under another protocol, model, gates or decoding were pooled into one mean, while a
     resumed sweep sets such rows aside so that one table never mixes two setups. A value a set's rows do not record

@@ -19,7 +19,7 @@ Cell = tuple[str, str, str, int]  # method, budget key, task, length: what the s
 # what a method's score depends on beyond its items (the row key's protocol and prefill, runner.sweep_settings, the
 # gates): sets that recorded other values are other setups, whose items one mean must not mix
 SETUP_FIELDS = ("model", "protocol", "prefill", "split", "dtype", "max_new_tokens", "chunk", "chat_template_kwargs",
-                "policy", "gates_id")
+                "policy", "params", "gates_id")
 
 
 def _cell(r: dict[str, Any]) -> Cell:
