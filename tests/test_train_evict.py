@@ -3,6 +3,7 @@ against the inference cache it stands for, and a run on a tiny model."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -275,6 +276,9 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     assert part.get("stopped_early")
     unfinished = export_checkpoint(_config(tmp_path / "b", root), dest=tmp_path / "unfinished")
     assert "global top-B of 10% of each context" in (unfinished / "README.md").read_text()
+    # tokens seen: the items' own lengths, 3 steps of them; it was 3 x seq_len, a length no item has
+    seen = json.loads((unfinished / "config.json").read_text())["training"]["tokens_seen"]
+    assert seen == sum(r["tokens"] for r in part["history"]) and part["history"][0]["tokens"] != 256  # seq_len
     resumed = train(_config(tmp_path / "b", root), resume="latest")["history"]
     for a, b in zip(h, resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9), a["step"]

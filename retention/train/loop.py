@@ -240,7 +240,9 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     tail = history[-10:]
     training: dict[str, Any] = {
         "steps": f"{step} of {cfg.train.steps}" + ("" if step >= cfg.train.steps else " (unfinished run)"),
-        "tokens_seen": step * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
+        # each step's record holds its tokens (processes and evict items' own lengths counted); older records lack it
+        "tokens_seen": round(sum(r.get("tokens", cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len)
+                                 for r in history)),
         "first_kl": round(history[0]["kl"], 5) if history else None,
         "kl_last_10_steps": round(float(np.mean([r["kl"] for r in tail])), 5) if tail else None,
         "capacity_last_10_steps": round(float(np.mean([r["capacity"] for r in tail])), 5) if tail else None,
@@ -688,7 +690,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
             loss, kl, cap = (accelerator.reduce(torch.stack(x).mean(), "mean") for x in zip(*parts))
             record = {
                 "step": step, "loss": float(loss), "kl": float(kl), "capacity": float(cap),
-                "lr": lr, **cap_stats,
+                "lr": lr, "tokens": tokens_per_step, **cap_stats,
                 "beta_mean": float(np.mean(bstats["beta_mean"])),
             }
             if not math.isfinite(record["loss"]):  # diverged: every later step and the export would be NaN too
