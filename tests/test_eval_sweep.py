@@ -32,6 +32,7 @@ def test_config_errors_before_any_model_loads(tmp_path):
         # a traceback
         (f"output: {p}\n", "output: .*c.yaml is a file; the sweep writes results.jsonl .* into a folder"),
         ("output: 3\n", "output: must be a folder path"),
+        ("seed: true\n", "seed: must be an integer, got True"),  # a bool is an int to isinstance
     ]
     for text, match in cases:
         p.write_text(text)

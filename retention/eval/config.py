@@ -117,7 +117,7 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         v = getattr(cfg, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             _fail(key, f"must be an integer >= 1, got {v!r}")
-    if not isinstance(cfg.seed, int):
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):  # YAML's `seed: true` is no item set
         _fail("seed", f"must be an integer, got {cfg.seed!r}")
     if problem := template_variables_problem(cfg.chat_template_kwargs):
         _fail("chat_template_kwargs", problem)
