@@ -122,6 +122,13 @@ def test_bad_inputs_are_clear_errors(monkeypatch):
         kernel.paged_decode_triton(q, kp, vp, table, lens.float(), 0.25)
     with pytest.raises(ValueError, match="one block-table row per query stream"):
         kernel.paged_decode_triton(q, kp, vp, table, lens, 0.25, rows=torch.tensor([0, 1]))
+    # a table or lengths with fewer rows than the streams read past them (garbage such as 1e32), not fail
+    with pytest.raises(ValueError, match="block-table rows"):
+        kernel.paged_decode_triton(q, kp, vp, table[:2], lens[:2], 0.25)
+    with pytest.raises(ValueError, match=r"lengths \(streams,\)"):
+        kernel.paged_decode_triton(q, kp, vp, table, lens[:2], 0.25)
+    with pytest.raises(ValueError, match=r"lengths \(streams,\)"):
+        kernel.paged_decode_triton(q, kp, vp, table.flatten(), lens, 0.25)
     # CPU tensors without the interpreter (RETENTION_FORCE_TRITON=1 alone) failed inside Triton ("0 active drivers")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs CUDA tensors"):

@@ -124,8 +124,14 @@ def paged_decode_triton(
     if block_table.dtype.is_floating_point or lengths.dtype.is_floating_point:
         raise ValueError(f"block_table and lengths must be integer tensors, got {block_table.dtype} and "
                          f"{lengths.dtype}")
+    if block_table.ndim != 2 or lengths.shape != block_table.shape[:1]:
+        raise ValueError(f"block_table must be (streams, max_pages) with lengths (streams,); got "
+                         f"{tuple(block_table.shape)} and {tuple(lengths.shape)}")
     if rows is not None and rows.shape != (N,):
         raise ValueError(f"rows must be ({N},), one block-table row per query stream; got {tuple(rows.shape)}")
+    if rows is None and N > block_table.shape[0]:  # stream n reads row n: past the table it read other memory
+        raise ValueError(f"{N} query streams but {block_table.shape[0]} block-table rows: pass rows, or one row "
+                         "per stream")
     if not query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton decode kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before import for "
                          "CPU testing); use paged_decode_reference on the CPU")
