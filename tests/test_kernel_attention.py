@@ -88,6 +88,9 @@ def test_empty_sequence():
     q, k, v, lb = make(1, 0, 0, 2, 1, 16, torch.float32, lb_lo=-0.5)
     out, lse = run(q, k, v, lb)
     assert out.shape == (1, 0, 2, 16) and lse.shape == (1, 2, 0)
+    # packed too (the reference returns the same): the row bounds were an arange with step T = 0
+    out, lse = run(q, k, v, lb, cu_seqlens=torch.tensor([0, 0]))
+    assert out.shape == (1, 0, 2, 16) and lse.shape == (1, 2, 0)
 
 
 def test_work_list_covers_every_block_once_heaviest_first():

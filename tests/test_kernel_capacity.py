@@ -110,6 +110,15 @@ def test_bad_inputs_are_clear_errors():
 
 
 
+@pytest.mark.parametrize("reduce", [True, False])
+def test_empty_packed_batch(reduce):
+    # the kernel's row bounds were an arange with step T = 0 ("step must be nonzero"); the reference returned zeros
+    lb = torch.zeros(2, 3, 0, requires_grad=True)
+    for fn in (capacity_sum_ref, kernel.capacity_sum_triton):
+        S = fn(lb, torch.tensor([0, 0]), reduce)
+        assert S.shape == ((2, 0) if reduce else (2, 3, 0))
+        assert torch.autograd.grad(S.sum(), lb)[0].shape == lb.shape
+
 
 @pytest.mark.parametrize("reduce", [True, False])
 def test_log_beta_at_or_below_the_floor_means_beta_zero(reduce):

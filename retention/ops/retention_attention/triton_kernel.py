@@ -343,7 +343,8 @@ def segments(B: int, Tq: int, Tk: int, cu_seqlens: torch.Tensor | None, device: 
             )
         if bool((cu[1:] < cu[:-1]).any()):
             raise ValueError("cu_seqlens must be non-decreasing")
-        bounds = torch.unique(torch.cat([cu, torch.arange(0, B * Tk + 1, Tk, device=device)]))
+        # row ends are document ends too (step 1 for Tk = 0: an empty batch has no segments, not a zero step)
+        bounds = torch.unique(torch.cat([cu, torch.arange(0, B * Tk + 1, max(Tk, 1), device=device)]))
         start = bounds[:-1]
         b, t0 = start // Tk, start % Tk
         qlen = klen = bounds[1:] - start
