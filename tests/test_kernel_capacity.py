@@ -121,6 +121,16 @@ def test_empty_packed_batch(reduce):
 
 
 @pytest.mark.parametrize("reduce", [True, False])
+def test_empty_batch(reduce):
+    # the reference took the first key of each block as a min over the (empty) batch and raised; the kernel did not
+    lb = torch.zeros(0, 3, 20, requires_grad=True)
+    for fn in (capacity_sum_ref, kernel.capacity_sum_triton):
+        S = fn(lb, None, reduce)
+        assert S.shape == ((0, 20) if reduce else (0, 3, 20))
+        assert torch.autograd.grad(S.sum(), lb)[0].shape == lb.shape
+
+
+@pytest.mark.parametrize("reduce", [True, False])
 def test_log_beta_at_or_below_the_floor_means_beta_zero(reduce):
     # below -2.4e38 (and at -inf) exp2(0 * log_beta * log2(e)) was NaN in the kernel (the reference: NaN at -inf);
     # such a token now counts 1 at its own position and 0 later, as beta = 0 does

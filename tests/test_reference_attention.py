@@ -117,6 +117,15 @@ def test_shape_errors():
         retention_attention(q, k, v, lb[..., :4])
 
 
+def test_empty_batch():
+    # the first key of each block was the min over an empty batch ("min(): Expected reduction dim"); SDPA and the
+    # Triton kernel return empty results
+    q, k, v, lb = (x.detach()[:0].requires_grad_() for x in inputs(1, 8, 8, 2, 1))
+    out, lse = retention_attention_ref(q, k, v, lb)
+    assert out.shape == (0, 8, 2, 16) and lse.shape == (0, 2, 8)
+    assert [g.shape for g in torch.autograd.grad(out.sum(), (q, k, v, lb))] == [q.shape, k.shape, v.shape, lb.shape]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_sdpa_path_matches_brute_force_with_gradients(case):
     from retention.ops.retention_attention import retention_attention_sdpa

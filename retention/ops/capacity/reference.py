@@ -41,7 +41,7 @@ def _blocks(B: int, N: int, T: int, doc: torch.Tensor):
     rows = max(16, min(T, _BLOCK_ELEMENTS // max(1, B * streams * T)))
     for n0 in range(0, N, streams):
         for t0 in range(0, T, rows):
-            k0 = int((doc < doc[:, t0 : t0 + 1]).sum(1).min())
+            k0 = int((doc < doc[:, t0 : t0 + 1]).sum(1).min()) if B else 0  # an empty batch has no minimum
             yield n0, min(N, n0 + streams), t0, min(T, t0 + rows), k0
 
 

@@ -93,7 +93,7 @@ class _Blocks:
             # keys before the earliest document start of this block cannot be attended to
             first_doc = self.doc[:, self.offset + t0]
             starts = (self.doc < first_doc[:, None]).sum(1)
-            k0 = int(starts.min())
+            k0 = int(starts.min()) if self.B else 0  # an empty batch has no minimum
             yield t0, t1, k0, self.offset + t1
 
     def bias_and_mask(self, t0: int, t1: int, k0: int, k1: int, log_beta: torch.Tensor):
