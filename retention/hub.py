@@ -57,7 +57,7 @@ _CARD_CACHE = {
 def model_card(config: dict[str, Any]) -> str:
     gc = config["gate_config"]
     base = config.get("base_model") or gc.get("base_model") or "unknown"
-    summary = config.get("training", {})
+    summary = config.get("training") or {}  # export_gates(..., training=None) records None
     lines = [
         "---",
         "library_name: retention",
@@ -79,7 +79,7 @@ def model_card(config: dict[str, Any]) -> str:
         f"| variant | {gc['variant']} |",
         f"| layers x KV heads | {gc['num_layers']} x {gc['num_kv_heads']} |",
         f"| gate MLP width | {gc['gate_hidden']} |",
-        f"| training budget | {config.get('budget', 'n/a')} |",
+        f"| training budget | {config.get('budget') or 'n/a'} |",
     ]
     for k, v in summary.items():
         lines.append(f"| {k} | {v} |")

@@ -98,6 +98,14 @@ def test_model_card_says_what_the_variant_is(tmp_path):
     assert "per-head capacity loss" in cards["trimkv"] and "global capacity loss" not in cards["trimkv"]
 
 
+def test_a_card_of_gates_exported_without_a_summary_or_budget_renders(tmp_path):
+    """export_gates(..., training=None) crashed in the card (None.items()), and no budget wrote "None" in its row."""
+    gates = RetentionGates(GateConfig.for_model(tiny_llama(), variant="global"))
+    card = (export_gates(gates, tmp_path / "g", base_model="tiny-llama", training=None, budget=None)
+            / "README.md").read_text()
+    assert "| training budget | n/a |" in card and "None" not in card
+
+
 def test_load_round_trip_and_attach(checkpoint):
     path, gates, model = checkpoint
     loaded = load_gates(path, model=model)
