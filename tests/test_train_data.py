@@ -102,6 +102,19 @@ def test_synthetic_source_config_errors():
         load_config(None, ["budget.tokens_per_head=8", "data.sources=[{kind: text, path: sotu, length: 100}]"])
 
 
+
+def test_a_long_document_is_cut_only_at_row_ends():
+    """A document longer than a row continues in the next row as one segment: its tokens keep the whole row as
+    context, and every position but a row's last (and a document's last) is distilled."""
+    for seed in range(4):  # either order: 24 tokens, three full rows
+        rows = pack([{"input_ids": list(range(3)), "loss_mask": [True] * 3},
+                     {"input_ids": list(range(100, 121)), "loss_mask": [True] * 21}], seq_len=8, seed=seed)
+        assert len(rows) == 3
+        for r in rows:
+            for t in range(1, 8):
+                assert r.position_ids[t] != 0 or r.input_ids[t] != r.input_ids[t - 1] + 1  # no cut inside a row
+        assert sum(sum(r.loss_mask) for r in rows) == 2 + 20 - 2  # one position lost at each of two row ends
+
 def test_collate_cu_seqlens_over_the_flat_batch():
     rows = pack(docs(5, 9, 3, 20), seq_len=8, seed=0)[:2]
     b = collate(rows)

@@ -211,7 +211,7 @@ class PackedRow:
 def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]:
     """Shuffle documents with ``seed`` and pack them greedily into rows of exactly ``seq_len`` tokens.
 
-    Long documents are cut into ``seq_len`` pieces and continue in the next row; a ``whole`` document
+    A long document is cut where a row ends and continues at the start of the next; a ``whole`` document
     (a synthetic item: its question needs its context) is never cut: when it does not fit the room
     left, it waits and opens the next row. At the end, rows holding whole documents are padded (token
     0 as a document of its own, never distilled); the last row of plain text is dropped if not full.
@@ -258,14 +258,16 @@ def pack(docs: list[dict[str, Any]], seq_len: int, seed: int) -> list[PackedRow]
             else:
                 waiting.append(docs[i])
             continue
-        for s in range(0, len(d_ids), seq_len):
-            piece, pmask = d_ids[s : s + seq_len], list(d_mask[s : s + seq_len])
-            pmask[-1] = False  # the next token is in another piece
-            while piece:
-                room = seq_len - len(ids)
-                add(piece[:room], pmask[:room], d_w)
-                piece, pmask = piece[room:], pmask[room:]
-                close_if_full()
+        # cut only where a row ends: cutting at multiples of seq_len too split every later row of a long document
+        # in two segments (the second's tokens saw only the few before them, and its cut lost a distilled position)
+        piece, pmask = d_ids, list(d_mask)
+        if pmask:
+            pmask[-1] = False  # the next token is another document's
+        while piece:
+            room = seq_len - len(ids)
+            add(piece[:room], pmask[:room], d_w)
+            piece, pmask = piece[room:], pmask[room:]
+            close_if_full()
     while holds_whole or waiting:  # no text left to fill around them: pad
         if not ids and waiting:
             add_whole(waiting.pop(0))
