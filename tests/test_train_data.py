@@ -282,6 +282,21 @@ def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message
             check_local_source(source)
 
 
+
+@pytest.mark.parametrize("kind, path, split, message", [
+    ("chat", "sotu", "train", "the sotu corpus holds text records: give it kind: text, not 'chat'"),
+    ("text", "sharegpt", "train", "the sharegpt corpus holds chat records: give it kind: chat, not 'text'"),
+    ("text", "sotu", "test", "the sotu corpus has splits train, eval and all, not 'test'"),
+    ("chat", "sharegpt", "eval", "the sharegpt corpus has one split, train, not 'eval'"),
+])
+def test_a_builtin_corpus_with_the_wrong_kind_or_split_fails_before_the_model_loads(kind, path, split, message):
+    """A wrong kind gave the records to the wrong tokenization (a transformers TypeError after the model loaded),
+    and a wrong split failed only then too (sharegpt's was ignored)."""
+    from retention.train.sources import DataError, check_local_source
+
+    with pytest.raises(DataError, match=re.escape(message)):
+        check_local_source(SourceConfig(kind=kind, path=path, split=split))
+
 def test_stream_is_deterministic_resumable_and_split_by_rank():
     rows = pack(docs(*[7] * 40), seq_len=8, seed=0)
     a = PackedStream(rows, batch_size=2, seed=3)

