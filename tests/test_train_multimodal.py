@@ -159,6 +159,25 @@ def test_llava_and_mmdu_layout_becomes_messages():
         to_messages({"image": [], "conversations": [{"from": "human", "value": "<image>"}]})
 
 
+
+def test_mmdu_image_markers_place_its_images():
+    """MMDU marks its images <ImageHere> (as the eval loader reads them): split on <image> only, every image of an
+    MMDU record was dropped and the marker trained as text. An image no marker places is an error, not dropped."""
+    import pytest
+
+    from retention.train.multimodal_data import to_messages
+    from retention.train.sources import DataError
+
+    rec = {"id": "7", "image": ["a.jpg", "b.jpg"], "conversations": [
+        {"from": "user", "value": "Image1: <ImageHere>; Image2: <ImageHere>. Compare them."},
+        {"from": "assistant", "value": "The first is brighter."}]}
+    msgs = to_messages(rec)
+    assert [c["type"] for c in msgs[0]["content"]] == ["text", "image", "text", "image", "text"]
+    assert [c["image"] for c in msgs[0]["content"] if c["type"] == "image"] == ["a.jpg", "b.jpg"]
+    assert not any("ImageHere" in c.get("text", "") for m in msgs for c in m["content"])
+    with pytest.raises(DataError, match="1 more image\\(s\\) than <image> markers"):
+        to_messages({"image": ["a.jpg", "b.jpg"], "conversations": [{"from": "human", "value": "<image> what?"}]})
+
 def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     """A synthetic image_memory source (training haystacks, its own seed) becomes multimodal conversations: each
     opening turn's photo in the row's vision inputs, the text around them, and the answer (the number on a photo)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +63,14 @@ def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[b
     return inside[1:] + [False]
 
 
+# where a conversation's images go: LLaVA's and M4-Instruct's marker, and MMDU's
+IMAGE_MARKERS = re.compile(r"<image>|<ImageHere>")
+
+
 def to_messages(record: Any) -> list[dict[str, Any]]:
     """A multimodal conversation as ``messages`` with content lists, from either that layout or the
-    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers and
-    an ``image`` / ``images`` list consumed in order)."""
+    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers, MMDU's
+    ``<ImageHere>``, and an ``image`` / ``images`` list consumed in order: as many images as markers)."""
     if isinstance(record, list):
         return record
     if "messages" in record:
@@ -76,7 +81,7 @@ def to_messages(record: Any) -> list[dict[str, Any]]:
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     messages = []
     for turn in record["conversations"]:
-        pieces = turn["value"].split("<image>")
+        pieces = IMAGE_MARKERS.split(turn["value"])
         content: list[dict[str, Any]] = []
         for k, text in enumerate(pieces):
             if k > 0:
@@ -86,6 +91,8 @@ def to_messages(record: Any) -> list[dict[str, Any]]:
             if text.strip():
                 content.append({"type": "text", "text": text.strip()})
         messages.append({"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": content})
+    if images:  # an image no marker places would be dropped without a word
+        raise DataError(f"a record has {len(images)} more image(s) than <image> markers")
     return messages
 
 
