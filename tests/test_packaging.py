@@ -153,3 +153,18 @@ def test_the_inference_classes_import_from_the_top_level_without_slowing_import_
              "else:\n    raise SystemExit('an unknown name did not raise')\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("prog,launch", [
+    ("train.py", "accelerate launch train.py --config"),
+    ("python -m retention.train", "accelerate launch -m retention.train --config"),
+    # `accelerate launch retention train` ran `python retention train`: no such script (in a checkout, the package
+    # folder run as a script failed on its relative import)
+    ("retention train", "accelerate launch -m retention train --config"),
+])
+def test_the_training_help_names_an_accelerate_command_that_runs(prog, launch, capsys):
+    from retention.train import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"], prog=prog)
+    assert stop.value.code == 0 and launch in " ".join(capsys.readouterr().out.split())

@@ -10,9 +10,10 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """The training command line; ``prog``: how usage lines and errors name it."""
     import argparse
 
+    # how accelerate launches this command: a script by its path, a module (`retention train` too) with -m
+    launched = prog if prog.endswith(".py") else f"-m {prog.removeprefix('python -m ')}"
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description=f"Train retention gates: accelerate launch {prog.removeprefix('python ')} --config <name>.yaml",
+        prog=prog, description=f"Train retention gates: accelerate launch {launched} --config <name>.yaml",
     )
     parser.add_argument("--config", required=True, help="YAML file, or a bare name resolved against configs/")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
