@@ -183,3 +183,26 @@ def test_gates_of_another_model_are_a_message_not_a_traceback(tmp_path, capsys):
                  "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "error: gates do not match this model" in err and "Traceback" not in err
+
+
+def test_a_repeated_context_is_timed_and_printed_once(monkeypatch, capsys):
+    """``--contexts 32 32`` ran every setting of N = 32 twice a round, printed its rows twice, and gave one round a
+    range in brackets (two runs under one key), as if it were the median of two rounds."""
+    from retention.eval import bench_decode
+    from tiny_models import tiny_llama
+
+    import retention
+
+    monkeypatch.setattr(retention, "load_model", lambda *a, **k: (tiny_llama(), None))
+    monkeypatch.setattr(bench_decode, "real_text_ids", lambda tok, n: list(range(n)))
+    calls = []
+
+    def fake_run(model, ids, budget, new, chunk, plain=False, profile=False):
+        calls.append(len(ids))
+        return float(len(calls)), {"kv_bytes": 2**20}, None, None
+
+    monkeypatch.setattr(bench_decode, "run_one", fake_run)
+    assert bench_decode.main(["--contexts", "32", "32", "--budget", "8", "--device", "cpu"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert calls == [8, 32, 32, 32, 32]
+    assert [r[1] for r in rows] == ["full@B", "budget", "full", "plain", "bare"] and all("[" not in r[2] for r in rows)

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from retention.cli import checked_device, run_reporting_user_errors
 
     args.device = checked_device(p, args.device)
+    args.contexts = list(dict.fromkeys(args.contexts))  # a repeated N was timed twice per round and printed twice
     if args.budget >= min(args.contexts):  # full@B would prefill B tokens of a shorter text and print B anyway
         p.error(f"--budget {args.budget} must be below the smallest context ({min(args.contexts)}): a budget that "
                 "holds the whole context evicts nothing; give a smaller --budget or longer --contexts")
