@@ -360,10 +360,19 @@ def load_model(
             f"AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(folder)!r})")
     if is_multimodal(config):
         processor = load_processor(path, config, revision=revision, **hub_kwargs(kwargs))
-        model = AutoModelForImageTextToText.from_pretrained(path, **common)
+        auto = AutoModelForImageTextToText
     else:
         processor = AutoTokenizer.from_pretrained(path, revision=revision, **hub_kwargs(kwargs))
-        model = AutoModelForCausalLM.from_pretrained(path, **common)
+        auto = AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(path, **common)
+    except OSError as e:  # a folder with no weights (a random copy written --no-weights) was a traceback
+        if not folder.is_dir():
+            raise
+        raise ModelNotAvailableError(
+            f"cannot load model {name_or_path!r}: {e} Give the folder that save_pretrained wrote (config.json, "
+            "weights, tokenizer); a random copy written with --no-weights gets its weights from "
+            "`python -m retention.eval.random_copy FOLDER OUT`") from None
     # name the model by its Hub id, not the cache folder (gate checkpoints record it)
     if name_or_path in EMBEDDED_MODELS:
         model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id

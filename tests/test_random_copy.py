@@ -63,3 +63,20 @@ def test_a_random_copy_refuses_a_file_or_a_folder_it_did_not_write_before_loadin
     (old / "stale.txt").write_text("x")
     assert main(["smollm2-135m", str(old), "--no-weights"]) == 0  # its own earlier copy: replaced whole
     assert (old / "config.json").is_file() and (old / MARKER).is_file() and not (old / "stale.txt").exists()
+
+
+def test_a_copy_without_weights_is_refused_by_a_command_with_the_fix_not_a_traceback(tmp_path, capsys):
+    """``--no-weights`` writes config and tokenizer only; ``retention demo --model`` on it (or any command that loads
+    it) printed transformers' OSError traceback and exited with status 1."""
+    from transformers import AutoTokenizer
+
+    from retention.cli import main
+    from retention.eval.random_copy import random_copy
+
+    (tmp_path / "src").mkdir()
+    __import__("tiny_models").tiny_llama().config.save_pretrained(tmp_path / "src")
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(tmp_path / "src")
+    random_copy(str(tmp_path / "src"), tmp_path / "shape", weights=False)
+    assert main(["demo", "--model", str(tmp_path / "shape"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot load model" in err and "retention.eval.random_copy" in err and "Traceback" not in err
