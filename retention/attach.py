@@ -499,11 +499,10 @@ def model_stem(name: str | None) -> str:
     return str(name or "").rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def check_gates_match(model: nn.Module, config: GateConfig) -> None:
-    """Raise a clear error when gates were built for a base model of other shapes; warn when they were trained for
-    another model of the same shapes (a base model's gates on its fine-tune, say)."""
-    cfg = text_config_of(model)
-    want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size)
+def check_gates_shape(text_cfg: Any, config: GateConfig) -> None:
+    """:class:`GatesMismatchError` when gates were built for a text decoder of other shapes than ``text_cfg``'s (a
+    model's config: checked before its weights load)."""
+    want = (text_cfg.num_hidden_layers, text_cfg.num_key_value_heads, text_cfg.hidden_size)
     have = (config.num_layers, config.num_kv_heads, config.hidden_size)
     if want != have:
         raise GatesMismatchError(
@@ -511,6 +510,13 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
             f"{have}, the model has {want}; use gates trained for this base model "
             f"({config.base_model or 'unknown base'})"
         )
+
+
+def check_gates_match(model: nn.Module, config: GateConfig) -> None:
+    """Raise a clear error when gates were built for a base model of other shapes; warn when they were trained for
+    another model of the same shapes (a base model's gates on its fine-tune, say)."""
+    cfg = text_config_of(model)
+    check_gates_shape(cfg, config)
     model_name = (getattr(cfg, "_name_or_path", "")
                   or getattr(getattr(unwrap(model), "config", None), "_name_or_path", ""))
     trained_for, this = model_stem(config.base_model), model_stem(model_name)

@@ -142,7 +142,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     if args.cuda_graphs and torch.device(device).type != "cuda":
         print(f"error: --cuda-graphs needs a CUDA GPU (the model goes to {device}); leave it out", file=sys.stderr)
         return 2
-    gates = check_gates_source(args.gates)  # so does a bad --gates (retention.cli prints both)
+    gates = check_gates_source(args.gates, args.model)  # so does a bad --gates (retention.cli prints both)
     history = None
     try:  # and a file that is no saved conversation, or no conversation log
         if args.resume and args.history:

@@ -36,7 +36,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .models import shipped_gates
 
     device, dtype = model_placement(args)
-    gates = check_gates_source(args.gates)
+    gates = check_gates_source(args.gates, args.model)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=dtype)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s ({dtype} on {device})")
@@ -207,15 +207,22 @@ def run_reporting_user_errors(parser: argparse.ArgumentParser, run: Callable[[],
         return 2
 
 
-def check_gates_source(gates: str | None) -> RetentionGates | None:
+def check_gates_source(gates: str | None, model: str | None = None) -> RetentionGates | None:
     """Find and read a ``--gates`` folder or Hub repo before the model loads (seconds to minutes): a typo or a
-    damaged checkpoint fails at once. Returns the gates read (``None`` for none or ``"untrained"``), for the caller
-    to use once the model is there rather than read them again."""
+    damaged checkpoint fails at once, and so, given the ``model`` to load, do gates of another model's shapes (from
+    its config). Returns the gates read (``None`` for none or ``"untrained"``), for the caller to use once the model
+    is there rather than read them again."""
     if gates and gates != "untrained":
         from .gates import RetentionGates
         from .hub import checkpoint_folder
 
-        return RetentionGates.from_pretrained(checkpoint_folder(gates))  # a few MB: a damaged file fails now too
+        found = RetentionGates.from_pretrained(checkpoint_folder(gates))  # a few MB: a damaged file fails now too
+        if model is not None:  # the config alone: the weights would load for nothing
+            from .attach import check_gates_shape, text_config
+            from .models import load_config
+
+            check_gates_shape(text_config(load_config(model, check_support=False)[0]), found.config)
+        return found
     return None
 
 

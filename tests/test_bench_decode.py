@@ -206,3 +206,26 @@ def test_a_repeated_context_is_timed_and_printed_once(monkeypatch, capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert calls == [8, 32, 32, 32, 32]
     assert [r[1] for r in rows] == ["full@B", "budget", "full", "plain", "bare"] and all("[" not in r[2] for r in rows)
+
+
+@pytest.mark.parametrize("module,args", [
+    ("retention.cli", ["demo", "--device", "cpu"]),
+    ("retention.cli", ["chat", "--device", "cpu"]),
+    ("retention.eval.bench_decode", ["--contexts", "64", "--budget", "8", "--device", "cpu"]),
+    ("retention.eval.norm_probe", ["1"]),
+])
+def test_gates_of_another_model_are_refused_before_the_model_loads(module, args, tmp_path, monkeypatch, capsys):
+    """The gates' shapes were checked against the loaded model only: the weights (minutes for a large model) loaded
+    first, for nothing. The model's config says its shapes before them."""
+    import importlib
+
+    import retention
+    import retention.models
+    from retention.gates import GateConfig, RetentionGates
+
+    for owner in (retention, retention.models):
+        monkeypatch.setattr(owner, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    RetentionGates(GateConfig(num_layers=2, num_kv_heads=2, hidden_size=64)).save_pretrained(tmp_path / "other")
+    assert importlib.import_module(module).main(args + ["--gates", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "error: gates do not match this model" in err and "(30, 3, 576)" in err and "Traceback" not in err

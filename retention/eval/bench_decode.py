@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     from retention.attach import check_gates_match
     from retention.cli import check_gates_source
 
-    gates = check_gates_source(args.gates)  # a typo or a damaged checkpoint fails before the model loads
+    gates = check_gates_source(args.gates, args.model)  # a typo, a damaged checkpoint, another model's gates:
+    # each fails before the model loads
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     if gates is not None:
         check_gates_match(model, gates.config)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     """The probe and its printout, from :func:`main`'s arguments; the gates are read before the model loads."""
-    from retention.attach import check_gates_match
+    from retention.attach import check_gates_match, check_gates_shape, text_config
     from retention.cli import check_gates_source
 
     source = args.gates or shipped_gates(args.model)
@@ -150,6 +150,8 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         eval_model_config(args.model)  # an unknown model says so (ModelNotAvailableError), not "no gates shipped"
         ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
     gates = check_gates_source(str(source))  # a typo or a damaged checkpoint fails before the model loads
+    if gates is not None:  # and so do another model's gates, from the config (a spec may name a tiny model)
+        check_gates_shape(text_config(eval_model_config(args.model)), gates.config)
     model, tok = load_eval_model(args.model)
     if gates is not None:
         check_gates_match(model, gates.config)
