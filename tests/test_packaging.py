@@ -168,3 +168,18 @@ def test_the_training_help_names_an_accelerate_command_that_runs(prog, launch, c
     with pytest.raises(SystemExit) as stop:
         main(["--help"], prog=prog)
     assert stop.value.code == 0 and launch in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_training_check_that_names_the_fix_exits_2_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``train.py --resume FOLDER`` with no checkpoint there: the loop's check raised SystemExit(message), which
+    Python turns into exit status 1 with no ``train.py: error:``, unlike the command's other errors (status 2)."""
+    import retention.models
+    from retention.train import main
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(Path(__file__).parents[1] / "configs" / "smollm2.yaml"), "--set", f"train.output_dir={tmp_path / 'run'}",
+              "--resume", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: --resume") and "drop --resume" in err

@@ -466,10 +466,12 @@ def test_export_flags_that_would_go_unread_are_refused_or_acted_on(tiny_setup, t
         assert stop.value.code == 2 and words in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         "checkpoints", "final", "history.json"]  # nothing trained again, nothing set aside
-    with pytest.raises(SystemExit, match=r"--export .*step-4: the config changed since the run started "
-                                         r"\(data.seq_len 32 -> 64\); export with the config"):
+    with pytest.raises(SystemExit) as stop:  # status 2 and PROG: error:, as the command's other errors
         main(["--config", str(cfg_file), "--set", "train.steps=4", "--set", "data.seq_len=64", "--export", "--to",
               str(tmp_path / "y")])
+    assert stop.value.code == 2 and re.search(r"^train.py: error: --export .*step-4: the config changed since the run "
+                                              r"started \(data.seq_len 32 -> 64\); export with the config",
+                                              capsys.readouterr().err)
     assert not (tmp_path / "y").exists()
     pushed = []
     monkeypatch.setenv("HF_TOKEN", "hf_test")

@@ -1,6 +1,8 @@
 """Training: config, data, the eviction-aware objective and the loop behind ``train.py``
 (also ``python -m retention.train``)."""
 
+import argparse
+
 from .config import Config, ConfigError, load_config
 
 __all__ = ["Config", "ConfigError", "load_config", "main"]
@@ -8,8 +10,6 @@ __all__ = ["Config", "ConfigError", "load_config", "main"]
 
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """The training command line; ``prog``: how usage lines and errors name it."""
-    import argparse
-
     # how accelerate launches this command: a script by its path, a module (`retention train` too) with -m
     launched = prog if prog.endswith(".py") else f"-m {prog.removeprefix('python -m ')}"
     parser = argparse.ArgumentParser(
@@ -27,6 +27,18 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     parser.add_argument("--to", default=None, metavar="DIR",
                         help="with --export: the folder to write (default: export.dir)")
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args, prog)
+    except SystemExit as e:
+        # a check's SystemExit(message) (no checkpoint to --resume, a config changed since the run started, ...):
+        # Python exited with status 1 and no "PROG: error:", unlike the command's other errors
+        if not isinstance(e.code, str):
+            raise
+        parser.exit(2, f"{prog}: error: {e.code}\n")
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> int:
+    """:func:`main` from its parsed arguments."""
     if args.to is not None and args.export is None:  # else a whole fresh run started, and --to went unread
         parser.error("--to names the folder an --export writes: add --export (no training), or set export.dir "
                      "(--set export.dir=DIR) for where a training run exports")
