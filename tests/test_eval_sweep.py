@@ -521,6 +521,27 @@ def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch
     assert f"gate checkpoint '{missing}': there is no such folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["sweep", "method"])
+def test_gates_of_another_models_shapes_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where):
+    """They were refused only once the model had loaded (minutes for a large one): the model's config says enough."""
+    import retention.eval.models
+    from retention.eval.cli import main
+    from retention.gates import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    other = export_gates(RetentionGates(GateConfig(num_layers=3, num_kv_heads=2, hidden_size=64)), tmp_path / "g",
+                         base_model="another")
+    sweep_gates, method = ((f"gates: {other}\n", "global_gates") if where == "sweep"
+                           else ("", f"{{name: trimkv, gates: {other}}}"))
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
+                   f"methods: [full, {method}]\n")
+    assert main(["run", "--config", str(cfg), "--quiet"]) == 2
+    assert "gates do not match this model: gates have (layers, kv_heads, hidden) = (3, 2, 64)" in (
+        capsys.readouterr().err)
+
+
 def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
     import retention.eval.models
     from retention.eval.cli import main

@@ -240,8 +240,9 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     results = out_dir / "results.jsonl"
     from retention.cli import check_gates_source
 
-    for source in [cfg.gates, *(getattr(m, "gates", None) for m in cfg.method_list())]:
-        check_gates_source(source)  # a typo or a damaged checkpoint fails before the model loads
+    # a typo or a damaged checkpoint fails before the model loads
+    found = [g for source in [cfg.gates, *(getattr(m, "gates", None) for m in cfg.method_list())]
+             if (g := check_gates_source(source)) is not None]
     for spec in cfg.task_specs():  # a Hub set downloads (or fails offline) before the model loads
         if spec.name in HUB_TASKS:
             for length in cfg.lengths if spec.name == "ruler" else cfg.lengths[:1]:
@@ -250,6 +251,10 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
 
     # the model's config, not its weights: a model that cannot load, or cannot run the config, fails first
     config = eval_model_config(cfg.model) if model_and_tokenizer is None else unwrap(model_and_tokenizer[0]).config
+    from retention.attach import check_gates_shape, text_config
+
+    for gates in found:  # gates of another model's shapes: from the config, before the weights load
+        check_gates_shape(text_config(config), gates.config)
     _check_shows_images(cfg, config)
     _check_lengths_fit(cfg, config)
     if model_and_tokenizer is None:
