@@ -179,7 +179,7 @@ def test_a_training_check_that_names_the_fix_exits_2_before_the_model_loads(tmp_
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as stop:
-        main(["--config", str(Path(__file__).parents[1] / "configs" / "smollm2.yaml"), "--set", f"train.output_dir={tmp_path / 'run'}",
-              "--resume", str(tmp_path / "empty")])
+        main(["--config", str(Path(__file__).parents[1] / "configs" / "smollm2.yaml"),
+              "--set", f"train.output_dir={tmp_path / 'run'}", "--resume", str(tmp_path / "empty")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("train.py: error: --resume") and "drop --resume" in err
