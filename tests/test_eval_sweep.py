@@ -505,41 +505,31 @@ def test_cli_usage_names_the_command_users_type(capsys):
 
 
 @pytest.mark.parametrize("where", ["sweep", "method"])
-def test_missing_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where):
-    import retention.eval.models
-    from retention.eval.cli import main
-
-    monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    missing = tmp_path / "no-such-gates"
-    sweep_gates, method = ((f"gates: {missing}\n", "global_gates") if where == "sweep"
-                           else ("", f"{{name: trimkv, gates: {missing}}}"))
-    cfg = tmp_path / "sweep.yaml"
-    cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
-                   f"methods: [full, {method}]\n")
-    assert main(["run", "--config", str(cfg), "--quiet"]) == 2
-    assert f"gate checkpoint '{missing}': there is no such folder" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("where", ["sweep", "method"])
-def test_gates_of_another_models_shapes_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where):
-    """They were refused only once the model had loaded (minutes for a large one): the model's config says enough."""
+@pytest.mark.parametrize("gates", ["missing", "other shapes"])
+def test_bad_gates_fail_before_the_model_loads(tmp_path, capsys, monkeypatch, where, gates):
+    """A missing checkpoint, or gates of another model's shapes (refused only once the model had loaded: minutes for a
+    large one; its config says enough), as the sweep's gates or a method's."""
     import retention.eval.models
     from retention.eval.cli import main
     from retention.gates import GateConfig, RetentionGates
     from retention.hub import export_gates
 
     monkeypatch.setattr(retention.eval.models, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    other = export_gates(RetentionGates(GateConfig(num_layers=3, num_kv_heads=2, hidden_size=64)), tmp_path / "g",
-                         base_model="another")
-    sweep_gates, method = ((f"gates: {other}\n", "global_gates") if where == "sweep"
-                           else ("", f"{{name: trimkv, gates: {other}}}"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if gates == "missing":
+        path = tmp_path / "no-such-gates"
+        said = f"gate checkpoint '{path}': there is no such folder"
+    else:
+        path = export_gates(RetentionGates(GateConfig(num_layers=3, num_kv_heads=2, hidden_size=64)), tmp_path / "g",
+                            base_model="another")
+        said = "gates do not match this model: gates have (layers, kv_heads, hidden) = (3, 2, 64)"
+    sweep_gates, method = ((f"gates: {path}\n", "global_gates") if where == "sweep"
+                           else ("", f"{{name: trimkv, gates: {path}}}"))
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(f"model: tiny-llama-random\n{sweep_gates}output: {tmp_path / 'out'}\ntasks: [niah_single]\n"
                    f"methods: [full, {method}]\n")
     assert main(["run", "--config", str(cfg), "--quiet"]) == 2
-    assert "gates do not match this model: gates have (layers, kv_heads, hidden) = (3, 2, 64)" in (
-        capsys.readouterr().err)
+    assert said in capsys.readouterr().err
 
 
 def test_a_card_of_other_gates_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch):
