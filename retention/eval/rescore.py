@@ -69,7 +69,7 @@ def rescore_rows(rows: list[dict[str, Any]], items: dict[ItemKey, Any]) -> tuple
             out.append(r)  # logits, not a reply, made its score (or it failed): nothing to score again
             continue
         item = items.get((r["task"], r["length"], r["item"]))
-        if item is None or r.get("item_sha", item_sha(item)) != item_sha(item):  # rows without a sha pass
+        if item is None or r.get("item_sha", sha := item_sha(item)) != sha:  # rows without a sha pass
             (missing if item is None else other).append(r["item"])
             out.append(r)
             continue
