@@ -27,21 +27,19 @@ from .templates import template_variables_problem
 
 # generate() options that turn on assisted decoding (a draft model or prompt lookup)
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-# generation-config settings that change the logits and that the graph path does not apply, at their no-op values: a
-# model whose config sets one decodes through generate, not GraphDecoder
+# generation-config settings that change the logits or end a reply and that the graph path does not apply, at their
+# no-op values: a model whose config sets one decodes through generate, not GraphDecoder
 _PLAIN_GENERATION = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
                      "sequence_bias": None, "min_length": 0, "min_new_tokens": None, "renormalize_logits": False,
                      "exponential_decay_length_penalty": None, "guidance_scale": None,
-                     "encoder_repetition_penalty": 1.0}
+                     "encoder_repetition_penalty": 1.0, "stop_strings": None}
 # sampling settings the graph path applies itself (with transformers' own logits warpers, in generate's order, after
 # the repetition penalty); one left unset (None) in the call and the generation config takes transformers' global
 # default, as generate does
 _SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
 # sampling warpers the graph path does not apply: a model whose generation config sets one samples through generate
 _OTHER_SAMPLING = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
-
-
 
 
 class ChatInputError(ValueError):

@@ -241,7 +241,8 @@ class RetentionGates(nn.Module):
         from safetensors import SafetensorError
 
         try:
-            gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
+            with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: leave the caller's draws be
+                gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
         except (ValueError, KeyError, TypeError) as e:  # not JSON, no gate_config, or a bad value in it
             raise GateCheckpointError(f"{cfg_file} is not a gate config ({type(e).__name__}: {e}); re-export or "
                                       "re-download the checkpoint") from None

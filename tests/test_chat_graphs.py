@@ -134,6 +134,10 @@ def test_what_graphs_cannot_decode_goes_through_generate_or_is_refused(smollm2, 
     monkeypatch.setattr(model.generation_config, "typical_p", 0.9)  # a warper the graph path lacks, when sampling
     with pytest.warns(UserWarning, match=r"the model's generation config sets \{'typical_p': 0.9\}"):
         chat.send("Once more.", do_sample=True)
+    monkeypatch.setattr(model.generation_config, "typical_p", None)
+    monkeypatch.setattr(model.generation_config, "stop_strings", ["."])  # stopped by generate, with the tokenizer
+    with pytest.warns(UserWarning, match=r"the model's generation config sets \{'stop_strings': \['.'\]\}"):
+        assert chat.send("Say two sentences.", max_new_tokens=30).count(".") <= 1
     with pytest.raises(ChatSetupError, match="cuda_graphs.*on the CPU"):
         RetentionChat(model, tok, cuda_graphs=True)
 

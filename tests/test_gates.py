@@ -124,7 +124,9 @@ def test_save_and_load_round_trip(tmp_path):
     gates = make("trimkv", bias_init=1.0)
     gates.save_pretrained(tmp_path / "g", metadata={"base_model": "tiny"})
     assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["config.json", "gates.safetensors"]
+    state = torch.random.get_rng_state()
     loaded = RetentionGates.from_pretrained(tmp_path / "g")
+    assert torch.equal(torch.random.get_rng_state(), state)  # loading draws nothing: a seeded run's draws stay its own
     assert loaded.config == gates.config
     for k, v in gates.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k])

@@ -40,6 +40,9 @@ def test_bad_types_and_ranges(tmp_path):
     for keep in (0, -1):  # -1 deleted every checkpoint the run wrote, the latest first, so --resume found none
         with pytest.raises(ConfigError, match="train.keep_checkpoints must be > 0"):
             load_config(write(tmp_path, f"budget:\n  tokens_per_head: 8\ntrain:\n  keep_checkpoints: {keep}\n"))
+    for p in (1, 1.5, -0.1):  # peft refused 1 and above only after the model had loaded
+        with pytest.raises(ConfigError, match=r"lora.dropout must be in \[0, 1\).*line 4"):
+            load_config(write(tmp_path, f"budget:\n  tokens_per_head: 8\nlora:\n  dropout: {p}\n"))
     with pytest.raises(ConfigError, match="data.sources.0.kind = 'audio'.*choose one of"):
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\ndata:\n  sources:\n    - kind: audio\n"))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import EvalConfig
 from .metrics import score_reply
-from .runner import _items, item_sha, jsonl, load_result_file
+from .runner import item_sha, jsonl, load_result_file, task_items
 
 ItemKey = tuple[str, int, str]  # task, length, item id
 
@@ -43,14 +43,14 @@ def regenerate_items(cfg: EvalConfig, rows: list[dict[str, Any]], tokenizer: Any
             wanted[key] = max(wanted.get(key, 0), at[1] + 1)
     items: dict[ItemKey, Any] = {}
     for (task, length, seed, split), n in sorted(wanted.items()):
-        for item in _items(replace(cfg, seed=seed, split=split, items=n), specs[task], tokenizer, length):
+        for item in task_items(replace(cfg, seed=seed, split=split, items=n), specs[task], tokenizer, length):
             items[(task, length, item.id)] = item
     from .loaders import HUB_TASKS
 
     for spec in specs.values():  # a Hub set names its subsets as the rows' tasks
         if spec.name in HUB_TASKS:
             for length in cfg.lengths:
-                for item in _items(cfg, spec, tokenizer, length):
+                for item in task_items(cfg, spec, tokenizer, length):
                     items[(item.task, length, item.id)] = item
     return items
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from retention.attach import unwrap
 from retention.models import is_multimodal
 
-from .config import EvalConfig
+from .config import EvalConfig, TaskSpec
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import Method, PolicyCache
 from .models import max_positions
@@ -167,7 +167,7 @@ def _set_aside_stale(results: Path, gate_ids: dict[str, str | None], settings: d
     return rows
 
 
-def _items(cfg: EvalConfig, spec, tokenizer, length: int) -> list:
+def task_items(cfg: EvalConfig, spec: TaskSpec, tokenizer: Any, length: int) -> list[Item]:
     """A task's items at one length: generated from the config's seed, or ``items`` records of a Hub set."""
     if spec.name in HUB_TASKS:
         return hub_task_items(spec.name, tokenizer, length, cfg.items, **spec.params)
@@ -180,7 +180,7 @@ def _sweep_items(cfg: EvalConfig, tokenizer) -> list[tuple[str, int, Any]]:
     dialogues run whole, once, under the first length."""
     return [(item.task if spec.name in HUB_TASKS else spec.name, length, item)
             for spec in cfg.task_specs() for length in (cfg.lengths[:1] if spec.name == "mmdu" else cfg.lengths)
-            for item in _items(cfg, spec, tokenizer, length)]
+            for item in task_items(cfg, spec, tokenizer, length)]
 
 
 def _jobs(cfg: EvalConfig, items: list[tuple[str, int, Any]], done: set) -> Iterator[tuple]:

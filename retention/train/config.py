@@ -462,6 +462,9 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
                           "rank_weight > 0 or set loss.rank_weight: 0")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
+    if not 0 <= cfg.lora.dropout < 1:  # peft refuses it only once the model has loaded
+        raise ConfigError(f"lora.dropout must be in [0, 1){_where('lora.dropout', lines, source)}, got "
+                          f"{cfg.lora.dropout:g}: it is the probability of dropping a LoRA input")
     if problem := template_variables_problem(cfg.data.chat_template_kwargs):
         raise ConfigError(f"data.chat_template_kwargs{_where('data.chat_template_kwargs', lines, source)} {problem}")
 
