@@ -1,5 +1,5 @@
-"""``python -m retention.eval run --config ...`` / ``python -m retention.eval report RESULTS`` /
-``python -m retention.eval pool A B ... --out P`` (also ``retention eval ...``)."""
+"""``python -m retention.eval run --config ...`` / ``report RESULTS`` / ``pool A B ... --out P`` /
+``rescore RESULTS --config ...`` / ``list`` (also ``retention eval ...``)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ class LossConfig:
 
 @dataclass
 class SourceConfig:
-    kind: str = "text"  # text | chat | multimodal
+    kind: str = "text"  # text | chat | multimodal | synthetic
     path: str = "sotu"  # builtin corpus name, local file/folder, or Hub dataset id
     split: str = "train"
     max_docs: int | None = None
