@@ -332,6 +332,7 @@ def load_model(
     local folder. ``dtype``: a torch dtype or its name, ``"auto"`` for the checkpoint's own, or None (float32).
     Returns ``(model, tokenizer_or_processor)`` with the model in eval mode. Keyword arguments
     that name config attributes override them (``sliding_window=None``); the rest go to ``from_pretrained``.
+    Weights load from safetensors only (a pickled ``pytorch_model.bin`` is refused).
     With ``check_support`` (the default) an architecture the gates cannot drive is refused from its config,
     before the weights load (:func:`retention.attach.check_supported`).
     """
@@ -344,12 +345,15 @@ def load_model(
         dtype = getattr(torch, dtype)
     if device is not None and (problem := device_problem(str(device))):  # before the weights load, not after
         raise ValueError(f"device: {problem}")
+    # weights load from safetensors only: a pickled pytorch_model.bin was read with torch.load
+    if kwargs.pop("use_safetensors", True) is not True:
+        raise ValueError("use_safetensors: retention loads model weights from safetensors only; leave it out")
     path = resolve_model_path(name_or_path)
     config, model_kwargs = load_config(name_or_path, revision=revision, check_support=check_support, **kwargs)
     if dtype == "auto":  # as transformers' dtype="auto": the dtype the checkpoint's config names, else float32
         dtype = _config_dtype(config)
     common = dict(config=config, revision=revision, attn_implementation=attn_implementation,
-                  dtype=dtype or torch.float32, **model_kwargs)
+                  dtype=dtype or torch.float32, use_safetensors=True, **model_kwargs)
     # the processor first: seconds, where the weights may take minutes, and it fails for reasons of its own
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     folder = Path(path) / (kwargs.get("subfolder") or "")
@@ -369,6 +373,12 @@ def load_model(
     except OSError as e:  # a folder with no weights (a random copy written --no-weights) was a traceback
         if not folder.is_dir():
             raise
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickled and not any(folder.glob("*.safetensors")):
+            raise ModelNotAvailableError(
+                f"cannot load model {name_or_path!r}: {folder} holds no safetensors weights, only "
+                f"{', '.join(pickled)} (pickle files, which retention does not load); save the model as safetensors "
+                "(model.save_pretrained(FOLDER) writes them) and load that folder") from None
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: {e} Give the folder that save_pretrained wrote (config.json, "
             "weights, tokenizer); a random copy written with --no-weights gets its weights from "

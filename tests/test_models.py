@@ -268,3 +268,23 @@ def test_a_vision_language_model_loads_with_an_image_processor_without_torchvisi
         load_model(str(tmp_path / "vl"))
     assert "read the weights" not in str(e.value)
     assert model.config.image_token_id == saved.config.image_token_id
+
+
+def test_weights_load_from_safetensors_only(tmp_path, monkeypatch):
+    """A folder whose weights are a pickled pytorch_model.bin was read with torch.load: it is refused, naming the
+    safetensors it lacks, without unpickling anything; use_safetensors=False is refused too."""
+    from safetensors.torch import load_file
+    from tiny_models import tiny_llama
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "m"
+    tiny_llama().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(models.embedded_model_dir()).save_pretrained(folder)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled the weights"))
+    with pytest.raises(models.ModelNotAvailableError, match="holds no safetensors weights, only pytorch_model.bin"):
+        load_model(str(folder))
+    with pytest.raises(ValueError, match="use_safetensors"):
+        load_model(str(folder), use_safetensors=False)
