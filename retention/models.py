@@ -94,19 +94,51 @@ def _source_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def _safetensors_whole(path: Path) -> bool:
+    """Whether a safetensors file holds all the bytes its header names (read from the header alone)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size:
+                return False
+            header = json.loads(f.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        return size == 8 + n + max(ends, default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+
+
+def _cache_whole(target: Path) -> bool:
+    """Whether an embedded model's cache folder holds what a build writes, its weights complete: a folder with a
+    config.json but weights deleted or cut short (a copy interrupted, a disk cleaned by hand) is rebuilt."""
+    weights = list(target.glob("*.safetensors"))
+    return (all((target / f).is_file() for f in ("config.json", "tokenizer_config.json", "retention_source.json"))
+            and bool(weights) and all(_safetensors_whole(w) for w in weights))
+
+
 def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     """A local HF model folder (safetensors + tokenizer) for an embedded model, built once and cached."""
     source = gguf_path(name)
     target = cache_dir() / "models" / f"{name}-{_source_key(source)}"
-    if (target / "config.json").is_file():
+    if _cache_whole(target):
         return target
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
     # one process builds it (the ranks of a first distributed run, two runs at once); the others wait and read it
     with FileLock(str(target.parent / f".{target.name}.lock")):
-        if (target / "config.json").is_file():
+        if _cache_whole(target):
             return target
+        if target.exists():  # damaged (builds are whole, in one rename): the new build's rename would keep it
+            import shutil
+
+            if progress:
+                print(f"[retention] the cache in {target} is incomplete; building it again")
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if progress:

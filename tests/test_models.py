@@ -288,3 +288,51 @@ def test_weights_load_from_safetensors_only(tmp_path, monkeypatch):
         load_model(str(folder))
     with pytest.raises(ValueError, match="use_safetensors"):
         load_model(str(folder), use_safetensors=False)
+
+
+def _fake_embedded(tmp_path, monkeypatch):
+    """The embedded model's build with a tiny model in place of the GGUF's (no dequantising), cached under
+    ``tmp_path``; returns a list that counts the builds."""
+    from tiny_models import tiny_llama
+
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    gguf = tmp_path / "pkg" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"gguf")
+    builds = []
+
+    def build(*a, **k):
+        builds.append(1)
+        return tiny_llama()
+
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "gguf_path", lambda name=models.DEFAULT_MODEL: gguf)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", build)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    return builds
+
+
+@pytest.mark.parametrize("damage", ["weights deleted", "weights truncated", "config only", "config deleted"])
+def test_a_damaged_embedded_cache_is_rebuilt(damage, tmp_path, monkeypatch):
+    """The cache counted as built when its config.json existed: a folder whose weights were deleted or cut short
+    (a copy interrupted, a disk cleaned by hand) was returned, and every load then failed inside transformers."""
+    from safetensors.torch import load_file
+
+    builds = _fake_embedded(tmp_path, monkeypatch)
+    target = models.embedded_model_dir(progress=False)
+    assert len(builds) == 1 and models.embedded_model_dir(progress=False) == target and len(builds) == 1
+    weights = target / "model.safetensors"
+    if damage == "weights deleted":
+        weights.unlink()
+    elif damage == "weights truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "config deleted":  # the rebuild's rename onto the non-empty folder failed, and it was kept
+        (target / "config.json").unlink()
+    else:
+        for f in target.iterdir():
+            if f.name != "config.json":
+                f.unlink()
+    assert models.embedded_model_dir(progress=False) == target and len(builds) == 2
+    assert load_file(weights) and (target / "tokenizer.json").is_file() and (target / "config.json").is_file()
