@@ -32,8 +32,9 @@ def _jinja_literal(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_jinja_literal(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
+        return "{" + ", ".join(f"{_jinja_literal(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    # not ensure_ascii: Jinja reads a JSON surrogate pair (an emoji's \ud83d\ude00) as two lone surrogates
+    return json.dumps(value, ensure_ascii=False)
 
 
 def with_template_variables(processor: Any, variables: dict[str, Any]) -> Any:
