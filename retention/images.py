@@ -21,8 +21,11 @@ def as_rgb(image: Image.Image) -> Image.Image:
 
 def open_rgb(source: str | Path | Any) -> Image.Image:
     """The image in a file (a path, ``~`` expanded, or a binary file object) as :func:`as_rgb` gives it, read whole
-    now; ``FileNotFoundError`` or PIL's ``UnidentifiedImageError`` otherwise."""
+    now and turned upright by its EXIF orientation (a phone photo), as transformers' ``load_image`` reads a file;
+    ``FileNotFoundError`` or PIL's ``UnidentifiedImageError`` otherwise."""
+    from PIL import ImageOps
+
     if isinstance(source, (str, Path)):
         source = Path(source).expanduser()
     with Image.open(source) as image:
-        return as_rgb(image)
+        return as_rgb(ImageOps.exif_transpose(image))
