@@ -40,6 +40,8 @@ def distillation_kl(
     recomputation) in the backward, so memory is bounded by the chunk, never ``T x vocab`` twice.
     ``reduction="sum"`` returns ``(sum, count)`` so data-parallel ranks can divide by a global count.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if h_student.shape != h_teacher.shape:
         raise ValueError(f"student {tuple(h_student.shape)} and teacher {tuple(h_teacher.shape)} hidden states differ")
     D = h_student.shape[-1]
@@ -63,7 +65,9 @@ def distillation_kl(
         else:
             total = total + _chunk_kl(*args)
     total = total * temperature**2
-    return (total, n) if reduction == "sum" else total / n
+    if reduction == "sum":
+        return total, n
+    return total / n if n else total  # weights all 0: nothing counts, as with no marked position (was 0 / 0)
 
 
 def positions_in_document(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
@@ -115,6 +119,8 @@ def capacity_loss(
     ``mask`` ``(B, T)`` bool: positions to leave out (False), e.g. a packed row's padding.
     Returns ``(loss, stats)``.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     lb = torch.cat(log_betas, dim=1)  # (B, L*H, T)
     B, N, T = lb.shape
     full, active = capacity_terms(cu_seqlens, B, N, T, budget, form, mask, lb.device)
@@ -124,7 +130,7 @@ def capacity_loss(
     total = terms[active].sum() if count else lb.sum() * 0.0
     loss = total if reduction == "sum" else total / max(count, 1)
     # the implied cache size: the soft cache at its largest along each row (summed over heads), batch mean
-    soft_entries = (S.sum(1) if form == "per_head" else S).detach().amax(-1)
+    soft_entries = (S.sum(1) if form == "per_head" else S).detach().amax(-1) if T else S.new_zeros(B)
     stats = {
         "capacity_active_frac": float(active.float().mean()),
         "soft_cache_entries": float(soft_entries.mean()),

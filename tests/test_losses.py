@@ -129,3 +129,37 @@ def test_capacity_loss_equals_brute_force(form, masked):
 def test_capacity_loss_rejects_unknown_form():
     with pytest.raises(ValueError, match="capacity form must be"):
         capacity_loss([torch.zeros(1, 1, 3)], 1.0, "local")
+
+
+def test_kl_over_positions_whose_weights_are_all_zero_is_zero_not_nan():
+    """As with no marked position: a weighted mean over positions that all weigh 0 (a batch of one ``weight: 0``
+    source) was 0 / 0 = NaN, and its gradient NaN too."""
+    torch.manual_seed(2)
+    head = torch.nn.Linear(4, 9)
+    hs, ht = torch.randn(2, 5, 4, requires_grad=True), torch.randn(2, 5, 4)
+    mask = torch.rand(2, 5) > 0.3
+    got = distillation_kl(hs, ht, head, mask, weights=torch.zeros(2, 5))
+    assert float(got.detach()) == 0.0
+    (g,) = torch.autograd.grad(got, hs)
+    assert torch.equal(g, torch.zeros_like(g))
+    total, count = distillation_kl(hs, ht, head, mask, weights=torch.zeros(2, 5), reduction="sum")
+    assert float(total.detach()) == 0.0 and count == 0
+
+
+def test_losses_refuse_an_unknown_reduction():
+    """reduction="none" (or a typo) silently gave the mean."""
+    head = torch.nn.Linear(4, 9)
+    h = torch.randn(1, 5, 4)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        distillation_kl(h, h, head, reduction="none")
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        capacity_loss([torch.zeros(1, 2, 3)], 1.0, reduction="none")
+
+
+@pytest.mark.parametrize("form", ["global", "per_head"])
+def test_capacity_loss_of_an_empty_sequence_is_zero(form):
+    """No positions: no terms, loss 0 (was an IndexError from the soft cache statistic)."""
+    lb = torch.zeros(1, 2, 0, requires_grad=True)
+    loss, stats = capacity_loss([lb], 1.0, form)
+    assert float(loss.detach()) == 0.0 and stats["capacity_terms"] == 0 and stats["soft_cache_entries"] == 0.0
+    loss.backward()
