@@ -44,6 +44,10 @@ def distillation_kl(
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if h_student.shape != h_teacher.shape:
         raise ValueError(f"student {tuple(h_student.shape)} and teacher {tuple(h_teacher.shape)} hidden states differ")
+    for what, t in (("mask", mask), ("weights", weights)):  # a flattened mismatch read other positions silently
+        if t is not None and tuple(t.shape) != tuple(h_student.shape[:-1]):
+            raise ValueError(f"{what} {tuple(t.shape)} does not match the hidden states' positions "
+                             f"{tuple(h_student.shape[:-1])}")
     D = h_student.shape[-1]
     hs, ht = h_student.reshape(-1, D), h_teacher.detach().reshape(-1, D)
     w = None if weights is None else weights.reshape(-1).to(device=hs.device, dtype=torch.float32)

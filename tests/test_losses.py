@@ -163,3 +163,16 @@ def test_capacity_loss_of_an_empty_sequence_is_zero(form):
     loss, stats = capacity_loss([lb], 1.0, form)
     assert float(loss.detach()) == 0.0 and stats["capacity_terms"] == 0 and stats["soft_cache_entries"] == 0.0
     loss.backward()
+
+
+def test_kl_refuses_a_mask_or_weights_of_another_shape():
+    """A mask one position short (``loss_mask[:, 1:]``) was flattened and read against the flattened states: the
+    KL of other positions than those marked, with no error."""
+    head = torch.nn.Linear(4, 9)
+    hs, ht = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask \(2, 4\) does not match the hidden states' positions \(2, 5\)"):
+        distillation_kl(hs, ht, head, mask[:, 1:])
+    with pytest.raises(ValueError, match=r"weights \(10,\) does not match the hidden states' positions \(2, 5\)"):
+        distillation_kl(hs, ht, head, mask, weights=torch.ones(10))
+    distillation_kl(hs, ht, head, mask, weights=torch.ones(2, 5))
