@@ -6,11 +6,32 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 # what every rendering of a chat template sets itself: template variables of these names are refused
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
                                          "return_tensors", "continue_final_message"})
+
+
+def _not_json(value: Any, where: str) -> str | None:
+    """What in ``value`` (named ``where``) is no JSON value, as :func:`template_variables_problem` words it."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"sets {where} to {value!r}: give a finite number"
+    if isinstance(value, (list, tuple)):
+        return next((p for i, v in enumerate(value) if (p := _not_json(v, f"{where}[{i}]"))), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"sets {where} with the key {k!r}: keys must be strings"
+            if problem := _not_json(v, f"{where}.{k}"):
+                return problem
+        return None
+    # YAML reads an unquoted 2024-06-01 as a date, which the template text cannot hold
+    return (f"sets {where} to a {type(value).__name__} ({value}), which is no JSON value: give it as a string "
+            "(in YAML, quote it)")
 
 
 def template_variables_problem(variables: Any) -> str | None:
@@ -22,7 +43,7 @@ def template_variables_problem(variables: Any) -> str | None:
     taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
     if taken:
         return f"sets {', '.join(taken)}, which rendering sets itself: leave them out"
-    return None
+    return next((p for k, v in variables.items() if (p := _not_json(v, k))), None)
 
 
 def _jinja_literal(value: Any) -> str:
