@@ -12,9 +12,12 @@ from .ops.capacity import capacity_sum
 def _chunk_kl(h_student, h_teacher, weight, bias, temperature, row_weight=None):
     """Sum over rows of KL(p_teacher || p_student) for one chunk of final hidden states ``(C, D)``,
     each row times ``row_weight`` ``(C,)`` when given."""
-    s = F.linear(h_student, weight, bias).float() / temperature
-    with torch.no_grad():
-        t = F.log_softmax(F.linear(h_teacher, weight, bias).float() / temperature, dim=-1)
+    # logits in float32 whatever the autocast: bf16 logits near 10 are rounded to steps of 1/16, a noise that swamps
+    # the KL once the student is close to the teacher
+    with torch.autocast(h_student.device.type, enabled=False):
+        s = F.linear(h_student.float(), weight, bias) / temperature
+        with torch.no_grad():
+            t = F.log_softmax(F.linear(h_teacher.float(), weight, bias) / temperature, dim=-1)
     if row_weight is None:
         return F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="sum")
     kl = F.kl_div(F.log_softmax(s, dim=-1), t, log_target=True, reduction="none").sum(-1)
@@ -59,7 +62,8 @@ def distillation_kl(
     if hs.shape[0] == 0:
         zero = h_student.sum() * 0.0
         return (zero, 0) if reduction == "sum" else zero
-    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    bias = getattr(lm_head, "bias", None)  # in float32 for the logits (a copy only for a half-precision model)
+    weight, bias = lm_head.weight.float(), None if bias is None else bias.float()
     total = h_student.new_zeros((), dtype=torch.float32)
     for c0 in range(0, hs.shape[0], chunk_size):
         args = (hs[c0 : c0 + chunk_size], ht[c0 : c0 + chunk_size], weight, bias, temperature,

@@ -176,3 +176,27 @@ def test_kl_refuses_a_mask_or_weights_of_another_shape():
     with pytest.raises(ValueError, match=r"weights \(10,\) does not match the hidden states' positions \(2, 5\)"):
         distillation_kl(hs, ht, head, mask, weights=torch.ones(10))
     distillation_kl(hs, ht, head, mask, weights=torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("half", ["autocast", "bf16 model"])
+def test_kl_logits_are_float32_with_bf16(half):
+    """Mixed precision distils float32 logits: rounding logits near 10 to bf16 steps of 1/16 made a KL of ~2e-4 come
+    out far off. Under bf16 autocast, and with a bf16 model's states and head, the KL and its gradient are float32's
+    from the same values (the backward outside autocast, as training runs it)."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 8192, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(8192, 64, generator=g) * 1.5)  # logits of a few units to ~20
+    ht = torch.randn(2, 16, 64, generator=g)
+    hs = ht + 0.003 * torch.randn(2, 16, 64, generator=g)
+    if half == "bf16 model":
+        head, ht, hs = head.to(torch.bfloat16), ht.bfloat16(), hs.bfloat16()
+    hs = hs.requires_grad_()
+    ref = brute_kl(head.float(), hs.float(), ht.float()).mean()
+    (ref_grad,) = torch.autograd.grad(ref, hs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half == "autocast"):
+        got = distillation_kl(hs, ht, head, chunk_size=8)
+    (grad,) = torch.autograd.grad(got, hs)
+    assert 1e-4 < ref.item() < 1e-2  # the regime where the rounding mattered
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-3, atol=1e-7)
