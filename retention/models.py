@@ -125,7 +125,14 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
         return target
     from filelock import FileLock
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.parent / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:  # a read-only home or a shared cache another user owns
+        raise OSError(f"cannot write the embedded model's cache in {target.parent} ({e.strerror or e}): set "
+                      "RETENTION_CACHE to a folder you can write (about 540 MB)") from None
     # one process builds it (the ranks of a first distributed run, two runs at once); the others wait and read it
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if _cache_whole(target):

@@ -336,3 +336,12 @@ def test_a_damaged_embedded_cache_is_rebuilt(damage, tmp_path, monkeypatch):
                 f.unlink()
     assert models.embedded_model_dir(progress=False) == target and len(builds) == 2
     assert load_file(weights) and (target / "tokenizer.json").is_file() and (target / "config.json").is_file()
+
+
+def test_a_cache_that_cannot_be_written_names_retention_cache(tmp_path, monkeypatch):
+    from retention.models import embedded_model_dir
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(OSError, match="cannot write the embedded model's cache .*set RETENTION_CACHE"):
+        embedded_model_dir("smollm2-135m", progress=False)
