@@ -193,3 +193,36 @@ def test_defensivekv_is_the_authors_scoring(name: str, budget: int) -> None:
     want = [[sorted(keep[l, h].nonzero().flatten().tolist()) + list(range(T - W, T)) for h in range(H)]
             for l in range(L)]
     assert got == want
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv"])
+def test_safeguard_floor_goes_to_real_entries_not_left_padding(name: str) -> None:
+    """A left-padded row's padding slots (pos -1) look up position 0's score: the safeguard gave them the floor's
+    places before position 0 itself, so a head of a padded row lost its floor. The padded row must keep what the
+    same row keeps alone."""
+    from retention.cache.select import select_keep
+    from retention.policies import EntryView
+
+    T, pad = 8, 3
+    pol = get_policy(name, window=2, alpha=1.0)
+    table = torch.zeros(1, 2, T)
+    g = torch.Generator().manual_seed(0)
+    table[0, 0] = torch.rand(T, generator=g) + 10.0  # head 0 outscores head 1 everywhere
+    table[0, 1] = torch.rand(T, generator=g)
+    table[0, 1, 0] = 5.0  # head 1's sink: its best entry
+    pol.stats.tables[0] = table
+    pol.norms.tables[0] = torch.ones(1, 2, T)
+    pol.set_budget(total=8, num_layers=1, num_heads=2)  # one layer of 8 entries; floor int(1.0 * 4) = 4 per head
+
+    def kept(p: int) -> list[list[int]]:
+        pos = torch.cat([torch.full((p,), -1), torch.arange(T)]).expand(2, -1).clone()
+        entries = EntryView(log_beta=torch.zeros(2, T + p), pos=pos, valid=torch.ones(2, T + p, dtype=torch.bool),
+                            step=torch.full((2,), T - 1), seq=torch.zeros(2, dtype=torch.long),
+                            layer=torch.zeros(2, dtype=torch.long), head=torch.arange(2), start=torch.full((2,), p))
+        real = entries.valid & (entries.pos >= 0)  # the cache drops padding at eviction
+        keep = select_keep(pol.score(entries), pos, real, torch.zeros(2, dtype=torch.long), torch.tensor([8]))
+        return [sorted(pos[h][keep[h]].tolist()) for h in range(2)]
+
+    alone = kept(0)
+    assert len(alone[1]) == 4 and 0 in alone[1]  # head 1 keeps its floor of 4, the window and its sink among them
+    assert kept(pad) == alone

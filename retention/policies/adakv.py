@@ -121,7 +121,10 @@ class AdaKVPolicy(WindowPolicy):
     def score(self, entries: EntryView) -> torch.Tensor:
         recent = recent_mask(entries, self.window)
         raw = self.stats.lookup(entries)
-        s = safeguard(raw, entries.valid, self._per_head, first=recent)
+        # a left-padded row's padding slots (pos -1) look up position 0's score and sit before it: counted as valid,
+        # they took the floor's places before any real entry (the cache drops them at eviction)
+        real = entries.valid & (entries.pos >= 0)
+        s = safeguard(raw, real, self._per_head, first=recent)
         if self.value_norm and self._layer_budget is not None:
             s = self._critical(raw, s, entries, recent)
         return protect(s, recent)
