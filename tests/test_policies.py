@@ -231,6 +231,23 @@ def test_global_gates_pool_scores_each_entry_by_its_best_neighbour():
         get_policy("global_gates", pool=2)
 
 
+def test_global_gates_pool_lends_nothing_from_left_padding():
+    """A left-padded row's padding slots (pos -1) are valid slots of the stream: pooling let their score (a pad token
+    the gates rate beta ~ 1) reach the first real entries. The real entries must score as the same row alone."""
+    T, pad = 8, 3
+    lb = -torch.rand(1, T, generator=torch.Generator().manual_seed(4)) * 0.5
+
+    def view(p: int) -> EntryView:
+        return EntryView(log_beta=torch.cat([torch.zeros(1, p), lb], 1),  # padding: beta = 1, the best score
+                         pos=torch.cat([torch.full((p,), -1), torch.arange(p, p + T)])[None],
+                         valid=torch.ones(1, p + T, dtype=torch.bool), step=torch.tensor([p + T - 1]),
+                         seq=torch.zeros(1, dtype=torch.long), layer=torch.zeros(1, dtype=torch.long),
+                         head=torch.zeros(1, dtype=torch.long), start=torch.tensor([p]))
+
+    policy = get_policy("global_gates", sink=0, pool=3)
+    torch.testing.assert_close(policy.score(view(pad))[:, pad:], policy.score(view(0)))
+
+
 def test_gates_snapkv_gives_each_head_its_attention_share_and_the_gates_the_rest():
     """Brute force: each head keeps its SnapKV top ``share * B / (L * H)`` (window included); the gates' global
     ranking (sinks first) fills the rest of the one budget."""

@@ -114,9 +114,10 @@ class GlobalGatesPolicy(EvictionPolicy):
     def score(self, entries: EntryView) -> torch.Tensor:
         age = entries.step[:, None] - entries.pos + 1
         score = lookahead_log_score(entries.log_beta, age, self.horizon)
-        if self.pool > 1:  # padding must not lend its score to real entries
-            pooled = max_pool(score.masked_fill(~entries.valid, -float("inf")), self.pool)
-            score = torch.where(entries.valid, pooled, score)
+        if self.pool > 1:  # padding (unused slots, a left-padded row's pos -1 tokens) must not lend its score
+            real = entries.valid & (entries.pos >= 0)
+            pooled = max_pool(score.masked_fill(~real, -float("inf")), self.pool)
+            score = torch.where(real, pooled, score)
         keep = entries.sinks(self.sink) | recent_mask(entries, self.recent)  # both all False at 0
         if not self.needs_kv:
             return protect(score, keep)
