@@ -199,3 +199,28 @@ def test_cake_falls_back_to_the_even_split_without_room_for_the_windows():
     pol = get_policy("cake", window=32)
     pol.preference = SequenceStats({0: torch.tensor([1.0]), 1: torch.tensor([2.0])})
     assert pol.head_budget_table(30 * 2 * 3, 2, 3) is None
+
+
+def test_lava_layer_budgets_share_the_whole_budget_and_cap_a_layer_at_what_it_holds():
+    """``B_l = e_l / sum e * B`` rounded down lost up to L - 1 entries of the budget, and a layer whose share passed
+    the entries it holds wasted the excess: the shares now sum to the budget (the remainder to the largest
+    fractions, lower layers first) and a capped layer hands the rest to the others in proportion to their entropy."""
+    pol = get_policy("lava", window=4)
+    pol.entropy = SequenceStats({l: torch.tensor([1.0], dtype=torch.float64) for l in range(3)})
+    pol.entries = SequenceStats({l: torch.tensor([100.0], dtype=torch.float64) for l in range(3)})
+    assert pol.layer_budget_table(100, 3).tolist() == [34, 33, 33]  # rounded down: [33, 33, 33]
+    pol.entropy = SequenceStats({l: torch.tensor([e], dtype=torch.float64) for l, e in enumerate((6.0, 1.0, 1.0))})
+    assert pol.layer_budget_table(200, 3).tolist() == [100, 50, 50]  # in proportion: 150, 25, 25
+
+
+@pytest.mark.parametrize("budget", [6, 31, 150, 239])
+def test_lava_keeps_its_whole_budget(budget: int) -> None:
+    """End to end on the cache (3 layers x 2 KV heads, 40 tokens: 240 entries): LAVa keeps exactly ``budget``."""
+    model = tiny_llama()
+    attach_gates(model, mode="score")
+    cache = RetentionCache(model, budget=budget, policy=get_policy("lava", window=4), slack=0)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 100, (1, 40), generator=torch.Generator().manual_seed(1)),
+              **cache_kwargs(cache))
+    cache.compress()
+    assert int(cache.store.lengths.sum()) == budget

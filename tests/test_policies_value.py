@@ -80,8 +80,13 @@ def test_lava_score_and_entropy_layer_budgets():
         s = [max(sum(A[g][t][i] for t in range(2)) for g in range(2)) for i in range(4)]
         p = [x / sum(s) for x in s]
         ents.append(-sum(x * math.log(x) for x in p) / 4)
-    table = pol.layer_budget_table(1000, 2)
-    assert table.tolist() == [math.floor(e / sum(ents) * 1000) for e in ents]
+    # updated: B_l = e_l / sum e * B in whole entries summing to B (the remainder to the largest fraction; every share
+    # was rounded down), none past the 6 entries a layer holds (a larger share was lost, not handed on)
+    exact = [e / sum(ents) * 11 for e in ents]
+    want = [math.floor(x) for x in exact]
+    want[max(range(2), key=lambda l: (exact[l] - want[l], -l))] += 11 - sum(want)
+    assert pol.layer_budget_table(11, 2).tolist() == want
+    assert pol.layer_budget_table(1000, 2).tolist() == [6, 6]
 
 
 @pytest.mark.parametrize("name", ["defensivekv", "layer_defensivekv"])

@@ -140,7 +140,11 @@ def test_lava_scores_pools_and_allocates_from_the_prefix_only():
         entropy.append(-sum(x / total * math.log(x / total) for x in ref.values() if x > 0) / (H * N))
         refs.append(ref)
         assert math.isclose(float(policy.entropy[layer][0]), entropy[-1], rel_tol=1e-4)
-    budget = [math.floor(e / sum(entropy) * per_head * L * H) for e in entropy]
+    # updated: whole shares summing to the budget, the remainder to the largest fractions (all were rounded down)
+    exact = [e / sum(entropy) * per_head * L * H for e in entropy]
+    budget = [math.floor(x) for x in exact]
+    for layer in sorted(range(L), key=lambda l: (budget[l] - exact[l], l))[: per_head * L * H - sum(budget)]:
+        budget[layer] += 1
     for layer in range(L):
         rows = kept[layer * H : layer * H + H]
         assert all(r[-w:] == list(range(N, T)) for r in rows)
