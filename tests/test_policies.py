@@ -89,6 +89,28 @@ def test_tova_uses_the_last_query_averaged_over_heads():
     torch.testing.assert_close(score[1], want, rtol=1e-5, atol=1e-6)  # one score per layer
 
 
+def test_tova_averages_each_position_over_the_heads_that_hold_it():
+    """A layer budget that is not a multiple of the KV heads keeps its last position in some heads only; the next
+    observation averaged that position's new attention in those heads with the score an earlier observation left in
+    the others (stale), instead of over the heads that hold it."""
+    view = layer_view(L=6, H=2)
+    q = torch.randn(1, 4, 1, D, generator=torch.Generator().manual_seed(8))  # 2 KV heads x G=2, one query
+    pol = get_policy("tova")
+    pol.observe(0, q, view, torch.tensor([[5]]))  # every position in both heads
+    pol.stats.tables[0][0, :, 2] = 7.0  # head 1's stale score for position 2, kept by head 0 alone below
+    view.valid[0, 1, 2] = False  # head 1 has dropped position 2 (its slot stays, invalid)
+    q2 = torch.randn(1, 4, 1, D, generator=torch.Generator().manual_seed(9))
+    pol.observe(0, q2, view, torch.tensor([[5]]))
+    per_head = []
+    for hq in range(4):
+        kv = hq // 2
+        keep = [i for i in range(6) if view.valid[0, kv, i]]
+        w = attention(q2[0, hq, 0].tolist(), view.keys[0, kv, keep].tolist(), 5, keep)
+        per_head.append(dict(zip(keep, w)))
+    want = [sum(h[i] for h in per_head if i in h) / sum(i in h for h in per_head) for i in range(6)]
+    torch.testing.assert_close(pol.score(entries_for(view))[0], torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
 def test_snapkv_window_sum_and_max_pooling(name):
     view = layer_view(L=8)

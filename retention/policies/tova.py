@@ -1,8 +1,9 @@
 """TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs").
 
 Score = attention of the newest query, averaged over all query heads of the layer:
-``score_i = mean_h A[h, t, i]``; the same score for every KV head of a layer, and one budget per layer
-(the paper evicts one token per layer per step, in every head at once).
+``score_i = mean_h A[h, t, i]`` (over the query heads whose KV head holds the token: a layer budget that is not a
+multiple of the KV heads keeps its last position in some of them only); the same score for every KV head of a
+layer, and one budget per layer (the paper evicts one token per layer per step, in every head at once).
 
 Streaming: each eviction uses the attention of the last query seen (the paper's rule); one-shot
 compresses once after the prefill with the prefill's last query.
@@ -34,11 +35,18 @@ class TOVAPolicy(EvictionPolicy):
         self.validate()
 
     def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
-        attn = window_attention(query, view, query_pos, window=1)[:, :, :, 0]  # (B, H, G, L)
-        # the same token sits at different slots in different heads: average by position
-        self.stats.write(layer, attn.mean(2), view)
-        table = self.stats.tables[layer]
-        self.stats.tables[layer] = table.mean(1, keepdim=True).expand_as(table).clone()
+        attn = window_attention(query, view, query_pos, window=1)[:, :, :, 0].mean(2)  # (B, H, L): mean over G
+        # the same token sits at different slots in different heads, and a layer budget that is not a multiple of H
+        # keeps its last position in some heads only: average each position over the heads that hold it (a mean of
+        # the whole table mixed in the score an earlier observation left for the heads that had dropped it)
+        real = view.valid & (view.pos >= 0)
+        b, h, i = real.nonzero(as_tuple=True)
+        p = view.pos[b, h, i]
+        size = int(view.pos.max()) + 1 if view.pos.numel() else 1
+        total = attn.new_zeros(attn.shape[0], size).index_put_((b, p), attn[b, h, i], accumulate=True)
+        count = attn.new_zeros(attn.shape[0], size).index_put_((b, p), torch.ones_like(attn[b, h, i]), accumulate=True)
+        mean = total / count.clamp_min(1)
+        self.stats.write(layer, mean.gather(1, view.pos.clamp_min(0).flatten(1)).view_as(attn), view)
 
     def score(self, entries: EntryView) -> torch.Tensor:
         return self.stats.lookup(entries)
