@@ -139,10 +139,11 @@ def test_safeguard_window_takes_the_floor_first() -> None:
     assert lifted.tolist() == [[True, False, False, False, False]]
 
 
-def defensive_reference(attn: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor, share: int,
-                        layer_normalise: bool) -> torch.Tensor:
-    """``efficient_defensivekv_press.py``'s scores ``(H, T - W)`` of one layer's prefix (before the window is padded
-    back), with the paper's Layer-DefensiveKV normalisation ``R_i / sum_i norm(v_i W_O)`` when asked."""
+def defensive_reference(attn: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor, share: int) -> torch.Tensor:
+    """``efficient_defensivekv_press.py``'s (and ``efficient_layer_defensivekv_press.py``'s) scores ``(H, T - W)`` of
+    one layer's prefix (before the window is padded back): the norm enters as each head's share of the position's
+    norm over the KV heads, ``WoV_norm / WoV_norm.sum(dim=-2)``. Updated: this once multiplied by the raw norm (the
+    paper's text) and divided Layer-DefensiveKV's by the layer's sum."""
     H = v.shape[0]
     G = attn.shape[0] // H
     n = T - W
@@ -156,9 +157,7 @@ def defensive_reference(attn: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor, 
     risk = pooled.amax(1).amax(1)
     risk = risk.clamp(min=risk.mean(-1, keepdim=True))
     norm = l1_norms(v[:, :n], w_o)
-    s = risk * norm
-    if layer_normalise:
-        s = s / norm.sum()
+    s = risk * (norm / norm.sum(0, keepdim=True))
     normalized = ave / ave.sum(-1, keepdim=True)
     sorted_scores, order = normalized.sort(-1, descending=True)
     count = torch.argmax((sorted_scores.cumsum(-1) >= 0.9 - window_bias).int(), dim=-1).clamp(max=share - W)
@@ -175,8 +174,8 @@ def test_defensivekv_is_the_authors_scoring(name: str, budget: int) -> None:
     attn, values, w_o = eager_forward(ids)
     L, H = len(attn), values[0].shape[0]
     got = cache_kept(name, budget, ids)
-    scores = torch.stack([defensive_reference(attn[l], values[l], w_o[l], budget // (L * H),
-                                              name == "layer_defensivekv") for l in range(L)])  # (L, H, T - W)
+    scores = torch.stack([defensive_reference(attn[l], values[l], w_o[l], budget // (L * H))
+                          for l in range(L)])  # (L, H, T - W)
     # the stage-1 entries share their layer's top score: ties go to the newer token, then the lower layer / head
     # (the cache's rule; the authors' topk leaves them to the kernel)
     ranked = sorted(((float(scores[l, h, i]), i, -l, -h) for l in range(L) for h in range(H) for i in range(T - W)),

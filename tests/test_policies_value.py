@@ -91,24 +91,25 @@ def test_lava_score_and_entropy_layer_budgets():
 
 @pytest.mark.parametrize("name", ["defensivekv", "layer_defensivekv"])
 def test_defensive_aggregation_max_then_prior(name):
-    """Over the entries before the window: max over the group and the window queries, the prior clamp, then the
-    L1 value norm (updated: the norm once multiplied the attention before the max and the clamp)."""
-    view, q, qpos = setup(L=7, Q=3)
+    """Over the entries before the window, per KV head: max over the group and the window queries, the prior clamp,
+    then the head's share of the position's L1 value norm over the two KV heads (as the authors' code; updated: the
+    norm once multiplied the attention before the max and the clamp, then entered raw, the paper's text)."""
+    view, q, qpos = setup(L=7, H=2, Q=3)
     pol = get_policy(name, window=3, kernel=1)
-    w_o = torch.randn(2, D, 5, generator=torch.Generator().manual_seed(2))
+    w_o = torch.randn(4, D, 5, generator=torch.Generator().manual_seed(2))  # (Hq, D, hidden): 2 per KV head
     pol._w_o = [w_o]
     pol.observe(0, q, view, qpos)
-    A = window_probs(q, view, qpos, lambda h: 0)
-    v = view.values[0, 0]
+    A = window_probs(q, view, qpos, lambda g: g // 2)  # query heads 0-1 read KV head 0, 2-3 KV head 1
     n = 4  # the entries before the 3-token window
-    vn = [sum(float((v[i] @ w_o[g]).abs().sum()) for g in range(2)) / 2 for i in range(n)]
-    risk = [max(A[g][t][i] for g in range(2) for t in range(3)) for i in range(n)]
-    prior = sum(risk) / n
-    risk = [max(r, prior) * vn[i] for i, r in enumerate(risk)]
-    if name == "layer_defensivekv":
-        risk = [r / sum(vn) for r in risk]
+    vn = [[sum(float((view.values[0, h, i] @ w_o[2 * h + g]).abs().sum()) for g in range(2)) / 2 for i in range(n)]
+          for h in range(2)]
+    want = []
+    for h in range(2):
+        risk = [max(A[2 * h + g][t][i] for g in range(2) for t in range(3)) for i in range(n)]
+        prior = sum(risk) / n
+        want.append([max(r, prior) * vn[h][i] / (vn[0][i] + vn[1][i]) for i, r in enumerate(risk)])
     score = pol.score(entries_for(view))
-    torch.testing.assert_close(score[0, :n], torch.tensor(risk), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(score[:, :n], torch.tensor(want), rtol=1e-5, atol=1e-7)
     assert pol.budget_scope == ("global" if name == "layer_defensivekv" else "layer")
 
 
@@ -168,3 +169,17 @@ def test_cake_preference_past_float_range_reads_as_inf():
     pol.context = SequenceStats({layer: torch.tensor([1000.0]) for layer in range(3)})
     table = pol.head_budget_table(999, 3, 1)
     assert table[:, 0].tolist() == [333, 333, 333]
+
+
+def test_defensive_head_share_sums_by_position_not_by_slot():
+    """After an eviction two heads hold different positions in a slot: a norm is shared with the heads holding the
+    same position, wherever they hold it; padding (pos -1, norm 0) takes no share."""
+    from retention.policies.defensivekv import head_share
+
+    pos = torch.tensor([[[0, 2, 3, -1], [3, 0, 1, 2]]])
+    norm = torch.tensor([[[1.0, 2.0, 3.0, 0.0], [1.0, 3.0, 5.0, 6.0]]])
+    by_pos = {p: sum(float(norm[0, h, i]) for h in range(2) for i in range(4) if int(pos[0, h, i]) == p)
+              for p in range(4)}
+    want = [[float(norm[0, h, i]) / by_pos[int(pos[0, h, i])] if int(pos[0, h, i]) >= 0 else 0.0 for i in range(4)]
+            for h in range(2)]
+    torch.testing.assert_close(head_share(norm, pos)[0], torch.tensor(want))

@@ -8,15 +8,17 @@ Over the context before the observation window (the last ``window`` queries), pe
    along the entries (``kernel`` 5, zero padding) and rescaled so each query's total stays what it was.
 2. Defensive aggregation: worst case ``R~_i = max_{g, j} I[g, j, i]``, then the adaptive prior
    ``R_i = max(R~_i, mean_i R~_i)``.
-3. Value norm after the prior (the paper's ``R_i <- R_i x norm(v_i W_O)``): ``R_i * ||v_i W_O||_1`` (L1 through
-   each query head's ``W_O``, mean over the group, as ``vwl1norm``).
+3. Value norm after the prior (the paper's ``R_i <- R_i x norm(v_i W_O)``), as the code applies it: ``R_i`` times
+   the head's share of the position's norm over the layer's KV heads, ``n_h,i / sum_h' n_h',i`` with
+   ``n = ||v_i W_O||_1`` (L1 through each query head's ``W_O``, mean over the group, as ``vwl1norm``).
 4. CriticalKV's first stage: the entries with the most mean window attention, up to 90% of it (less the mean
    attention the code measures on the last ``window`` entries before the window, its ``window_bias``) and at most
    the per-head share less the window, take the layer's top score.
 
-DefensiveKV selects per layer across heads (B / L per layer); Layer-DefensiveKV divides the scores by the layer's
-``sum_i ||v_i W_O||_1`` (the paper's inter-layer normalisation) and selects jointly over all layers (one global
-budget). The last ``window`` tokens are always kept.
+DefensiveKV selects per layer across heads (B / L per layer); Layer-DefensiveKV scores the same way and selects
+jointly over all layers (one global budget). The paper describes its inter-layer normalisation as dividing by the
+layer's ``sum_i norm(v_i W_O)`` and DefensiveKV as multiplying by the raw norm; both presses normalise over the KV
+heads at each position instead, which is what runs here. The last ``window`` tokens are always kept.
 
 One-shot (default) or streaming (risks refreshed from each chunk's window).
 """
@@ -48,12 +50,21 @@ def avg_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
+def head_share(norm: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L)`` each entry's ``norm`` over the sum of the norms the layer's KV heads hold at its position
+    (``pos`` ``(B, H, L)``; entries with a zero norm, padding included, add nothing). By position, not by slot:
+    after an eviction the heads hold different positions in the same slot."""
+    B = norm.shape[0]
+    p = pos.clamp_min(0).reshape(B, -1)
+    total = norm.new_zeros(B, int(p.max()) + 1 if p.numel() else 1).scatter_add_(1, p, norm.reshape(B, -1))
+    return norm / total.gather(1, p).view_as(norm).clamp_min(1e-30)
+
+
 @dataclass
 class DefensiveKVPolicy(WindowPolicy):
     kernel: int = 5  # efficient_defensivekv_press.py: average pooling, kernel_size=5
     name: str = "defensivekv"
     budget_scope: str = "layer"
-    layer_normalise: bool = False
 
     STAGE1_MASS: ClassVar[float] = 0.9  # CriticalKV's first stage as the DefensiveKV code runs it
 
@@ -97,11 +108,10 @@ class DefensiveKVPolicy(WindowPolicy):
         n = prefix.sum(-1, keepdim=True).clamp_min(1)
         risk = torch.maximum(risk, (risk * prefix).sum(-1, keepdim=True) / n)  # adaptive prior, per head
         norm = l1_value_norms(view.values, None if self._w_o is None else self._w_o[layer]) * prefix
-        # the paper's "R_i <- R_i x norm(v_i W_O)" comes after the prior (efficient_defensivekv_press.py too)
-        risk = risk * norm
-        if self.layer_normalise:  # Layer-DefensiveKV: R_i / sum_i norm(v_i W_O), comparable across layers
-            risk = risk / norm.sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
-        return risk, self._stage1_tags(attn, view, prefix, first)
+        # after the prior, as the paper's "R_i <- R_i x norm(v_i W_O)"; the code of both presses multiplies by each
+        # head's share of the norm at that position, WoV_norm / WoV_norm.sum(over the layer's KV heads): scores
+        # comparable across heads and layers (the paper's Layer-DefensiveKV normalisation, in both)
+        return risk * head_share(norm, view.pos), self._stage1_tags(attn, view, prefix, first)
 
     def _stage1_tags(self, attn: torch.Tensor, view: PaddedView, prefix: torch.Tensor,
                      first: torch.Tensor) -> torch.Tensor:
@@ -150,4 +160,3 @@ class DefensiveKVPolicy(WindowPolicy):
 class LayerDefensiveKVPolicy(DefensiveKVPolicy):
     name: str = "layer_defensivekv"
     budget_scope: str = "global"
-    layer_normalise: bool = True

@@ -41,7 +41,7 @@ POLICIES: dict[str, Any] = {
     "global_gates": GlobalGatesPolicy,
     "gates_snapkv": GatesSnapKVPolicy,
 }
-_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets", "layer_normalise"}  # not user parameters
+_INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets"}  # not user parameters
 
 
 def policy_params(name: str) -> list[str]:
