@@ -2,6 +2,7 @@
 AdaKV / CriticalKV, LAVa, DefensiveKV / Layer-DefensiveKV, CAKE, ReST-KV."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,15 +172,16 @@ def test_cake_preference_past_float_range_reads_as_inf():
     assert table[:, 0].tolist() == [333, 333, 333]
 
 
-def test_defensive_head_share_sums_by_position_not_by_slot():
-    """After an eviction two heads hold different positions in a slot: a norm is shared with the heads holding the
-    same position, wherever they hold it; padding (pos -1, norm 0) takes no share."""
-    from retention.policies.defensivekv import head_share
+@pytest.mark.parametrize("mean", [False, True])
+def test_over_heads_sums_by_position_not_by_slot(mean):
+    """After an eviction two heads hold different positions in a slot: a value is summed (DefensiveKV's norm share) or
+    averaged (TOVA) with the heads holding the same position, wherever they hold it; padding (pos -1) counts not."""
+    from retention.policies.window import over_heads
 
     pos = torch.tensor([[[0, 2, 3, -1], [3, 0, 1, 2]]])
-    norm = torch.tensor([[[1.0, 2.0, 3.0, 0.0], [1.0, 3.0, 5.0, 6.0]]])
-    by_pos = {p: sum(float(norm[0, h, i]) for h in range(2) for i in range(4) if int(pos[0, h, i]) == p)
-              for p in range(4)}
-    want = [[float(norm[0, h, i]) / by_pos[int(pos[0, h, i])] if int(pos[0, h, i]) >= 0 else 0.0 for i in range(4)]
-            for h in range(2)]
-    torch.testing.assert_close(head_share(norm, pos)[0], torch.tensor(want))
+    values = torch.tensor([[[1.0, 2.0, 3.0, 9.0], [1.0, 3.0, 5.0, 6.0]]])
+    view = SimpleNamespace(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool))
+    held = {p: [float(values[0, h, i]) for h in range(2) for i in range(4) if int(pos[0, h, i]) == p] for p in range(4)}
+    agg = {p: sum(v) / (len(v) if mean else 1) for p, v in held.items()}
+    want = [[agg[int(pos[0, h, i])] if int(pos[0, h, i]) >= 0 else 0.0 for i in range(4)] for h in range(2)]
+    torch.testing.assert_close(over_heads(values, view, mean=mean)[0], torch.tensor(want))

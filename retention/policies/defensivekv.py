@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .adakv import _layer_groups, l1_value_norms
 from .base import EntryView, protect
 from .scoring import output_projections
-from .window import PositionStats, WindowPolicy, recent_mask, window_attention, window_prefix
+from .window import PositionStats, WindowPolicy, over_heads, recent_mask, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -48,16 +48,6 @@ def avg_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
         return scores
     shape = scores.shape
     return F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).reshape(shape)
-
-
-def head_share(norm: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``(B, H, L)`` each entry's ``norm`` over the sum of the norms the layer's KV heads hold at its position
-    (``pos`` ``(B, H, L)``; entries with a zero norm, padding included, add nothing). By position, not by slot:
-    after an eviction the heads hold different positions in the same slot."""
-    B = norm.shape[0]
-    p = pos.clamp_min(0).reshape(B, -1)
-    total = norm.new_zeros(B, int(p.max()) + 1 if p.numel() else 1).scatter_add_(1, p, norm.reshape(B, -1))
-    return norm / total.gather(1, p).view_as(norm).clamp_min(1e-30)
 
 
 @dataclass
@@ -111,7 +101,7 @@ class DefensiveKVPolicy(WindowPolicy):
         # after the prior, as the paper's "R_i <- R_i x norm(v_i W_O)"; the code of both presses multiplies by each
         # head's share of the norm at that position, WoV_norm / WoV_norm.sum(over the layer's KV heads): scores
         # comparable across heads and layers (the paper's Layer-DefensiveKV normalisation, in both)
-        return risk * head_share(norm, view.pos), self._stage1_tags(attn, view, prefix, first)
+        return risk * norm / over_heads(norm, view).clamp_min(1e-30), self._stage1_tags(attn, view, prefix, first)
 
     def _stage1_tags(self, attn: torch.Tensor, view: PaddedView, prefix: torch.Tensor,
                      first: torch.Tensor) -> torch.Tensor:

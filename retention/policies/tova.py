@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import EntryView, EvictionPolicy
-from .window import PositionStats, window_attention
+from .window import PositionStats, over_heads, window_attention
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -39,14 +39,7 @@ class TOVAPolicy(EvictionPolicy):
         # the same token sits at different slots in different heads, and a layer budget that is not a multiple of H
         # keeps its last position in some heads only: average each position over the heads that hold it (a mean of
         # the whole table mixed in the score an earlier observation left for the heads that had dropped it)
-        real = view.valid & (view.pos >= 0)
-        b, h, i = real.nonzero(as_tuple=True)
-        p = view.pos[b, h, i]
-        size = int(view.pos.max()) + 1 if view.pos.numel() else 1
-        total = attn.new_zeros(attn.shape[0], size).index_put_((b, p), attn[b, h, i], accumulate=True)
-        count = attn.new_zeros(attn.shape[0], size).index_put_((b, p), torch.ones_like(attn[b, h, i]), accumulate=True)
-        mean = total / count.clamp_min(1)
-        self.stats.write(layer, mean.gather(1, view.pos.clamp_min(0).flatten(1)).view_as(attn), view)
+        self.stats.write(layer, over_heads(attn, view, mean=True), view)
 
     def score(self, entries: EntryView) -> torch.Tensor:
         return self.stats.lookup(entries)

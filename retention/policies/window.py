@@ -117,6 +117,22 @@ class SequenceStats(dict):
         self.clear()
 
 
+def over_heads(values: torch.Tensor, view: PaddedView, mean: bool = False) -> torch.Tensor:
+    """``(B, H, L)``: for each real entry the sum (``mean``: the mean) of ``values`` ``(B, H, L)`` over the layer's
+    heads that hold its position; 0 for padding. By position, not by slot: after an eviction the heads hold
+    different positions in the same slot, and a position kept in some heads only is shared among those."""
+    real = view.valid & (view.pos >= 0)
+    b, h, i = real.nonzero(as_tuple=True)
+    p, v = view.pos[b, h, i], values[b, h, i]
+    size = int(view.pos.max()) + 1 if view.pos.numel() else 1
+    total = values.new_zeros(values.shape[0], size).index_put_((b, p), v, accumulate=True)
+    if mean:
+        total = total / values.new_zeros(values.shape[0], size).index_put_((b, p), torch.ones_like(v),
+                                                                           accumulate=True).clamp_min(1)
+    out = total.gather(1, view.pos.clamp_min(0).flatten(1)).view_as(values)
+    return torch.where(real, out, torch.zeros_like(out))
+
+
 def recent_mask(entries: EntryView, window: int) -> torch.Tensor:
     """``(R, Lpad)`` True for the newest ``window`` tokens of each sequence (always kept)."""
     return entries.pos > entries.step[:, None] - window
