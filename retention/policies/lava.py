@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .scoring import max_pool
-from .window import SequenceStats, WindowPolicy, window_attention, window_prefix
+from .window import SequenceStats, WindowPolicy, round_to_total, window_attention, window_prefix
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -46,14 +46,7 @@ def proportional_shares(weights: torch.Tensor, total: int, cap: torch.Tensor | N
             break
         fixed |= over
         exact[over] = cap[over]
-    share = exact.floor().long()
-    target = total if bool(torch.isinf(cap).any()) else min(total, int(cap.sum()))
-    short = target - int(share.sum())
-    if short > 0:
-        frac = exact - exact.floor()
-        order = sorted(range(len(w)), key=lambda l: (-float(frac[l]), l))
-        share[[l for l in order if share[l] < cap[l]][:short]] += 1
-    return share
+    return round_to_total(exact, total if bool(torch.isinf(cap).any()) else min(total, int(cap.sum())), cap)
 
 
 @dataclass

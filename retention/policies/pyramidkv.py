@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .snapkv import SnapKVPolicy
-from .window import SequenceStats
+from .window import SequenceStats, round_to_total
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -61,12 +61,7 @@ def pyramid_budgets(total: int, num_layers: int, num_heads: int, beta: float, wi
         # the code steps by (max_num - min_num) // (L - 1) entries, which keeps more than the budget (263 -> 60
         # per head at 150 on 30 layers instead of 262 -> 38, 9% over); the exact arithmetic sequence of the
         # paper keeps the budget, rounded down with the remainder to the largest fractions (lower layers first)
-        per_layer = exact.floor().long()
-        short = units - int(per_layer.sum())
-        if short > 0:
-            frac = exact - exact.floor()
-            order = sorted(range(num_layers), key=lambda l: (-float(frac[l]), l))
-            per_layer[order[:short]] += 1
+        per_layer = round_to_total(exact, units)
     return per_layer[:, None].expand(num_layers, num_heads).clone()
 
 

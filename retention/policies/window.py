@@ -94,6 +94,18 @@ class PositionStats:
         return out
 
 
+def round_to_total(exact: torch.Tensor, total: int, cap: torch.Tensor | None = None) -> torch.Tensor:
+    """``(L,)`` int64 ``exact`` ``(L,)`` float shares rounded down, then one more each to the largest fractions (lower
+    parts first, none past ``cap[l]``) until they sum to ``total``: whole shares that spend a budget."""
+    share = exact.floor().long()
+    short = total - int(share.sum())
+    if short > 0:
+        frac = exact - exact.floor()
+        order = sorted(range(len(exact)), key=lambda l: (-float(frac[l]), l))
+        share[[l for l in order if cap is None or share[l] < cap[l]][:short]] += 1
+    return share
+
+
 class SequenceStats(dict):
     """Per-layer ``(B,)`` float64 statistics, one per sequence of the batch (a layer's entropy, preference or
     context length), so that the budget one sequence's layers get does not depend on the sequences batched
