@@ -264,7 +264,8 @@ HUB_KWARGS = ("token", "cache_dir", "local_files_only", "force_download", "proxi
 
 
 def hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k in HUB_KWARGS}
+    """The keywords that say where files are; ``subfolder=None`` means none (transformers would join None)."""
+    return {k: v for k, v in kwargs.items() if k in HUB_KWARGS and not (k == "subfolder" and v is None)}
 
 
 def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = None, check_support: bool = True,
@@ -277,6 +278,8 @@ def load_config(name_or_path: str = DEFAULT_MODEL, *, revision: str | None = Non
     """
     from transformers import AutoConfig
 
+    if kwargs.get("subfolder", "") is None:
+        del kwargs["subfolder"]
     path = resolve_model_path(name_or_path)
     if looks_like_a_path(str(name_or_path)) and not Path(path).exists():
         raise ModelNotAvailableError(

@@ -189,6 +189,10 @@ def test_fetch_keywords_reach_the_config_the_weights_and_the_tokenizer(tmp_path)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, src(input_ids=ids).logits)
     assert tok("hello").input_ids
+    # subfolder=None means none, as an optional argument passed through gives it (transformers would join None)
+    model, _ = load_model(str(tmp_path / "inner"), subfolder=None, local_files_only=True)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, src(input_ids=ids).logits)
 
 
 @pytest.mark.smollm2
