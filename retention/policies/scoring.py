@@ -46,7 +46,8 @@ def projected_values(values: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
 
 
 def value_norms(values: torch.Tensor, w_o: torch.Tensor | None) -> torch.Tensor:
-    """``||v_i W_O^h||_2`` ``(B, H, G, L)``; without ``W_O``, ``||v_i||_2`` for every head of the group."""
+    """``||v_i W_O^h||_2``: values ``(B, H, L, D)`` -> ``(B, H, G, L)``; without ``W_O``, ``||v_i||_2`` as
+    ``(B, H, 1, L)``, which broadcasts to every query head of the group."""
     if w_o is None:
         return values.float().norm(dim=-1)[:, :, None]
     return projected_values(values, w_o).norm(dim=-1)
