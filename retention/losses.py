@@ -137,10 +137,15 @@ def capacity_loss(
     count = int(active.sum())
     total = terms[active].sum() if count else lb.sum() * 0.0
     loss = total if reduction == "sum" else total / max(count, 1)
-    # the implied cache size: the soft cache at its largest along each row (summed over heads), batch mean
-    soft_entries = (S.sum(1) if form == "per_head" else S).detach().amax(-1) if T else S.new_zeros(B)
+    # the implied cache size: the soft cache at its largest along each row (summed over heads), batch mean; the
+    # share of terms past the budget; both over the positions ``mask`` keeps (S >= 0, so a masked 0 is no peak)
+    row = (S.sum(1) if form == "per_head" else S).detach()
+    if mask is not None:
+        row = row.masked_fill(~mask.to(row.device), 0.0)
+    soft_entries = row.amax(-1) if T else S.new_zeros(B)
+    considered = active.numel() if mask is None else int(mask.sum()) * (N if form == "per_head" else 1)
     stats = {
-        "capacity_active_frac": float(active.float().mean()),
+        "capacity_active_frac": count / max(considered, 1),
         "soft_cache_entries": float(soft_entries.mean()),
         "capacity_terms": count,
     }

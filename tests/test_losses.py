@@ -104,7 +104,7 @@ def test_capacity_loss_equals_brute_force(form, masked):
     doc = [[0] * 5 + [1] * 7, [2] * 8 + [3] * 4]
     mask = torch.tensor([[d != 3 for d in row] for row in doc]) if masked else None
     got, stats = capacity_loss(lbs, M, form, cu, mask=mask)
-    terms = []
+    terms, considered, peaks = [], 0, [0.0] * B
     for b in range(B):
         for t in range(T):
             if masked and doc[b][t] == 3:
@@ -113,17 +113,23 @@ def test_capacity_loss_equals_brute_force(form, masked):
             n_t = len(same)  # tokens of the document so far
             per_head = [sum(float(torch.exp((t - i) * lbs[l][b, h, i])) for i in same)
                         for l in range(L) for h in range(H)]
+            peaks[b] = max(peaks[b], sum(per_head))
             if form == "global":
+                considered += 1
                 full = n_t * L * H
                 if full > M:
                     terms.append(max(0.0, sum(per_head) - M) / (full - M))
             else:
+                considered += len(per_head)
                 for s in per_head:
                     if n_t > M:
                         terms.append(max(0.0, s - M) / (n_t - M))
     want = sum(terms) / len(terms)
     assert abs(float(got) - want) < 1e-5
-    assert 0 < stats["capacity_active_frac"] <= 1
+    # the logged stats leave the masked positions out too: the share of terms past the budget, the soft cache's peak
+    assert stats["capacity_terms"] == len(terms)
+    assert stats["capacity_active_frac"] == pytest.approx(len(terms) / considered)
+    assert stats["soft_cache_entries"] == pytest.approx(sum(peaks) / B, rel=1e-5)
 
 
 def test_capacity_loss_rejects_unknown_form():
