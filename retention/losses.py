@@ -133,7 +133,9 @@ def capacity_loss(
     B, N, T = lb.shape
     full, active = capacity_terms(cu_seqlens, B, N, T, budget, form, mask, lb.device)
     S = capacity_sum(lb, cu_seqlens, reduce=form == "global")  # (B, T) global, (B, N, T) per head
-    terms = (S - budget).clamp_min(0) / (full - budget).clamp_min(1)
+    # a term counts only where the full cache is past the budget, by any distance (a fractional budget can leave
+    # under one entry); elsewhere the divisor is 1 and the term unused
+    terms = (S - budget).clamp_min(0) / torch.where(active, full - budget, torch.ones_like(full))
     count = int(active.sum())
     total = terms[active].sum() if count else lb.sum() * 0.0
     loss = total if reduction == "sum" else total / max(count, 1)

@@ -91,16 +91,18 @@ def test_positions_in_document():
     assert pos.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("fractional", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("form", ["global", "per_head"])
-def test_capacity_loss_equals_brute_force(form, masked):
+def test_capacity_loss_equals_brute_force(form, masked, fractional):
     """The loss against its definition; ``mask`` (a packed row's padding, here the second row's last document)
-    leaves its positions out of the mean."""
+    leaves its positions out of the mean. A fractional budget (a share of a context) puts a full cache under one
+    entry past it, and the term still divides by that distance."""
     torch.manual_seed(0)
     L, B, H, T = 3, 2, 2, 12
     lbs = [-torch.rand(B, H, T) * 0.5 for _ in range(L)]
     cu = torch.tensor([0, 5, 12, 20, 24])
-    M = 20.0 if form == "global" else 3.0
+    M = (20.0 if form == "global" else 3.0) - (0.5 if fractional else 0.0)
     doc = [[0] * 5 + [1] * 7, [2] * 8 + [3] * 4]
     mask = torch.tensor([[d != 3 for d in row] for row in doc]) if masked else None
     got, stats = capacity_loss(lbs, M, form, cu, mask=mask)
