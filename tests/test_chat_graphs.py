@@ -75,6 +75,7 @@ def _same_draws(plain: RetentionChat, planned: RetentionChat, text: str, seed: i
     return reply
 
 
+@pytest.mark.slow  # 65 s; the greedy twin above runs by default, this one with `make test-slow`
 def test_sampled_replies_through_the_planned_steps_are_generates(smollm2, monkeypatch):
     """From the same seed the planned steps draw generate's tokens: each sampling warper alone and all together with
     a repetition penalty and min_new_tokens (eos kept out before top-k, as generate orders them), and the model's

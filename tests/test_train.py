@@ -529,7 +529,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_setup, tmp_path
     assert len(h) == 3
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-3 (partitioned parameters, the harder path) runs by default; ZeRO-2 with `make test-slow` (46 s here)
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_deepspeed_zero_trains_the_same_gates_and_resumes_exactly(tiny_setup, tmp_path, stage, capsys):
     """The README's GPU recipe (``accelerate launch --config_file configs/accelerate/zero{2,3}.yaml``) with the shipped
     DeepSpeed configs, run here on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo) with two processes: the
