@@ -249,9 +249,10 @@ def _tiny_model_dir(tmp_path, monkeypatch):
 
     from retention.models import embedded_model_dir
 
+    # the shared cache's tokenizer first: under the private cache the GGUF was dequantised again (~25 s a test)
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "tiny"
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     tiny_llama(vocab_size=len(tok)).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     return root
