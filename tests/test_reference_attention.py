@@ -28,6 +28,7 @@ CASES = {
     "gqa3": (2, 40, 40, 6, 2, None),
     "gqa4-packed": (1, 50, 50, 4, 1, [0, 10, 11, 30, 50]),
     "batch-packed": (2, 40, 40, 3, 1, [0, 13, 40, 55, 80]),
+    "row-crossing": (2, 40, 40, 3, 1, [0, 13, 55, 80]),  # a document over the row boundary is two
     "decode": (2, 5, 20, 4, 1, None),
 }
 
@@ -90,7 +91,7 @@ def test_long_sequence_runs_in_bounded_blocks(monkeypatch):
     q = torch.randn(1, T, 2, 8)
     k = torch.randn(1, T, 1, 8)
     lb = -torch.rand(1, 1, T)
-    out = retention_attention(q, k, k, lb)
+    out = retention_attention(q, k, k, lb, backend="reference")
     assert out.shape == (1, T, 2, 8) and torch.isfinite(out).all()
     assert len(seen) > 1 and max(seen) * 2 <= 1 << 20  # (B * Hq) * block elements: never T x T
 
@@ -127,13 +128,23 @@ def test_empty_batch():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_sdpa_path_matches_brute_force_with_gradients(case):
+@pytest.mark.parametrize("span", [None, 2.0])
+def test_sdpa_path_matches_brute_force_with_gradients(case, span, monkeypatch):
+    import retention.ops.retention_attention.sdpa as sdpa
     from retention.ops.retention_attention import retention_attention_sdpa
 
+    if span is not None:  # chunks of 4 queries (span / max|log_beta| with log_beta in [-0.5, 0])
+        monkeypatch.setattr(sdpa, "SPAN", span)
+        monkeypatch.setattr(sdpa, "MIN_CHUNK", 1)
     B, Tq, Tk, Hq, Hkv, cu = CASES[case]
     cu = None if cu is None else torch.tensor(cu)
     q, k, v, lb = inputs(B, Tq, Tk, Hq, Hkv)
+    calls = []
+    real = sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
     out = retention_attention_sdpa(q, k, v, lb, cu_seqlens=cu)
+    assert span is None or max(calls) <= 4 < Tq  # chunked as asked
     out_n, _ = retention_attention_naive(q, k, v, lb, cu_seqlens=cu)
     torch.testing.assert_close(out, out_n, **TOL)  # computed in fp32 like the reference
     dout = torch.randn_like(out)
@@ -143,17 +154,59 @@ def test_sdpa_path_matches_brute_force_with_gradients(case):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"d{name}")
 
 
-def test_dispatch_takes_sdpa_for_short_and_the_blocked_reference_for_long(monkeypatch):
+def test_sdpa_path_keeps_fp32_accuracy_on_a_long_sequence_with_strong_decays():
+    # the folded bias cancels two products of ~ chunk * |log_beta|: unchunked (one centre for 1500 queries) this
+    # case is 1e-4 off; chunks keep it near fp32's own error
+    g = torch.Generator().manual_seed(0)
+    T = 1500
+    q = 2 * torch.randn(1, T, 2, 32, generator=g, dtype=torch.float64)
+    k = 2 * torch.randn(1, T, 1, 32, generator=g, dtype=torch.float64)
+    v = torch.randn(1, T, 1, 32, generator=g, dtype=torch.float64)
+    lb = -3 * torch.rand(1, 1, T, generator=g, dtype=torch.float64)  # trained gates reach beta = 0.06
+    from retention.ops.retention_attention import retention_attention_sdpa
+
+    out = retention_attention_sdpa(q, k, v, lb)
+    torch.testing.assert_close(out, retention_attention_naive(q, k, v, lb)[0], rtol=0, atol=3e-5)
+
+
+def test_sdpa_path_stays_fp32_under_bf16_autocast():
+    # SDPA is on autocast's bf16 list: in bf16 the appended positions lost the decay (0.22 off here)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 300, h, 32, generator=g) for h in (4, 2, 2))
+    lb = -0.5 * torch.rand(1, 2, 300, generator=g)
+    want = retention_attention_naive(*(x.bfloat16().double() for x in (q, k, v)), lb.double())[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = retention_attention(q, k, v, lb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-2)  # bf16 rounding of outputs up to ~2
+
+
+def test_dispatch_takes_sdpa_on_cpu_and_the_blocked_reference_for_beta_near_zero(monkeypatch):
     import retention.ops.retention_attention as ra
+    from retention.ops.retention_attention.sdpa import MIN_CHUNK, SPAN, chunk_length
 
     calls = []
     monkeypatch.setattr(ra, "retention_attention_sdpa",
                         lambda *a, **k: calls.append("sdpa") or ra.retention_attention_ref(*a, **k)[0])
-    q, k, v, lb = inputs(1, 8, 8, 2, 2)
+    q, k, v, lb = inputs(1, 200, 200, 2, 2)
+    strong = torch.full_like(lb, -SPAN / (MIN_CHUNK - 1))  # chunks would be shorter than MIN_CHUNK queries
+    assert chunk_length(lb, 200) == 200 and chunk_length(strong, 200) is None and chunk_length(strong, 60) == 60
     retention_attention(q, k, v, lb)
-    monkeypatch.setattr(ra.sdpa_path, "MAX_BIAS_ELEMENTS", 10)
+    retention_attention(q, k, v, strong)  # a short sequence (below) is exact with any decay
+    retention_attention(q, k, v, lb.detach().masked_fill(torch.rand(lb.shape) < 0.1, float("-inf")))
+    retention_attention(q[:, :60], k[:, :60], v[:, :60], strong[..., :60])
+    assert calls == ["sdpa", "sdpa"]
+    with ra.default_backend("reference"):  # what bench_train's step-ref times, and a way to check a run
+        retention_attention(q, k, v, lb)
+        assert calls == ["sdpa", "sdpa"]
+        with ra.default_backend("auto"):
+            retention_attention(q, k, v, lb)
     retention_attention(q, k, v, lb)
-    assert calls == ["sdpa"]
+    assert calls == ["sdpa"] * 4
+    with pytest.raises(ValueError, match="backend must be"), ra.default_backend("sdpa"):
+        pass
+    with pytest.raises(ValueError, match="blocked reference"):
+        ra.sdpa_path.retention_attention_sdpa(q, k, v, strong)
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])

@@ -10,11 +10,16 @@ All methods run side by side in one process on the same inputs; times are median
 runs timed with CUDA events after warm-up (compilation, autotuning). Ratios are to fa2 when it is
 installed, else to sdpa. Goal: ours fwd+bwd within 1.3x of fa2.
 
-CPU (no CUDA): the blocked PyTorch reference against the Triton kernel in interpreter mode at small
-sizes (fp32), so the script itself is exercised in tests; GPU numbers cannot be measured there.
+CPU (no CUDA, or ``--cpu``): the CPU training paths side by side in fp32, ratios to the blocked reference:
+  reference      the blocked PyTorch reference (exact; taken where a beta near 0 needs it)
+  sdpa-folded    SDPA's fused causal kernel with the decay folded into two extra head dims (the CPU default)
+  triton-interp  the Triton kernel in interpreter mode (T <= 256 only: numpy speed, a correctness check)
+with denormals flushed as the training loop flushes them. ``--decay`` sets the strongest decay (log_beta drawn
+from [-decay, 0]); trained SmolLM2 gates reach about 3.
 
     python -m retention.eval.bench_kernels              # GPU sweep, or the CPU check without a GPU
     python -m retention.eval.bench_kernels --seq 2048 4096 --dims 128 --reps 20
+    python -m retention.eval.bench_kernels --cpu --seq 1024 4096 --kv-heads 3 --group 3 --decay 0.01 3
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ import time
 from typing import Callable
 
 
-def _inputs(B: int, T: int, Hq: int, Hkv: int, D: int, dtype, device: str):
-    """q (B, T, Hq, D), k, v (B, T, Hkv, D) in ``dtype``; log_beta (B, Hkv, T) fp32 in [-0.01, 0]."""
+def _inputs(B: int, T: int, Hq: int, Hkv: int, D: int, dtype, device: str, decay: float = 0.01):
+    """q (B, T, Hq, D), k, v (B, T, Hkv, D) in ``dtype``; log_beta (B, Hkv, T) fp32 in [-decay, 0]."""
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
     q, k, v = mk(B, T, Hq, D), mk(B, T, Hkv, D), mk(B, T, Hkv, D)
-    lb = (-0.01 * torch.rand(B, Hkv, T, generator=g)).to(device).requires_grad_()
+    lb = (-decay * torch.rand(B, Hkv, T, generator=g)).to(device).requires_grad_()
     return q, k, v, lb
 
 
@@ -173,34 +178,43 @@ def gpu_sweep(args: argparse.Namespace) -> None:
             print(f"(T={T}, d={D}: ratios to {base_name if base else 'nothing: no baseline ran'})")
 
 
+TRITON_INTERP_MAX_T = 256  # the interpreter runs the kernel in numpy: minutes past this
+
+
 def cpu_check(args: argparse.Namespace) -> None:
     import torch
 
     from retention.ops.retention_attention.reference import retention_attention_ref
+    from retention.ops.retention_attention.sdpa import chunk_length, retention_attention_sdpa
     from retention.ops.retention_attention.triton_kernel import retention_attention_triton
 
+    torch.set_flush_denormal(True)  # as the training loop on CPU
     Hq = args.kv_heads * args.group
-    print("no CUDA device: GPU timings (ours, flash-attn 2, SDPA with bias, flex_attention) cannot be measured here;")
-    print(f"running the blocked reference against the Triton kernel in interpreter mode instead "
-          f"(fp32, batch {args.batch}, {Hq} query / {args.kv_heads} KV heads, median of {args.reps})")
-    print(HEADER.format("max abs err vs ref"))
-    print("|---|---|---|---|---|---|---|---|")
+    print("no CUDA device (or --cpu): GPU timings (ours, flash-attn 2, SDPA with bias, flex_attention) are not "
+          "measured here;")
+    print(f"the CPU paths against the blocked reference instead (fp32, batch {args.batch}, {Hq} query / "
+          f"{args.kv_heads} KV heads, median of {args.reps})")
+    print("| T | d | decay | method | fwd ms | fwd+bwd ms | max abs err vs ref | fwd ratio | fwd+bwd ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for D in args.dims:
         for T in args.seq:
-            q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, torch.float32, "cpu")
-            fns = {
-                "reference": lambda: retention_attention_ref(q, k, v, lb)[0],
-                "triton-interp": lambda: retention_attention_triton(q, k, v, lb)[0],
-            }
-            res = {name: _measure(fn, (q, k, v, lb), args.reps, False) for name, fn in fns.items()}
-            with torch.no_grad():
-                err = (fns["triton-interp"]() - fns["reference"]()).abs().max().item()
-            base = res["reference"]
-            for name, r in res.items():
-                e = f"{err:.1e}" if name != "reference" else "0"
-                print(f"| {T} | {D} | {name} | {r[0]:.1f} | {r[1]:.1f} | {e} | {r[0] / base[0]:.2f}x | "
-                      f"{r[1] / base[1]:.2f}x |")
-    print("(ratios to the reference; the interpreter runs kernels in numpy, so its speed says nothing about a GPU)")
+            for decay in args.decay:
+                q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, torch.float32, "cpu", decay)
+                fns = {"reference": lambda: retention_attention_ref(q, k, v, lb)[0]}
+                if chunk_length(lb, T) is not None:
+                    fns["sdpa-folded"] = lambda: retention_attention_sdpa(q, k, v, lb)
+                if T <= TRITON_INTERP_MAX_T:
+                    fns["triton-interp"] = lambda: retention_attention_triton(q, k, v, lb)[0]
+                res = {name: _measure(fn, (q, k, v, lb), args.reps, False) for name, fn in fns.items()}
+                with torch.no_grad():
+                    want = fns["reference"]()
+                    err = {name: (fn() - want).abs().max().item() for name, fn in fns.items()}
+                base = res["reference"]
+                for name, r in res.items():
+                    print(f"| {T} | {D} | {decay:g} | {name} | {r[0]:.1f} | {r[1]:.1f} | {err[name]:.1e} | "
+                          f"{r[0] / base[0]:.2f}x | {r[1] / base[1]:.2f}x |")
+    print("(ratios to the reference, lower is faster; the interpreter runs kernels in numpy, so its speed says "
+          "nothing about a GPU)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (GPU: 10, CPU: 1)")
     p.add_argument("--methods", nargs="+", default=None, choices=["ours", "fa2", "sdpa", "sdpa+bias", "flex"],
                    help="GPU methods to run (default: all)")
+    p.add_argument("--cpu", action="store_true", help="the CPU paths even where a GPU is present")
+    p.add_argument("--decay", type=float, nargs="+", default=[0.01],
+                   help="CPU: strongest decays, log_beta drawn from [-decay, 0] (default 0.01)")
     args = p.parse_args(argv)
     import torch
 
-    cuda = torch.cuda.is_available()
+    if any(not d >= 0 for d in args.decay):
+        p.error(f"--decay: must be >= 0 (log_beta is drawn from [-decay, 0]), got {args.decay}")
+    cuda = torch.cuda.is_available() and not args.cpu
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     args.seq = args.seq or ([2048, 4096, 8192, 16384, 32768] if cuda else [64, 128])

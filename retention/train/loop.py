@@ -405,6 +405,10 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_cpu else None,
     )
     set_seed(cfg.train.seed)
+    if accelerator.device.type == "cpu":
+        # the softmax of a long row underflows to denormals, which x86 CPUs compute ~100x slower: flushed to 0 they
+        # change nothing above 1e-38 and the gated attention's fused SDPA path runs ~3x faster (bench_kernels --cpu)
+        torch.set_flush_denormal(True)
     main = accelerator.is_main_process
 
     # -- model and gates --------------------------------------------------------------------------

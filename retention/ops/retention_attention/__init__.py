@@ -1,22 +1,41 @@
 """Retention-gated attention: one dispatch point over the reference and the Triton kernel.
 
-CUDA tensors take the Triton kernel (when it is available); CPU tensors take SDPA with a materialised
-bias while that bias is small (short sequences), else the blocked PyTorch reference.
+CUDA tensors take the Triton kernel (when it is available); CPU tensors take SDPA's fused kernel with the
+decay folded into two extra head dimensions (:mod:`.sdpa`), or the blocked PyTorch reference where a beta
+near 0 would make that form inexact.
 ``RETENTION_FORCE_TRITON=1`` (with ``TRITON_INTERPRET=1``) forces Triton on CPU for tests.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from . import sdpa as sdpa_path
 from .reference import retention_attention_naive, retention_attention_ref
-from .sdpa import bias_elements, retention_attention_sdpa
+from .sdpa import retention_attention_sdpa
 
 __all__ = [
     "retention_attention", "retention_attention_ref", "retention_attention_naive", "retention_attention_sdpa",
-    "triton_available",
+    "triton_available", "default_backend",
 ]
+
+_DEFAULT = ["auto"]  # what backend="auto" means; set by default_backend
+
+
+@contextlib.contextmanager
+def default_backend(backend: str) -> Iterator[None]:
+    """Within the block, calls with ``backend="auto"`` (every model layer's) take ``backend`` instead: e.g.
+    ``"reference"`` to check a run against the exact blocked path, or to time it against the default."""
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    _DEFAULT.append(backend)
+    try:
+        yield
+    finally:
+        _DEFAULT.pop()
 
 
 def triton_available() -> bool:
@@ -49,12 +68,14 @@ def retention_attention(
 ) -> torch.Tensor:
     """Retention-gated attention ``(B, Tq, Hq, D)``; see :mod:`.reference` for the math and shapes.
 
-    ``backend``: ``"auto"`` (Triton on CUDA; on CPU SDPA with a materialised bias for short sequences,
-    the blocked reference for long ones), ``"triton"`` or ``"reference"``. Under autocast, ``q``, ``k`` and ``v``
-    are cast to the autocast dtype first, as SDPA's are.
+    ``backend``: ``"auto"`` (Triton on CUDA; on CPU the folded SDPA path, or the blocked reference where
+    :func:`.sdpa.chunk_length` refuses these decays; :func:`default_backend` overrides it), ``"triton"`` or
+    ``"reference"``. Under autocast, ``q``, ``k`` and ``v`` are cast to the autocast dtype first, as SDPA's are.
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "auto":
+        backend = _DEFAULT[-1]
     device = q.device.type
     if torch.is_autocast_enabled(device):
         # as SDPA under autocast: q, k, v in the autocast dtype (a model's RoPE multiplies q and k by float32 cos/sin
@@ -65,6 +86,6 @@ def retention_attention(
         from .triton_kernel import retention_attention_triton
 
         return retention_attention_triton(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
-    if backend == "auto" and bias_elements(q, k) <= sdpa_path.MAX_BIAS_ELEMENTS:
+    if backend == "auto" and sdpa_path.chunk_length(log_beta, k.shape[1]) is not None:
         return retention_attention_sdpa(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)
     return retention_attention_ref(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
