@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import _check, floored_log_beta
+from .reference import _check, document_ids, floored_log_beta
 
 SPAN = 512.0  # chunk length x max|log_beta|: the rounding error of a score is about SPAN * 2**-24 = 3e-5
 MIN_CHUNK = 64  # below this many queries a chunk, the blocked reference is as fast and exact
@@ -73,8 +73,6 @@ def retention_attention_sdpa(
     Raises ``ValueError`` when ``log_beta`` is too negative for the folded form to be exact (see
     :func:`chunk_length`); :func:`retention.ops.retention_attention.retention_attention` then takes the reference.
     """
-    from .reference import document_ids
-
     _check(q, k, v, log_beta)
     B, Tq, D, Tk = q.shape[0], q.shape[1], q.shape[3], k.shape[1]
     scale = D**-0.5 if scale is None else float(scale)
