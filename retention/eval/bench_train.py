@@ -68,6 +68,8 @@ def build(
     if torch.device(device).type == "cpu":
         from retention.ops.retention_attention import default_backend
 
+        torch.set_flush_denormal(True)  # as the training loop on CPU, for every variant
+
         def reference_step(ids, pos):
             with default_backend("reference"):
                 gated_step(ids, pos)
@@ -107,8 +109,6 @@ def _measure_peak(args) -> None:
     import torch
 
     model, steps = build(args.model, args.device, args.dtype)
-    if torch.device(args.device).type == "cpu":
-        torch.set_flush_denormal(True)  # as the training loop on CPU
     ids, pos = inputs(model, args.seq_len, args.batch, args.device)
     steps[args.measure_peak](ids, pos)  # warm-up: allocator caches and lazy inits are not the step's
     if torch.device(args.device).type == "cuda":  # cuda:0 too
@@ -172,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     model, steps = build(args.model, args.device, args.dtype)
-    if torch.device(args.device).type == "cpu":
-        torch.set_flush_denormal(True)  # as the training loop on CPU
     ids, pos = inputs(model, args.seq_len, args.batch, args.device)
     times = {k: [] for k in steps}
     for k in steps:  # warm-up

@@ -22,16 +22,21 @@ __all__ = [
     "triton_available", "default_backend",
 ]
 
+BACKENDS = ("auto", "triton", "reference")
 _DEFAULT = ["auto"]  # what backend="auto" means; set by default_backend
+
+
+def _checked(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    return backend
 
 
 @contextlib.contextmanager
 def default_backend(backend: str) -> Iterator[None]:
     """Within the block, calls with ``backend="auto"`` (every model layer's) take ``backend`` instead: e.g.
     ``"reference"`` to check a run against the exact blocked path, or to time it against the default."""
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    _DEFAULT.append(backend)
+    _DEFAULT.append(_checked(backend))
     try:
         yield
     finally:
@@ -72,9 +77,7 @@ def retention_attention(
     :func:`.sdpa.chunk_length` refuses these decays; :func:`default_backend` overrides it), ``"triton"`` or
     ``"reference"``. Under autocast, ``q``, ``k`` and ``v`` are cast to the autocast dtype first, as SDPA's are.
     """
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "auto":
+    if _checked(backend) == "auto":
         backend = _DEFAULT[-1]
     device = q.device.type
     if torch.is_autocast_enabled(device):

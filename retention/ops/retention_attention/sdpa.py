@@ -7,13 +7,14 @@ Same math and shapes as :mod:`.reference`. The decay bias is rank 2 in (query, k
 so appending ``[t - c, 1]`` to every scaled query and ``[log_beta_i, -(i - c) log_beta_i]`` to every key turns
 retention-gated attention into plain causal attention over ``D + 2`` dimensions (values padded with two zeros).
 SDPA's fused CPU kernel then runs the forward and the backward blockwise, no ``(T, T)`` tensor is materialised,
-and autograd through the appended key columns gives ``d log_beta``: on SmolLM2's shapes about 9x faster than the
-blocked reference at T = 4096 (``python -m retention.eval.bench_kernels --cpu``).
+and autograd through the appended key columns gives ``d log_beta``: on SmolLM2's shapes a layer's forward and
+backward take 0.10x the blocked reference's time at T = 1024 and 0.18-0.22x at 4096
+(``python -m retention.eval.bench_kernels --cpu``; ``eval/results/bench-kernels-cpu.txt``).
 
 Rounding: the two appended products cancel where the true bias is small, so a score near the diagonal carries an
 absolute error of about ``2**-24 * chunk * max|log_beta|``. Queries are taken in chunks of at most
 :func:`chunk_length` positions, centred on ``c``, keeping that product under :data:`SPAN` (fp32's own error on
-a score of ~30); far keys carry the error of their large bias, whose weight ``beta**(t - i)`` is then tiny.
+a score of ~30); far keys carry in addition the fp32 rounding of their own large bias, as the reference does.
 When ``log_beta`` is so negative that a chunk would fall under :data:`MIN_CHUNK` (beta near 0, the floor at
 ``-1e30``), :func:`chunk_length` returns ``None`` and the dispatch takes the blocked reference, which is exact.
 """
