@@ -38,20 +38,27 @@ def floored_log_beta(log_beta: torch.Tensor) -> torch.Tensor:
     return log_beta.to(torch.float32).clamp_min(LOG_BETA_FLOOR)
 
 
+def checked_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` as int64 on ``device`` after checking it: 1-D, non-decreasing, from 0 to ``total`` tokens.
+
+    Every path (reference, SDPA, Triton) checks through here, so they refuse the same inputs with the same words.
+    """
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        # a float would be truncated (2.5 -> 2) rather than refused
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at batch * seqlen = {total}; got {cu.tolist()}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu
+
+
 def document_ids(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
     """Document index of every token, ``(B, T)`` int64; each row is its own document without cu_seqlens."""
     if cu_seqlens is None:
         return torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-        # a float would be truncated here (2.5 -> 2) while the Triton kernels refuse it: refuse it on every path
-        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != batch * seqlen:
-        raise ValueError(
-            f"cu_seqlens must be 1-D, start at 0 and end at batch * seqlen = {batch * seqlen}; got {cu.tolist()}"
-        )
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
+    cu = checked_cu_seqlens(cu_seqlens, batch * seqlen, device)
     flat = torch.arange(batch * seqlen, device=device)
     doc = torch.searchsorted(cu, flat, right=True) - 1
     # a row boundary is always a document boundary too

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import _check, checked_cu_seqlens
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -334,15 +336,7 @@ def segments(B: int, Tq: int, Tk: int, cu_seqlens: torch.Tensor | None, device: 
     else:
         if Tq != Tk:
             raise ValueError(f"cu_seqlens (packed documents) needs as many queries as keys; got {Tq} and {Tk}")
-        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != B * Tk:
-            raise ValueError(
-                f"cu_seqlens must be 1-D, start at 0 and end at batch * seqlen = {B * Tk}; got {cu.tolist()}"
-            )
-        if bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError("cu_seqlens must be non-decreasing")
+        cu = checked_cu_seqlens(cu_seqlens, B * Tk, device)
         # row ends are document ends too (step 1 for Tk = 0: an empty batch has no segments, not a zero step)
         bounds = torch.unique(torch.cat([cu, torch.arange(0, B * Tk + 1, max(Tk, 1), device=device)]))
         start = bounds[:-1]
@@ -376,8 +370,6 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _check_inputs(q, k, v, log_beta, cu_seqlens) -> None:
-    from .reference import _check
-
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}; cast q, k, v first")
     if k.dtype != q.dtype or v.dtype != q.dtype:
