@@ -186,8 +186,15 @@ def test_dispatch_takes_sdpa_on_cpu_and_the_blocked_reference_for_beta_near_zero
     from retention.ops.retention_attention.sdpa import MIN_CHUNK, SPAN, chunk_length
 
     calls = []
-    monkeypatch.setattr(ra, "retention_attention_sdpa",
-                        lambda *a, **k: calls.append("sdpa") or ra.retention_attention_ref(*a, **k)[0])
+    sdpa, ref = ra.retention_attention_sdpa, ra.retention_attention_ref
+
+    def spy_sdpa(*a, **k):  # counts the calls that return: a refused one falls through to the reference
+        out = sdpa(*a, **k)
+        calls.append("sdpa")
+        return out
+
+    monkeypatch.setattr(ra, "retention_attention_sdpa", spy_sdpa)
+    monkeypatch.setattr(ra, "retention_attention_ref", lambda *a, **k: calls.append("ref") or ref(*a, **k))
     q, k, v, lb = inputs(1, 200, 200, 2, 2)
     strong = torch.full_like(lb, -SPAN / (MIN_CHUNK - 1))  # chunks would be shorter than MIN_CHUNK queries
     assert chunk_length(lb, 200) == 200 and chunk_length(strong, 200) is None and chunk_length(strong, 60) == 60
@@ -195,18 +202,21 @@ def test_dispatch_takes_sdpa_on_cpu_and_the_blocked_reference_for_beta_near_zero
     retention_attention(q, k, v, strong)  # a short sequence (below) is exact with any decay
     retention_attention(q, k, v, lb.detach().masked_fill(torch.rand(lb.shape) < 0.1, float("-inf")))
     retention_attention(q[:, :60], k[:, :60], v[:, :60], strong[..., :60])
-    assert calls == ["sdpa", "sdpa"]
+    assert calls == ["sdpa", "ref", "ref", "sdpa"]
+    calls.clear()
     with ra.default_backend("reference"):  # what bench_train's step-ref times, and a way to check a run
         retention_attention(q, k, v, lb)
-        assert calls == ["sdpa", "sdpa"]
+        assert calls == ["ref"]
         with ra.default_backend("auto"):
             retention_attention(q, k, v, lb)
     retention_attention(q, k, v, lb)
-    assert calls == ["sdpa"] * 4
+    assert calls == ["ref", "sdpa", "sdpa"]
     with pytest.raises(ValueError, match="backend must be"), ra.default_backend("sdpa"):
         pass
-    with pytest.raises(ValueError, match="blocked reference"):
+    with pytest.raises(ra.sdpa_path.TooSteepError, match="blocked reference"):
         ra.sdpa_path.retention_attention_sdpa(q, k, v, strong)
+    with pytest.raises(ValueError, match="as many queries as keys"):  # bad input is still an error, not a fallback
+        retention_attention(q[:, :50], k, v, lb, cu_seqlens=torch.tensor([0, 200]))
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])

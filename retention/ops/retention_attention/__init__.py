@@ -89,6 +89,9 @@ def retention_attention(
         from .triton_kernel import retention_attention_triton
 
         return retention_attention_triton(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]
-    if backend == "auto" and sdpa_path.chunk_length(log_beta, k.shape[1]) is not None:
-        return retention_attention_sdpa(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)
+    if backend == "auto":
+        try:
+            return retention_attention_sdpa(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)
+        except sdpa_path.TooSteepError:  # beta near 0: the folded form would be inexact
+            pass
     return retention_attention_ref(q, k, v, log_beta, scale=scale, cu_seqlens=cu_seqlens)[0]

@@ -30,6 +30,11 @@ SPAN = 512.0  # chunk length x max|log_beta|: the rounding error of a score is a
 MIN_CHUNK = 64  # below this many queries a chunk, the blocked reference is as fast and exact
 
 
+class TooSteepError(ValueError):
+    """``log_beta`` is too negative for the folded form to be exact; the dispatch catches it and takes the
+    blocked reference (one :func:`chunk_length` a call, not one to choose the path and one to run it)."""
+
+
 def chunk_length(log_beta: torch.Tensor, seqlen: int) -> int | None:
     """Query positions per SDPA call for these decays, or ``None`` when the blocked reference should run.
 
@@ -71,7 +76,7 @@ def retention_attention_sdpa(
 ) -> torch.Tensor:
     """Differentiable retention-gated attention ``(B, Tq, Hq, D)`` (dtype of ``q``), computed in fp32 through SDPA.
 
-    Raises ``ValueError`` when ``log_beta`` is too negative for the folded form to be exact (see
+    Raises :class:`TooSteepError` (a ``ValueError``) when ``log_beta`` is too negative for the folded form to be exact (see
     :func:`chunk_length`); :func:`retention.ops.retention_attention.retention_attention` then takes the reference.
     """
     _check(q, k, v, log_beta)
@@ -85,7 +90,7 @@ def retention_attention_sdpa(
     longest = max((e - max(s, Tk - Tq) for _, s, e in spans), default=0)
     chunk = chunk_length(log_beta, max(longest, 1))
     if chunk is None:
-        raise ValueError("log_beta is too negative for the SDPA path to be exact (beta near 0); use the blocked "
+        raise TooSteepError("log_beta is too negative for the SDPA path to be exact (beta near 0); use the blocked "
                          "reference (retention_attention chooses it by itself)")
     # SDPA is on autocast's lower-precision list: in bf16 the appended positions (t - c up to thousands) lose the
     # decay, so the whole path stays fp32, as the blocked reference computes
