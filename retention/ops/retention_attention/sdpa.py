@@ -76,7 +76,8 @@ def retention_attention_sdpa(
 ) -> torch.Tensor:
     """Differentiable retention-gated attention ``(B, Tq, Hq, D)`` (dtype of ``q``), computed in fp32 through SDPA.
 
-    Raises :class:`TooSteepError` (a ``ValueError``) when ``log_beta`` is too negative for the folded form to be exact (see
+    Raises :class:`TooSteepError` (a ``ValueError``) when ``log_beta`` is too negative for the folded form to be
+    exact (see
     :func:`chunk_length`); :func:`retention.ops.retention_attention.retention_attention` then takes the reference.
     """
     _check(q, k, v, log_beta)
