@@ -77,8 +77,8 @@ def retention_attention_sdpa(
     """Differentiable retention-gated attention ``(B, Tq, Hq, D)`` (dtype of ``q``), computed in fp32 through SDPA.
 
     Raises :class:`TooSteepError` (a ``ValueError``) when ``log_beta`` is too negative for the folded form to be
-    exact (see
-    :func:`chunk_length`); :func:`retention.ops.retention_attention.retention_attention` then takes the reference.
+    exact (see :func:`chunk_length`); :func:`retention.ops.retention_attention.retention_attention` then takes the
+    reference.
     """
     _check(q, k, v, log_beta)
     B, Tq, D, Tk = q.shape[0], q.shape[1], q.shape[3], k.shape[1]
@@ -91,8 +91,8 @@ def retention_attention_sdpa(
     longest = max((e - max(s, Tk - Tq) for _, s, e in spans), default=0)
     chunk = chunk_length(log_beta, max(longest, 1))
     if chunk is None:
-        raise TooSteepError("log_beta is too negative for the SDPA path to be exact (beta near 0); use the blocked "
-                         "reference (retention_attention chooses it by itself)")
+        raise TooSteepError("log_beta is too negative for the SDPA path to be exact (beta near 0); use the "
+                            "blocked reference (retention_attention chooses it by itself)")
     # SDPA is on autocast's lower-precision list: in bf16 the appended positions (t - c up to thousands) lose the
     # decay, so the whole path stays fp32, as the blocked reference computes
     with torch.autocast(q.device.type, enabled=False):
