@@ -144,7 +144,7 @@ def test_paired_interval_brackets_the_mean():
 
 
 def test_the_command_refuses_bad_variants_and_a_missing_base_before_loading(monkeypatch, capsys):
-    monkeypatch.setattr(ep, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr("retention.eval.models.load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     with pytest.raises(SystemExit):
         ep.main(["1", "--variants", "base,fold:x"])
     assert "--variants: variant 'fold:x': use base, fold:A" in capsys.readouterr().err
@@ -154,3 +154,16 @@ def test_the_command_refuses_bad_variants_and_a_missing_base_before_loading(monk
     with pytest.raises(SystemExit):
         ep.main(["1", "--model", "tiny-llama-random"])
     assert "no gates are shipped for 'tiny-llama-random'; pass --gates" in capsys.readouterr().err
+
+
+def test_the_probe_runs_as_its_command(tmp_path, capsys):
+    from retention.eval.models import load_eval_model
+    from retention.gates import GateConfig, RetentionGates
+
+    model, _ = load_eval_model("tiny-llama-random")
+    RetentionGates(GateConfig.for_model(model)).save_pretrained(tmp_path / "gates")
+    assert ep.main(["2", "--model", "tiny-llama-random", "--gates", str(tmp_path / "gates"), "--length", str(LENGTH),
+                    "--variants", "base,fold:1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"2 fidelity items of seed 33, {LENGTH}-token contexts, 10% kept"
+    assert out[3].startswith("| base | 2 |") and out[4].startswith("| fold:1 | 2 |")

@@ -97,7 +97,7 @@ def test_the_command_refuses_a_model_without_gates_before_loading_it(capsys):
 def test_the_command_reads_the_gates_before_the_model_and_names_an_unknown_model(tmp_path, monkeypatch, capsys):
     """A missing ``--gates`` failed with a HubError traceback after the model had loaded; an unknown ``--model``
     without ``--gates`` was told no gates are shipped for it."""
-    monkeypatch.setattr(norm_probe, "load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr("retention.eval.models.load_eval_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert norm_probe.main(["1", "--length", "50", "--gates", str(tmp_path / "nosuch")]) == 2
     err = capsys.readouterr().err
     assert "error: gate checkpoint" in err and "no such folder" in err and "Traceback" not in err

@@ -29,13 +29,12 @@ import torch.nn.functional as F
 
 from retention.cache import RetentionCache
 from retention.compat import cache_kwargs
-from retention.models import shipped_gates
 from retention.policies.base import EntryView, protect
 from retention.policies.global_gates import GlobalGatesPolicy, lookahead_log_score, reorder_within_rows
 
 from .budgets import parse_budget
 from .metrics import kl_and_top1
-from .models import eval_model_config, load_eval_model
+from .models import load_probe_model
 from .protocol import SharedPrefill, reference_logits
 from .tasks.fidelity import fidelity
 
@@ -252,22 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, variants: list[str], ap: argparse.ArgumentParser) -> int:
-    """Load the gates (checked before the model), the model, run the probe and print its table."""
-    from retention import attach_gates
-    from retention.attach import check_gates_match, check_gates_shape, text_config
-    from retention.cli import check_gates_source
-
-    source = args.gates or shipped_gates(args.model)
-    if source is None:
-        eval_model_config(args.model)  # an unknown model says so, not "no gates are shipped"
-        ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
-    gates = check_gates_source(str(source))
-    if gates is not None:
-        check_gates_shape(text_config(eval_model_config(args.model)), gates.config)
-    model, tok = load_eval_model(args.model)
-    if gates is not None:
-        check_gates_match(model, gates.config)
-    attach_gates(model, gates, mode="score")
+    """The probe and its table, from :func:`main`'s arguments; the gates are read before the model loads."""
+    model, tok = load_probe_model(args.model, args.gates, ap.error)
     rows = probe(model, tok, args.items, variants, args.length, args.seed)
     print(f"{args.items} fidelity items of seed {args.seed}, {args.length}-token contexts, {FRACTION:.0%} kept")
     print(report(rows))

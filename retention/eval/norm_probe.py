@@ -21,15 +21,13 @@ from typing import Any
 
 import torch
 
-from retention import attach_gates
 from retention.cache import RetentionCache
 from retention.cache.select import select_keep
-from retention.models import shipped_gates
 from retention.policies.base import EntryView
 from retention.policies.scoring import value_metrics
 
 from .methods import prefill
-from .models import eval_model_config, load_eval_model
+from .models import load_probe_model
 from .oracle import FutureAttention
 from .tasks.fidelity import fidelity
 
@@ -142,20 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     """The probe and its printout, from :func:`main`'s arguments; the gates are read before the model loads."""
-    from retention.attach import check_gates_match, check_gates_shape, text_config
-    from retention.cli import check_gates_source
-
-    source = args.gates or shipped_gates(args.model)
-    if source is None:
-        eval_model_config(args.model)  # an unknown model says so (ModelNotAvailableError), not "no gates shipped"
-        ap.error(f"no gates are shipped for {args.model!r}; pass --gates with a checkpoint folder or Hub id")
-    gates = check_gates_source(str(source))  # a typo or a damaged checkpoint fails before the model loads
-    if gates is not None:  # and so do another model's gates, from the config (a spec may name a tiny model)
-        check_gates_shape(text_config(eval_model_config(args.model)), gates.config)
-    model, tok = load_eval_model(args.model)
-    if gates is not None:
-        check_gates_match(model, gates.config)
-    attach_gates(model, gates, mode="score")  # as the eval's `gates: null`
+    model, tok = load_probe_model(args.model, args.gates, ap.error)
     print(report(probe(model, tok, args.items, args.length, args.seed)))
     return 0
 
