@@ -49,12 +49,20 @@ def padded_attention(
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, is_causal=Q == held > 1, scale=scale)
         return out.transpose(1, 2)
     q = query.reshape(B, H, G * Q, D)
+    mask = visible_keys(key_pos, valid, query_pos, G)
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.reshape(B, Hq, Q, D).transpose(1, 2)
+
+
+def visible_keys(key_pos: torch.Tensor, valid: torch.Tensor, query_pos: torch.Tensor, G: int) -> torch.Tensor:
+    """``(B, H, G * Q, L)`` bool: which keys each query sees in :func:`padded_attention`'s folded layout (the G
+    query heads of a KV head along the query axis). Shapes as there."""
+    B, H, L = key_pos.shape
+    Q = query_pos.shape[1]
     ok = valid[:, :, None, :] & (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= query_pos[:, None, :, None])
     # padding queries see nothing; give them every valid key so their (unused) output stays finite
     ok = ok | (~ok.any(-1, keepdim=True) & valid[:, :, None, :])
-    mask = ok[:, :, None].expand(B, H, G, Q, keys.shape[2]).reshape(B, H, G * Q, keys.shape[2])
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
-    return out.reshape(B, Hq, Q, D).transpose(1, 2)
+    return ok[:, :, None].expand(B, H, G, Q, L).reshape(B, H, G * Q, L)
 
 
 def paged_decode_reference(

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from retention.cache import RetentionCache
+from retention.cache.attention import visible_keys
 from retention.compat import cache_kwargs
 from retention.policies.base import EntryView, protect
 from retention.policies.global_gates import GlobalGatesPolicy, lookahead_log_score, reorder_within_rows
@@ -39,7 +40,6 @@ from .protocol import SharedPrefill, reference_logits
 from .tasks.fidelity import fidelity
 
 SINKS, FRACTION = 4, 0.1
-KINDS = ("base", "fold", "consensus")
 
 
 def parse_variant(spec: str) -> tuple[str, float]:
@@ -70,9 +70,7 @@ def folded_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     q = query.reshape(B, H, G * Q, D)
     k = torch.cat([keys.to(q.dtype), fold_key[:, :, None].to(q.dtype)], 2)
     v = torch.cat([values.to(q.dtype), fold_value[:, :, None].to(q.dtype)], 2)
-    ok = valid[:, :, None, :] & (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= query_pos[:, None, :, None])
-    ok = ok | (~ok.any(-1, keepdim=True) & valid[:, :, None, :])  # padding queries: finite, unused
-    ok = ok[:, :, None].expand(B, H, G, Q, keys.shape[2]).reshape(B, H, G * Q, keys.shape[2])
+    ok = visible_keys(key_pos, valid, query_pos, G)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, -float("inf"))
     extra = fold_bias.to(q.dtype)[:, :, None, None].expand(B, H, G * Q, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat([mask, extra], -1), scale=scale)
