@@ -176,6 +176,12 @@ def _seed_rows(seed: int, methods: dict[str, list[float]]) -> list[dict]:
     return rows
 
 
+def _two_seed_files(tmp_path):
+    """Two results.jsonl files, one seed each: full 100 / gates 80 on seed 0, both 60 on seed 1."""
+    return (_write_rows(tmp_path / "a.jsonl", _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})),
+            _write_rows(tmp_path / "b.jsonl", _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+
+
 def test_pooled_sets_keep_the_methods_every_set_scored(tmp_path):
     from retention.eval.pool import pool_results, pool_rows
 
@@ -312,15 +318,9 @@ def test_pool_refuses_a_card_of_other_gates_before_writing_the_pool(tmp_path, ca
 
 
 def test_pool_command_publishes_a_summary(tmp_path, capsys):
-    import json
-
     from retention.eval.cli import main
 
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps(r) + "\n"
-                         for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
-    b.write_text("".join(json.dumps(r) + "\n"
-                         for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    a, b = _two_seed_files(tmp_path)
     page = tmp_path / "pooled.md"
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page),
                  "--title", "All"]) == 0
@@ -379,15 +379,9 @@ def test_pair_table_gives_the_paired_gap_between_two_learned_methods():
 
 
 def test_pair_option_checks_labels_before_the_work_and_puts_the_gaps_on_the_page(tmp_path, capsys):
-    import json
-
     from retention.eval.cli import main
 
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps(r) + "\n"
-                         for r in _seed_rows(0, {"full": [100.0] * 5, "global_gates": [80.0] * 5})))
-    b.write_text("".join(json.dumps(r) + "\n"
-                         for r in _seed_rows(1, {"full": [60.0] * 5, "global_gates": [60.0] * 5})))
+    a, b = _two_seed_files(tmp_path)
     page = tmp_path / "pooled.md"
     assert main(["pool", str(a), str(b), "--out", str(tmp_path / "p.jsonl"), "--summary", str(page),
                  "--pair", "global_gates,full"]) == 0
