@@ -562,6 +562,20 @@ def test_pool_refuses_sets_scored_with_another_setup(field, values):
     assert len(rows) == 10 and left_out == ["global_gates: not in --methods"]
 
 
+def test_the_pair_tables_task_columns_are_over_the_items_both_scored():
+    """A run still going: B has scored 8 items of each task, A only the first 6. The gap was paired but its task
+    columns were differences of each method's whole mean (+8.3 and -37.5 here, beside a paired gap of -16.7)."""
+    from retention.eval.report import pair_table, paired_task_gaps
+
+    b = ("other", "fraction=0.1")
+    rows = (_rows(*A, "t1", [100.0] * 5 + [0.0]) + _rows(*b, "t1", [100.0] * 6 + [0.0, 0.0])
+            + _rows(*A, "t2", [0.0] * 6) + _rows(*b, "t2", [0.0] * 5 + [100.0, 100.0, 100.0]))
+    assert paired_task_gaps(rows, A, b, ["t1", "t2"]) == pytest.approx({"t1": -100 / 6, "t2": -100 / 6})
+    row = next(line for line in pair_table(rows, [("global_gates", "other")]).splitlines()
+               if line.startswith("| global_gates - other"))
+    assert row.startswith("| global_gates - other | 10% | -16.7 [") and row.endswith("| -16.7 | -16.7 |"), row
+
+
 def test_a_failed_row_leaves_the_gap_and_its_interval_over_the_same_items():
     """A failed row (score None) dropped out of its method's mean but not out of the other's, while the interval
     pairs items both scored: the page read +16.7 [+0.0, +0.0], a point outside its own interval. The point is now
@@ -571,7 +585,7 @@ def test_a_failed_row_leaves_the_gap_and_its_interval_over_the_same_items():
     rows = _rows(*A, "t", [100.0, 100.0, 100.0, 100.0, None, 100.0]) + _rows(*FULL, "t", [100.0] * 4 + [0.0, 100.0])
     assert paired_gap(rows, A, FULL, ["t"]) == 0.0 and paired_gap_interval(rows, A, FULL, ["t"]) == (0.0, 0.0)
     assert "+0.0 [+0.0, +0.0]" in summary_table(rows) and "+16.7" not in summary_table(rows)
-    assert "| global_gates - full | 10% | +0.0 [+0.0, +0.0] |" in pair_table(rows, [("global_gates", "full")])
+    assert "| global_gates - full | 10% | +0.0 [+0.0, +0.0] | +0.0 |" in pair_table(rows, [("global_gates", "full")])
     assert gap_points(rows)["global_gates"][0][1:] == (0.0, 0.0, 0.0)
     # with every item scored by both, the point is the difference of the means, as before
     whole = _rows(*A, "t", [90.0, 80.0, 100.0, 70.0, 60.0]) + _rows(*FULL, "t", [100.0, 100.0, 90.0, 100.0, 80.0])

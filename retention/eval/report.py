@@ -224,16 +224,24 @@ def _paired_differences(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple
     return per_task if set(per_task) == set(tasks) else None
 
 
-def paired_gap(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str]) -> float | None:
-    """The gap ``a - b`` in points over the items both scored, averaged as the summary averages scores (items, then
-    lengths, then ``tasks``): the point :func:`paired_gap_interval` brackets. It equals the difference of the two
-    means unless one method has failed rows (``score: None``), whose items the other's mean still counts."""
+def paired_task_gaps(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str],
+                     tasks: list[str]) -> dict[str, float] | None:
+    """Task -> the gap ``a - b`` in points over the items both scored (items, then lengths); ``None`` unless every
+    (task, length) of ``tasks`` has such items. It differs from the difference of the two task means where one
+    method scored items the other did not (a run still going, failed rows with ``score: None``)."""
     import numpy as np
 
     diffs = _paired_differences(rows, a, b, tasks)
     if diffs is None or any(len(d) == 0 for ds in diffs.values() for d in ds):
         return None
-    return float(np.mean([np.mean([d.mean() for d in ds]) for ds in diffs.values()]))
+    return {t: float(np.mean([d.mean() for d in ds])) for t, ds in diffs.items()}
+
+
+def paired_gap(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str]) -> float | None:
+    """The gap ``a - b`` in points over the items both scored, averaged as the summary averages scores (items, then
+    lengths, then ``tasks``): the point :func:`paired_gap_interval` brackets, the mean of :func:`paired_task_gaps`."""
+    gaps = paired_task_gaps(rows, a, b, tasks)
+    return None if gaps is None else statistics.mean(gaps.values())
 
 
 def paired_gap_interval(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str],
@@ -358,9 +366,11 @@ def pair_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
             kb = (b, "full") if b == "full" else (b, budget)
             if ka not in means or kb not in means:
                 continue
-            per_task = [means[ka][t] - means[kb][t] for t in tasks]
+            # over the items both scored where there are any, so the task columns average to the gap beside them
+            paired = paired_task_gaps(rows, ka, kb, tasks)
+            per_task = [means[ka][t] - means[kb][t] if paired is None else paired[t] for t in tasks]
             ci = paired_gap_interval(rows, ka, kb, tasks)
-            point = statistics.mean(per_task) if ci is None else paired_gap(rows, ka, kb, tasks)
+            point = statistics.mean(per_task)
             gap = f"{point:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
             body.append(f"| {a} - {b} | {budget_label(budget)} | {gap} | "
                         + " | ".join(f"{g:+.1f}" for g in per_task) + " |")
