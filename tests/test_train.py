@@ -797,6 +797,29 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
            f"held-out KL {kl['held_out_kl_before']:.4g} -> {kl['held_out_kl']:.4g}) |" in card
 
 
+def test_a_run_continuing_a_soup_names_its_recipe(tiny_setup, tmp_path):
+    """A soup (`retention average`) trained no steps of its own: the card of a run continuing it gives the soup's
+    recipe, not a bare path (the shipped gates are one since 2026-12-04)."""
+    from retention.average import average_checkpoints
+    from retention.gates import GateConfig, RetentionGates
+    from retention.hub import export_gates
+
+    sources = []
+    config = GateConfig.for_model(tiny_llama(), base_model="tiny-llama")
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # after building the model, which seeds its own weights
+        gates = RetentionGates(config)
+        sources.append(export_gates(gates, tmp_path / f"stage{seed}", base_model="tiny-llama",
+                                    training={"config": f"configs/stage{seed}.yaml", "steps": 3}))
+    soup = average_checkpoints(sources, tmp_path / "soup", [0.7, 0.3])
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    note = init_from_note(load_config(cfg_file, over + [f"gates.init_from={soup}"]))
+    assert note == f"{soup} (a weight-space average: 0.7 x {sources[0]} + 0.3 x {sources[1]})"
+    # a trained parent still gives its steps and config
+    note = init_from_note(load_config(cfg_file, over + [f"gates.init_from={sources[1]}"]))
+    assert note == f"{sources[1]} (3 steps, configs/stage1.yaml)"
+
+
 def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
     """``gates.sink``: a sink as long as the row leaves nothing to gate (KL 0, every entry counted); a
     short one is named on the card."""
@@ -878,7 +901,9 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
         train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
     cfg = load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global"])
     shipped = json.loads((local_checkpoint("smollm2-135m-global") / "config.json").read_text())["training"]
-    assert init_from_note(cfg).startswith(f"smollm2-135m-global ({shipped['steps']} steps, ")  # the card says how
+    # the card says how: the shipped gates are a soup of two stages (`retention average`), named with its recipe
+    assert init_from_note(cfg) == f"smollm2-135m-global (a weight-space average: {shipped['averaged_from']})"
+    assert "stage 4 (configs/smollm2-global-4k-evict.yaml)" in shipped["averaged_from"]
 
 
 def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):

@@ -167,6 +167,8 @@ def init_from_note(cfg: Config) -> str | None:
     if meta is None or not meta.is_file():
         return str(src)  # a Hub repo id: its own card says how it was trained
     parent = json.loads(meta.read_text()).get("training", {})
+    if "averaged_from" in parent:  # a soup (`retention average`) trained no steps itself: its recipe says what it is
+        return f"{src} (a weight-space average: {parent['averaged_from']})"
     said = [f"{parent['steps']} steps" if "steps" in parent else None,
             f"{parent['tokens_per_step']}-token rows" if "tokens_per_step" in parent else None,
             parent.get("config")]
