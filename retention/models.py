@@ -424,7 +424,7 @@ def load_model(
         raise ModelNotAvailableError(
             f"cannot load model {name_or_path!r}: {e} Give the folder that save_pretrained wrote (config.json, "
             "weights, tokenizer); a random copy written with --no-weights gets its weights from "
-            "`python -m retention.eval.random_copy FOLDER OUT`") from None
+            "`python -m benchmarks.random_copy FOLDER OUT`") from None
     # name the model by its Hub id, not the cache folder (gate checkpoints record it)
     if name_or_path in EMBEDDED_MODELS:
         model.config._name_or_path = EMBEDDED_MODELS[name_or_path].hub_id

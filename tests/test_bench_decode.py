@@ -1,4 +1,4 @@
-"""``retention/eval/bench_decode.py`` end to end on the embedded model with tiny settings: the table has every
+"""``benchmarks/decode.py`` end to end on the embedded model with tiny settings: the table has every
 setting, the budget keeps fewer bytes than the full cache, and ``--profile`` writes an op table per
 setting (what the next GPU session reads to find where the plain rows' time goes)."""
 
@@ -8,7 +8,7 @@ import pytest
 @pytest.mark.slow  # about 30 s: nine prefills and profiled decodes of the embedded model
 @pytest.mark.smollm2
 def test_bench_decode_table_and_profile(tmp_path, capsys):
-    from retention.eval import bench_decode
+    from benchmarks import decode as bench_decode
 
     out = tmp_path / "profile.txt"
     assert bench_decode.main(["--contexts", "64", "--budget", "8", "--new", "3", "--chunk", "32",
@@ -32,7 +32,7 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
     warm-up round is the 'cold' column."""
     import itertools
 
-    from retention.eval import bench_decode
+    from benchmarks import decode as bench_decode
     from tiny_models import tiny_llama
 
     import retention
@@ -63,19 +63,19 @@ def test_warm_up_rounds_are_reported_as_cold_and_left_out_of_the_timed_medians(m
 
 
 @pytest.mark.parametrize("script,args,words", [
-    ("bench_decode", ["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
-    ("bench_decode", ["--contexts", "0"], "--contexts: must be at least 1, got 0"),
-    ("bench_decode", ["--new", "0"], "--new: must be at least 1"),  # was a StatisticsError after every prefill
-    ("bench_decode", ["--budget", "-1"], "--budget: must be at least 1"),
-    ("bench_decode", ["--device", "cuda:0"], "torch sees no CUDA GPU here"),
-    ("bench_decode", ["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    ("decode", ["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
+    ("decode", ["--contexts", "0"], "--contexts: must be at least 1, got 0"),
+    ("decode", ["--new", "0"], "--new: must be at least 1"),  # was a StatisticsError after every prefill
+    ("decode", ["--budget", "-1"], "--budget: must be at least 1"),
+    ("decode", ["--device", "cuda:0"], "torch sees no CUDA GPU here"),
+    ("decode", ["--dtype", "fp8"], "invalid choice: 'fp8'"),
     # full@B printed B tokens of context it never held
-    ("bench_decode", ["--contexts", "64", "128", "--budget", "64"], "--budget 64 must be below the smallest context"),
-    ("bench_graph_ceiling", ["--repeats", "1"], "--repeats: must be at least 2"),  # the one round was the warm-up
-    ("bench_graph_ceiling", ["--device", "cuda"], "torch sees no CUDA GPU here"),  # was a ValueError traceback
-    ("bench_train", ["--seq-len", "0"], "--seq-len: must be at least 1"),
-    ("bench_train", ["--device", "cuda"], "torch sees no CUDA GPU here"),
-    ("bench_kernels", ["--seq", "64", "0"], "--seq: must be at least 1"),
+    ("decode", ["--contexts", "64", "128", "--budget", "64"], "--budget 64 must be below the smallest context"),
+    ("graph_ceiling", ["--repeats", "1"], "--repeats: must be at least 2"),  # the one round was the warm-up
+    ("graph_ceiling", ["--device", "cuda"], "torch sees no CUDA GPU here"),  # was a ValueError traceback
+    ("train_step", ["--seq-len", "0"], "--seq-len: must be at least 1"),
+    ("train_step", ["--device", "cuda"], "torch sees no CUDA GPU here"),
+    ("kernels", ["--seq", "64", "0"], "--seq: must be at least 1"),
 ])
 def test_benchmark_arguments_are_checked_before_anything_loads(script, args, words, capsys, monkeypatch):
     import importlib
@@ -85,18 +85,18 @@ def test_benchmark_arguments_are_checked_before_anything_loads(script, args, wor
     if "cuda" in " ".join(args) and __import__("torch").cuda.is_available():
         pytest.skip("this machine has the GPU the argument names")
     monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    main = importlib.import_module(f"retention.eval.{script}").main
+    main = importlib.import_module(f"benchmarks.{script}").main
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_the_graph_ceiling_bench_decodes_the_same_tokens_from_a_static_cache():
-    """retention/eval/bench_graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache,
+    """benchmarks/graph_ceiling.py's eager rows on the CPU (the graphed row needs a GPU): the static cache,
     fed with explicit cache positions, decodes the eager DynamicCache's greedy tokens, and every setting is timed."""
     import torch
 
-    from retention.eval import bench_graph_ceiling
+    from benchmarks import graph_ceiling as bench_graph_ceiling
     from retention import attach_gates
     from tiny_models import tiny_llama
 
@@ -109,10 +109,10 @@ def test_the_graph_ceiling_bench_decodes_the_same_tokens_from_a_static_cache():
 
 
 def test_the_graph_ceiling_bench_runs_as_its_command(monkeypatch, capsys):
-    """``python -m retention.eval.bench_graph_ceiling`` end to end on the CPU with a tiny model: it imports its
+    """``python -m benchmarks.graph_ceiling`` end to end on the CPU with a tiny model: it imports its
     helpers from the package (it once imported ``bench_decode`` as a top-level module, which fails outside
     ``retention/eval/``) and prints a row per setting against the bare model."""
-    from retention.eval import bench_decode, bench_graph_ceiling
+    from benchmarks import decode as bench_decode, graph_ceiling as bench_graph_ceiling
     from tiny_models import tiny_llama
 
     import retention
@@ -129,7 +129,7 @@ def test_the_graph_ceiling_bench_runs_as_its_command(monkeypatch, capsys):
 
 def test_the_profile_path_is_checked_before_the_model_loads(tmp_path, monkeypatch, capsys):
     """``--profile`` was written only after every measurement: a folder or a path under a file failed then."""
-    from retention.eval import bench_decode
+    from benchmarks import decode as bench_decode
 
     import retention
 
@@ -143,11 +143,11 @@ def test_the_profile_path_is_checked_before_the_model_loads(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("script,args,words", [
-    ("bench_decode", ["--contexts", "64", "--budget", "8", "--gates", "MISSING"], "gate checkpoint"),
-    ("bench_decode", ["--contexts", "64", "--budget", "8", "--model", "MISSING"], "cannot load model"),
-    ("bench_prefill", ["--contexts", "64", "--model", "MISSING"], "cannot load model"),
-    ("bench_train", ["--no-memory", "--model", "MISSING"], "cannot load model"),
-    ("bench_graph_ceiling", ["--model", "MISSING"], "cannot load model"),
+    ("decode", ["--contexts", "64", "--budget", "8", "--gates", "MISSING"], "gate checkpoint"),
+    ("decode", ["--contexts", "64", "--budget", "8", "--model", "MISSING"], "cannot load model"),
+    ("prefill", ["--contexts", "64", "--model", "MISSING"], "cannot load model"),
+    ("train_step", ["--no-memory", "--model", "MISSING"], "cannot load model"),
+    ("graph_ceiling", ["--model", "MISSING"], "cannot load model"),
 ])
 def test_benchmark_user_errors_are_messages_not_tracebacks(script, args, words, tmp_path, monkeypatch, capsys):
     """A missing checkpoint or model: ``error: ...`` and exit status 2 (was a traceback, the gates' only after the
@@ -159,7 +159,7 @@ def test_benchmark_user_errors_are_messages_not_tracebacks(script, args, words, 
     missing = str(tmp_path / "nosuch")  # a path: refused at once, with no Hub round trip
     if "--gates" in args:
         monkeypatch.setattr(retention, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    main = importlib.import_module(f"retention.eval.{script}").main
+    main = importlib.import_module(f"benchmarks.{script}").main
     assert main([missing if a == "MISSING" else a for a in args] + ["--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "error: " in err and words in err and "Traceback" not in err
@@ -167,7 +167,7 @@ def test_benchmark_user_errors_are_messages_not_tracebacks(script, args, words, 
 
 def test_the_memory_ratio_is_not_printed_against_a_floor_the_sampling_cannot_see():
     """``--seq-len 1`` on the CPU: the floor's step added no page the samples saw, and the ratio read 4754x."""
-    from retention.eval.bench_train import memory_ratio
+    from benchmarks.train_step import memory_ratio
 
     assert memory_ratio(0.05, 0.0) == memory_ratio(3.0, 1e-6) == "n/a (floor below what the sampling sees)"
     assert memory_ratio(3.0, float("nan")).startswith("n/a") and memory_ratio(300.0, 200.0) == "1.50x"
@@ -175,7 +175,7 @@ def test_the_memory_ratio_is_not_printed_against_a_floor_the_sampling_cannot_see
 
 def test_gates_of_another_model_are_a_message_not_a_traceback(tmp_path, capsys):
     """check_gates_match raised a plain ValueError, which no command printed as an error."""
-    from retention.eval.bench_decode import main
+    from benchmarks.decode import main
     from retention.gates import GateConfig, RetentionGates
 
     RetentionGates(GateConfig(num_layers=2, num_kv_heads=2, hidden_size=64)).save_pretrained(tmp_path / "other")
@@ -188,7 +188,7 @@ def test_gates_of_another_model_are_a_message_not_a_traceback(tmp_path, capsys):
 def test_a_repeated_context_is_timed_and_printed_once(monkeypatch, capsys):
     """``--contexts 32 32`` ran every setting of N = 32 twice a round, printed its rows twice, and gave one round a
     range in brackets (two runs under one key), as if it were the median of two rounds."""
-    from retention.eval import bench_decode
+    from benchmarks import decode as bench_decode
     from tiny_models import tiny_llama
 
     import retention
@@ -211,7 +211,7 @@ def test_a_repeated_context_is_timed_and_printed_once(monkeypatch, capsys):
 @pytest.mark.parametrize("module,args", [
     ("retention.cli", ["demo", "--device", "cpu"]),
     ("retention.cli", ["chat", "--device", "cpu"]),
-    ("retention.eval.bench_decode", ["--contexts", "64", "--budget", "8", "--device", "cpu"]),
+    ("benchmarks.decode", ["--contexts", "64", "--budget", "8", "--device", "cpu"]),
     ("retention.eval.norm_probe", ["1"]),
 ])
 def test_gates_of_another_model_are_refused_before_the_model_loads(module, args, tmp_path, monkeypatch, capsys):

@@ -1,9 +1,9 @@
-"""retention/eval/bench_prefill.py on a tiny model: every setting runs, and ``masked`` really is the masked path."""
+"""benchmarks/prefill.py on a tiny model: every setting runs, and ``masked`` really is the masked path."""
 
 import pytest
 
 from retention.cache import attention
-from retention.eval import bench_decode, bench_prefill
+from benchmarks import decode as bench_decode, prefill as bench_prefill
 
 
 @pytest.fixture

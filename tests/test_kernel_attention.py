@@ -178,7 +178,7 @@ def test_kernel_benchmark_runs_on_cpu(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "retention" / "eval" / "bench_kernels.py"
+    path = Path(__file__).parent.parent / "benchmarks" / "kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

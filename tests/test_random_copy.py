@@ -1,4 +1,4 @@
-"""``retention/eval/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot
+"""``benchmarks/random_copy.py``: the random-weight copy that the GPU checks run on where the real weights cannot
 travel. Config and tokenizer are the source's; the weights are fresh, seeded, and the copy loads like any model
 folder."""
 
@@ -13,7 +13,7 @@ def test_a_random_copy_keeps_config_and_tokenizer_and_draws_seeded_weights(tmp_p
     from tiny_models import tiny_llama
     from transformers import AutoTokenizer
 
-    from retention.eval.random_copy import main
+    from benchmarks.random_copy import main
 
     src = tiny_llama(seed=7)  # not the copy's default seed (0), which would draw the same weights
     src.save_pretrained(tmp_path / "src")
@@ -42,7 +42,7 @@ def test_a_random_copy_refuses_a_file_or_a_folder_it_did_not_write_before_loadin
     import pytest
 
     import retention.models
-    from retention.eval.random_copy import MARKER, main
+    from benchmarks.random_copy import MARKER, main
 
     gates = tmp_path / "gates"
     gates.mkdir()
@@ -71,7 +71,7 @@ def test_a_copy_without_weights_is_refused_by_a_command_with_the_fix_not_a_trace
     from transformers import AutoTokenizer
 
     from retention.cli import main
-    from retention.eval.random_copy import random_copy
+    from benchmarks.random_copy import random_copy
 
     (tmp_path / "src").mkdir()
     __import__("tiny_models").tiny_llama().config.save_pretrained(tmp_path / "src")
@@ -79,4 +79,4 @@ def test_a_copy_without_weights_is_refused_by_a_command_with_the_fix_not_a_trace
     random_copy(str(tmp_path / "src"), tmp_path / "shape", weights=False)
     assert main(["demo", "--model", str(tmp_path / "shape"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "error: cannot load model" in err and "retention.eval.random_copy" in err and "Traceback" not in err
+    assert "error: cannot load model" in err and "benchmarks.random_copy" in err and "Traceback" not in err

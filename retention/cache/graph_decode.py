@@ -1,7 +1,7 @@
 """Decode steps over a :class:`~retention.cache.hf.RetentionCache` recorded once as a CUDA graph and replayed.
 
 A small model's decode step on a GPU is bound by host work, not arithmetic: on an H100, SmolLM2-135M in bf16 takes
-about 25 ms a token eagerly and 5 ms replayed as one graph (``retention/eval/bench_graph_ceiling.py``). A graph
+about 25 ms a token eagerly and 5 ms replayed as one graph (``benchmarks/graph_ceiling.py``). A graph
 replays fixed kernels on fixed addresses, so everything a step decides on the host is done before the replay,
 eagerly:
 

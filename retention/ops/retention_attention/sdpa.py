@@ -9,7 +9,7 @@ retention-gated attention into plain causal attention over ``D + 2`` dimensions 
 SDPA's fused CPU kernel then runs the forward and the backward blockwise, no ``(T, T)`` tensor is materialised,
 and autograd through the appended key columns gives ``d log_beta``: on SmolLM2's shapes a layer's forward and
 backward take 0.10x the blocked reference's time at T = 1024 and 0.18-0.22x at 4096
-(``python -m retention.eval.bench_kernels --cpu``; ``eval/results/bench-kernels-cpu.txt``).
+(``python -m benchmarks.kernels --cpu``; ``benchmarks/results/kernels-cpu.txt``).
 
 Rounding: the two appended products cancel where the true bias is small, so a score near the diagonal carries an
 absolute error of about ``2**-24 * chunk * max|log_beta|``. Queries are taken in chunks of at most

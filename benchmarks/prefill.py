@@ -11,8 +11,8 @@ one_shot``, or in ``--chunk``-token chunks) into
 and print the median milliseconds and the ratio to ``plain``. ``--repeats R`` runs every setting R times in
 interleaved rounds, so machine noise hits all settings alike.
 
-    python -m retention.eval.bench_prefill                       # N = 1k, 2k, 4k on CPU, one forward each
-    python -m retention.eval.bench_prefill --contexts 4096 --chunk 512 --repeats 3
+    python -m benchmarks.prefill                       # N = 1k, 2k, 4k on CPU, one forward each
+    python -m benchmarks.prefill --contexts 4096 --chunk 512 --repeats 3
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     from retention import attach_gates, load_model
 
-    from .bench_decode import real_text_ids
+    from benchmarks.decode import real_text_ids
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     attach_gates(model, None, mode="score")  # untrained gates: the cost is the same as trained ones'

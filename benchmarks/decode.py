@@ -19,9 +19,9 @@ profiles 4 more decode steps of every setting (first round) with ``torch.profile
 the most time (self time: the device's on a GPU, else the host's) and the host-side time per step, to find where
 a setting's extra milliseconds go.
 
-    python -m retention.eval.bench_decode               # N = 1k, 2k, 4k on CPU (8k with --contexts)
-    python -m retention.eval.bench_decode --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
-    python -m retention.eval.bench_decode --contexts 4096 --profile runs/decode-profile.txt
+    python -m benchmarks.decode               # N = 1k, 2k, 4k on CPU (8k with --contexts)
+    python -m benchmarks.decode --contexts 1024 2048 4096 8192 --budget 512 --repeats 3
+    python -m benchmarks.decode --contexts 4096 --profile runs/decode-profile.txt
 """
 
 from __future__ import annotations

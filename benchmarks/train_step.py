@@ -13,7 +13,7 @@ Timings alternate between the two (median of ``--reps``); peak memory is each va
 (resident-set growth sampled during the step on CPU, ``torch.cuda.max_memory_allocated`` above the
 weights on GPU). Prints the ratios.
 
-    python -m retention.eval.bench_train --seq-len 512 --reps 3
+    python -m benchmarks.train_step --seq-len 512 --reps 3
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def inputs(model: PreTrainedModel, seq_len: int, batch: int, device: str) -> tup
 
 def peak_memory(args: argparse.Namespace, which: str) -> float:
     """Peak memory (MiB) of one step of ``which`` in a fresh process."""
-    cmd = [sys.executable, "-m", "retention.eval.bench_train", "--measure-peak", which, "--model", args.model,
+    cmd = [sys.executable, "-m", "benchmarks.train_step", "--measure-peak", which, "--model", args.model,
            "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--device", args.device, "--dtype", args.dtype]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"]

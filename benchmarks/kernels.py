@@ -17,9 +17,9 @@ CPU (no CUDA, or ``--cpu``): the CPU training paths side by side in fp32, ratios
 with denormals flushed as the training loop flushes them. ``--decay`` sets the strongest decay (log_beta drawn
 from [-decay, 0]); trained SmolLM2 gates reach about 3.
 
-    python -m retention.eval.bench_kernels              # GPU sweep, or the CPU check without a GPU
-    python -m retention.eval.bench_kernels --seq 2048 4096 --dims 128 --reps 20
-    python -m retention.eval.bench_kernels --cpu --seq 1024 4096 --kv-heads 3 --group 3 --decay 0.01 3
+    python -m benchmarks.kernels              # GPU sweep, or the CPU check without a GPU
+    python -m benchmarks.kernels --seq 2048 4096 --dims 128 --reps 20
+    python -m benchmarks.kernels --cpu --seq 1024 4096 --kv-heads 3 --group 3 --decay 0.01 3
 """
 
 from __future__ import annotations

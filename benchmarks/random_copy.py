@@ -1,9 +1,9 @@
 """A random-weight copy of a model (its config and tokenizer, fresh weights) for cost benchmarks and path tests
 on a machine the real weights cannot reach: speed, memory and device placement do not depend on the weights.
 
-    python -m retention.eval.random_copy smollm2-135m runs/smol-shape --no-weights  # here: config + tokenizer, 3 MB
-    python -m retention.eval.random_copy runs/smol-shape /tmp/smol-random  # there: adds seeded random weights
-    MODEL=/tmp/smol-random eval/gpu_check.sh                               # every GPU check on the copy
+    python -m benchmarks.random_copy smollm2-135m runs/smol-shape --no-weights  # here: config + tokenizer, 3 MB
+    python -m benchmarks.random_copy runs/smol-shape /tmp/smol-random  # there: adds seeded random weights
+    MODEL=/tmp/smol-random benchmarks/gpu_check.sh                               # every GPU check on the copy
 
 What it writes loads with ``load_model(OUT)`` like any model folder. Answers from it are noise: never score one.
 OUT is written whole and replaced whole: it must be new, empty, or a copy this command wrote before.

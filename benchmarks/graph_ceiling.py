@@ -4,7 +4,7 @@ cache eagerly and replayed as one CUDA graph, beside our budgeted ``RetentionCac
 
 The graphed row is the ceiling a CUDA-graphed decode step could reach for this model: the same arithmetic with
 every launch recorded once. On a GPU a 135M model's decode step is bound by host-side launches (see
-``eval/results/gpu-h100/``), so the gap between ``static`` and ``static+graph`` is what graphs would buy; the gap
+``benchmarks/results/gpu-h100/``), so the gap between ``static`` and ``static+graph`` is what graphs would buy; the gap
 between ``budget`` and ``bare`` is what our cache machinery costs now.
 
   budget         RetentionCache, B tokens per (layer, KV head), gates scoring (our decode path)
@@ -13,7 +13,7 @@ between ``budget`` and ``bare`` is what our cache machinery costs now.
   static         StaticCache sized N + new tokens, gates bypassed, eager
   static+graph   the same step captured once with torch.cuda.graphs and replayed (GPU only)
 
-    python -m retention.eval.bench_graph_ceiling --model /tmp/smol-random --context 4096 --new 32 --dtype bfloat16
+    python -m benchmarks.graph_ceiling --model /tmp/smol-random --context 4096 --new 32 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """The rounds and the table of :func:`main`, from its checked arguments."""
     from retention import attach_gates, load_model
-    from retention.eval.bench_decode import real_text_ids
+    from benchmarks.decode import real_text_ids
 
     device = args.device
     model, tok = load_model(args.model, device=device, dtype=args.dtype)
