@@ -1,4 +1,4 @@
-"""Probe behind eval/results/experiments/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md:
+"""Probe behind experiments/norms/smollm2-value-norm-fidelity.md and smollm2-key-norm-fidelity.md:
 within each KV head of SmolLM2-135M, how do an entry's log value norm (``log ||v W_O||``, as
 ``GlobalGatesPolicy(value_weight=...)`` computes it) and its negative log key norm rank against the attention the
 continuation pays it (the oracle's score, ``retention/eval/oracle.py``) and against the shipped gates' score?
@@ -8,7 +8,7 @@ picks kept when each head keeps the gates' own number of entries (their global t
 ranked by ``log beta^age - w log ||k||``.
 
     python -m retention.eval.norm_probe 8   # fidelity items of seed 31, ~3 min on 2 CPU cores
-    (output kept in eval/results/experiments/smollm2-norm-probe.txt)
+    (output kept in experiments/norms/smollm2-norm-probe.txt)
 
 ``--model``, ``--gates``, ``--length`` and ``--seed`` probe another model, checkpoint or item set.
 """

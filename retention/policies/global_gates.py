@@ -72,7 +72,7 @@ class GlobalGatesPolicy(EvictionPolicy):
     top-1 agreement at 10% of a 4k context fell 8.6 points at ``value_weight=0.5`` (``head``), 28.4 at
     1.0 (``global``), and 1.2 / 3.8 at ``key_weight=1`` / ``2`` (``head``); within a head the entries
     the continuation attends to most tend to have small value norms
-    (``eval/results/experiments/smollm2-value-norm-*``, ``smollm2-key-norm-*``). Scoring then gathers
+    (``experiments/norms/smollm2-value-norm-*``, ``smollm2-key-norm-*``). Scoring then gathers
     every entry's key and value at each eviction, which the gates alone do not.
     """
 
