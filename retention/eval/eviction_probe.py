@@ -14,7 +14,7 @@ continuation against the full cache, at 10% of the context, one-shot compression
     python -m retention.eval.eviction_probe 6 --seed 34 --variants base,fold:0.25,fold:0.5,fold:0.65,fold:0.8
     python -m retention.eval.eviction_probe 24 --seed 33 --variants base,fold:0.5,fold:1   # ~25 min on 2 CPU cores
     python -m retention.eval.eviction_probe 6 --seed 34 --variants base,consensus:0.5,consensus:1,consensus:2
-    (output kept in experiments/fidelity-oracle/smollm2-eviction-probe.txt)
+    (output kept in experiments/eviction-probe/smollm2-eviction-probe.txt)
 """
 
 from __future__ import annotations
