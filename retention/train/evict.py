@@ -191,7 +191,8 @@ def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tens
     the loss teaches the order within a layer and not how much each layer gets. ``scope: head`` does the
     same per KV head: only the order within each head is taught, the whole split stays the gates' (at 10%
     of SmolLM2's 4k context the oracle's order at the gates' split keeps 90.6% top-1 fidelity against the
-    gates' 87.8%, the gates' order at the oracle's split 87.5%: ``experiments/fidelity-oracle/smollm2-fidelity-split.md``).
+    gates' 87.8%, the gates' order at the oracle's split 87.5%:
+    ``experiments/fidelity-oracle/smollm2-fidelity-split.md``).
     """
     u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
     mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
