@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -152,6 +153,11 @@ class _LayerState:
     past_mass_queries: torch.Tensor | None = None  # (T_new,) weights of the new queries in that sum; None: all 1
 
 
+# the boundaries found in the last position_ids: every layer of a forward gets the same tensor, and finding them
+# waits for the GPU once (a sync per layer kept a training step's launches from running ahead of the GPU)
+_LAST_RESTARTS: list = [None, None]  # [weakref to position_ids and its (pointer, version), cu_seqlens or None]
+
+
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
     """Document boundaries over the flattened batch: explicit ``cu_seq_lens_k`` or restarts of position_ids."""
     cu = kwargs.get("cu_seq_lens_k", kwargs.get("cu_seq_lens_q"))
@@ -160,6 +166,16 @@ def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor
     pos = kwargs.get("position_ids")
     if pos is None or pos.ndim != 2 or pos.shape != (batch, seqlen):
         return None
+    seen = _LAST_RESTARTS[0]
+    if seen is not None and seen[0]() is pos and seen[1] == (pos.data_ptr(), pos._version):
+        return _LAST_RESTARTS[1]
+    cu = _restarts(pos, batch, seqlen)
+    _LAST_RESTARTS[:] = [(weakref.ref(pos), (pos.data_ptr(), pos._version)), cu]
+    return cu
+
+
+def _restarts(pos: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor | None:
+    """``cu_seqlens`` where ``pos`` ``(batch, seqlen)`` restarts (a packed row's documents); None if it never does."""
     restart = torch.ones_like(pos, dtype=torch.bool)
     restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     if not bool(restart[:, 1:].any()):
