@@ -122,13 +122,20 @@ def test_every_shipped_config_loads():
     """The configs in configs/ are what the README and model cards point at: each must validate."""
     from pathlib import Path
 
-    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    root = Path(__file__).resolve().parent.parent
+    configs = sorted((root / "configs").glob("*.yaml"))
     assert len(configs) >= 4
-    for path in configs:
+    # the studies' recipes are diffs over the shipped chain (base: ../../configs/...): a moved base breaks them
+    for path in configs + sorted(root.glob("experiments/*/train.yaml")):
         cfg = load_config(path)
         assert cfg.train.steps > 0 and cfg.data.seq_len > 0, path
         # a tracker named outright stops the run when it is not installed: shipped recipes run wherever they land
         assert cfg.train.tracker in ("auto", "none", None), path
+    # the shipped chain: each stage is a diff over the one before it
+    for stage, base in (("smollm2-global-4k", "smollm2-global"), ("smollm2-global-4k-answers-sink", "smollm2-global-4k"),
+                        ("smollm2-global-4k-evict", "smollm2-global-4k-answers-sink")):
+        assert f"base: {base}.yaml" in (root / "configs" / f"{stage}.yaml").read_text()
+        assert load_config(f"{stage}.yaml").gates.init_from == f"runs/{base}/final"
 
 
 def test_moving_a_run_moves_its_export(tmp_path):
