@@ -54,7 +54,8 @@ def test_inference_with_a_global_budget_then_a_chat(tmp_path):
 
 def test_writing_a_policy(tmp_path):
     """The custom policy example evicts through the cache: fewer entries kept than a full cache, at least one round."""
-    out = run_example(python_blocks(DOCS / "inference.md")[0], tmp_path)  # a 39-token prompt outgrows 16 entries per head and the slack
+    # a 39-token prompt outgrows 16 entries per head and the slack
+    out = run_example(python_blocks(DOCS / "inference.md")[0], tmp_path)
     kept, full = (int(n.replace(",", "")) for n in re.search(r"KV cache: ([\d,]+) of ([\d,]+) entries", out).groups())
     assert kept < full and int(re.search(r"eviction rounds: (\d+)", out).group(1)) >= 1
 

@@ -132,7 +132,8 @@ def test_every_shipped_config_loads():
         # a tracker named outright stops the run when it is not installed: shipped recipes run wherever they land
         assert cfg.train.tracker in ("auto", "none", None), path
     # the shipped chain: each stage is a diff over the one before it
-    for stage, base in (("smollm2-global-4k", "smollm2-global"), ("smollm2-global-4k-answers-sink", "smollm2-global-4k"),
+    for stage, base in (("smollm2-global-4k", "smollm2-global"),
+                        ("smollm2-global-4k-answers-sink", "smollm2-global-4k"),
                         ("smollm2-global-4k-evict", "smollm2-global-4k-answers-sink")):
         assert f"base: {base}.yaml" in (root / "configs" / f"{stage}.yaml").read_text()
         assert load_config(f"{stage}.yaml").gates.init_from == f"runs/{base}/final"
