@@ -396,6 +396,29 @@ def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, 
     assert stop.value.code == 2 and err.startswith("train.py: error: ") and "holds no text files: give .txt" in err
 
 
+@pytest.mark.parametrize("data, message", [
+    (b"", "holds no records (its files are empty)"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "a.jsonl, line 1 (byte offset 46): not UTF-8"),
+    (b'{"messages": [{"role": "user", "content": null}]}\n', "a.jsonl, line 1, turn 1: the user turn's content"),
+])
+def test_empty_undecodable_or_unrenderable_data_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, capsys,
+                                                                                    monkeypatch, data, message):
+    """Issue 77: each was found only after the model had loaded (a UnicodeDecodeError or a jinja2 UndefinedError
+    naming neither file nor line, or "gave no usable documents")."""
+    import retention.train.loop as loop
+    from retention.train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "a.jsonl").write_bytes(data)
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
+    cfg_file.write_text(cfg_file.read_text().replace(f"kind: text, path: {tiny_setup / 'text'}",
+                                                     f"kind: chat, path: {tmp_path / 'a.jsonl'}"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(cfg_file)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: ") and message in err
+
+
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
     from retention.train import main
 
