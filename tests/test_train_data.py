@@ -289,8 +289,8 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
 @pytest.mark.parametrize("kind, name, data, message", [
     # issue 77: a UnicodeDecodeError naming neither file nor line, after the model loaded
     ("chat", "a.jsonl", json.dumps({"messages": CHAT}).encode() + b'\n{"messages": "caf\xe9"}\n',
-     "a.jsonl, line 2 (byte offset 110): not UTF-8 text (invalid continuation byte b'\\xe9'); save the file as UTF-8 (e.g. "
-     "iconv -f latin1 -t utf-8 a.jsonl > fixed.jsonl)"),
+     "a.jsonl, line 2 (byte offset 110): not UTF-8 text (invalid continuation byte b'\\xe9'); save the file as "
+     "UTF-8 (e.g. iconv -f latin1 -t utf-8 a.jsonl > fixed.jsonl)"),
     ("chat", "a.json", b'[\n{"messages": []},\n"\xff"]', "a.json, line 3 (byte offset 21): not UTF-8 text"),
     # issue 77: a jinja2 UndefinedError from the chat template, after the model loaded
     ("chat", "a.jsonl", (json.dumps({"messages": CHAT}) + "\n"

@@ -113,7 +113,8 @@ def turn_problem(turn: dict[str, Any]) -> str | None:
     if isinstance(content, str):
         return None
     if not isinstance(content, list):
-        return f"the {role} turn's content must be text or a list of parts, got {type(content).__name__} {content!r:.40}"
+        return (f"the {role} turn's content must be text or a list of parts, got {type(content).__name__} "
+                f"{content!r:.40}")
     for part in content:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             return f"the {role} turn's content parts must be {{\"type\": ...}} objects, got {part!r:.40}"
