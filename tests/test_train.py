@@ -151,6 +151,50 @@ def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_set
     assert stop.value.code == 2 and "is writing a training run in" in err and "another output folder" in err
 
 
+def test_a_second_run_exporting_to_the_same_folder_stops_before_the_model_loads(tiny_setup, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Issue 77: two runs with their own output folders but one export.dir both exported there, and the second
+    replaced the first's gates without a word; the export folder is held as the output folder is."""
+    import retention.train.loop as loop
+    from retention.io import exclusive_use
+    from retention.train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "second")
+    shared = tmp_path / "gates"
+    with exclusive_use(shared, "the gates of a training run (its export.dir)"):  # the first run, still going
+        with pytest.raises(SystemExit) as stop:
+            main(["--config", str(cfg_file), "--set", f"export.dir={shared}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"is writing the gates of a training run (its export.dir) in {shared}" in err
+    assert "--set export.dir=DIR" in err and not shared.exists()
+
+
+def test_half_written_checkpoints_of_a_killed_run_are_removed(tiny_setup, tmp_path, capsys, monkeypatch):
+    """Issue 77: a kill -9 while a checkpoint was written left its .tmp-step-* folder (~20 MB) for good; the next
+    run in the folder (it holds the folder, so no other run is writing them) removes them, and so does a run's end."""
+    import retention.train.loop as loop
+
+    save = loop.save_checkpoint
+
+    def save_and_leave_one(path, *a, **k):  # as a save that died halfway would, at the last step
+        save(path, *a, **k)
+        (path.parent / f".tmp-{path.name}-xyz").mkdir()
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_and_leave_one)
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name in (".tmp-step-4-abc123", ".old-step-8-def456", ".step-4.deepspeed"):
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "gates.safetensors").write_bytes(b"half")
+    (ckpts / "step-4").mkdir()  # a whole checkpoint is another matter (set aside, not deleted)
+    (ckpts / "step-4" / "state.json").write_text("{}")
+    train(load_config(cfg_file, over + ["train.steps=4"]))
+    assert "removed 3 half-written checkpoint folder(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4"]
+    assert len(list((tmp_path / "run").glob("checkpoints-before-*/step-4"))) == 1
+
+
 def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
     """Was a size-mismatch traceback from load_state_dict, after the model and data had loaded."""
     import retention.train.loop as loop
@@ -350,6 +394,29 @@ def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, 
         main(["--config", str(cfg_file)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("train.py: error: ") and "holds no text files: give .txt" in err
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "holds no records (its files are empty)"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "a.jsonl, line 1 (byte offset 46): not UTF-8"),
+    (b'{"messages": [{"role": "user", "content": null}]}\n', "a.jsonl, line 1, turn 1: the user turn's content"),
+])
+def test_empty_undecodable_or_unrenderable_data_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, capsys,
+                                                                                    monkeypatch, data, message):
+    """Issue 77: each was found only after the model had loaded (a UnicodeDecodeError or a jinja2 UndefinedError
+    naming neither file nor line, or "gave no usable documents")."""
+    import retention.train.loop as loop
+    from retention.train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "a.jsonl").write_bytes(data)
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
+    cfg_file.write_text(cfg_file.read_text().replace(f"kind: text, path: {tiny_setup / 'text'}",
+                                                     f"kind: chat, path: {tmp_path / 'a.jsonl'}"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(cfg_file)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: ") and message in err
 
 
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):

@@ -27,12 +27,12 @@ from retention.attach import RetentionAttachment, attach_gates, check_gates_matc
 from retention.compat import enable_activation_checkpointing
 from retention.gates import GateConfig, check_gate_folder_target
 from retention.hub import export_gates, load_gates, local_checkpoint, push_to_hub
-from retention.io import exclusive_use
 from retention.losses import beta_stats, capacity_loss, capacity_terms, distillation_kl
 from retention.models import cache_dir, load_model, looks_like_a_path
 from retention.templates import with_template_variables
 
 from .checkpoint import (DEEPSPEED_STATE, StopRequests, check_resume_fits, deepspeed_processes, find_checkpoint,
+                         hold_run_folders,
                          load_deepspeed_state, run_settings, save_checkpoint, save_deepspeed_state,
                          set_aside_old_checkpoints, set_rng_state)
 from .config import Config
@@ -304,7 +304,7 @@ def train(
     while this one runs gets :class:`~retention.io.FolderBusyError` (rank 0 holds the folder).
     """
     rank0 = os.environ.get("RANK", "0") == "0"  # before the Accelerator exists: torchrun / accelerate set RANK
-    with exclusive_use(cfg.train.output_dir, "a training run") if rank0 else contextlib.nullcontext():
+    with hold_run_folders(cfg) if rank0 else contextlib.nullcontext():  # output and export folders, stale temp
         return _train(cfg, resume, push_to_hub_repo, model_and_processor)
 
 
