@@ -269,15 +269,15 @@ def test_the_logged_rate_is_the_one_the_step_used_and_a_diverged_run_writes_noth
     assert [r["lr"] for r in run["history"]] == pytest.approx([0.05 * f(k) for k in range(4)])
     assert run["history"][0]["lr"] == pytest.approx(0.025)  # warm-up's first step: half the rate
     # a loss that turns NaN (a huge lr no longer does it: the kernels read log-beta -> -inf as beta = 0)
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
-    real = loop.distillation_kl
+    real = distill.distillation_kl
 
     def nan_kl(*args, **kwargs):
         total, n = real(*args, **kwargs)
         return total * float("nan"), n
 
-    monkeypatch.setattr(loop, "distillation_kl", nan_kl)
+    monkeypatch.setattr(distill, "distillation_kl", nan_kl)
     with pytest.raises(SystemExit, match="the run diverged; lower train.lr"):
         train(load_config(cfg_file, over + [f"train.output_dir={tmp_path / 'nan'}"]))
     assert not list((tmp_path / "nan").glob("checkpoints/step-*")) and not (tmp_path / "nan" / "final").exists()
@@ -498,7 +498,7 @@ def test_retention_train_is_listed_and_hands_its_arguments_to_the_training_comma
 
 def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):
     """TRIM-KV's per-head capacity gives every KV head the same budget (no 'on average'); the global form one total."""
-    from retention.train.loop import capacity_budget_text
+    from retention.train.distill import capacity_budget_text
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     per_head = load_config(cfg_file, over + ["loss.capacity_form=per_head", "gates.variant=trimkv"])
@@ -745,12 +745,12 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
     """LoRA adapters train with the gates; the teacher runs with adapters off; both are checkpointed."""
     from safetensors.torch import load_file
 
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "lora")
     over += ["train.steps=4", "train.save_every=2", "lora.enabled=true", "lora.r=2", "train.stop_after=2"]
     seen = []
-    real = loop.Distiller.forward
+    real = distill.Distiller.forward
 
     def spy(self, *a, **k):  # record that the teacher pass ran without adapters
         ctx = self.model.disable_adapter
@@ -765,13 +765,13 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
         finally:
             del self.model.disable_adapter
 
-    loop.Distiller.forward = spy
+    distill.Distiller.forward = spy
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             part = train(load_config(cfg_file, over))
     finally:
-        loop.Distiller.forward = real
+        distill.Distiller.forward = real
     assert seen and part["stopped_early"]
     # peft's read of transformers' deprecated property is not shown to users (the run filters that one warning)
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
@@ -839,7 +839,7 @@ def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
 def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup, tmp_path, monkeypatch):
     """``data.sources.N.weight`` weights the training KL; the held-out KL stays the plain mean, so runs
     with different weights report comparable numbers."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from retention.losses import distillation_kl
 
     calls = []
@@ -848,7 +848,7 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
         calls.append((torch.is_grad_enabled(), weights))
         return distillation_kl(*args, weights=weights, **kwargs)
 
-    monkeypatch.setattr(loop, "distillation_kl", spy)
+    monkeypatch.setattr(distill, "distillation_kl", spy)
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     sources = f"data.sources=[{{kind: text, path: {tiny_setup / 'text'}, max_docs: 2}}, " \
               f"{{kind: chat, path: sharegpt, max_docs: 10, weight: 25}}]"
@@ -863,7 +863,7 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
 def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_path, monkeypatch):
     """When ``eval_every`` lands on the last step, that pass is the summary's held-out KL: the items are not
     scored a second time (as many held-out KL calls as a run that scores them only at the end)."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from retention.losses import distillation_kl
 
     held_out = []
@@ -873,7 +873,7 @@ def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_
             held_out.append(1)
         return distillation_kl(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "distillation_kl", spy)
+    monkeypatch.setattr(distill, "distillation_kl", spy)
     counts, summaries = [], []
     for run, every in (("end", 0), ("last", 2)):
         held_out.clear()
@@ -962,7 +962,7 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
 def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monkeypatch):
     """``data.chat_template_kwargs`` renders every chat row with those variables (Qwen3's ``enable_thinking`` in
     life), through a copy of the tokenizer; the data cache keeps rows of other variables apart."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from transformers import AutoModelForCausalLM
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.first and persona is defined %}"
@@ -976,8 +976,8 @@ def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monk
                                                       {"role": "assistant", "content": f"River {i} runs far. " * 6}]})
                              + "\n" for i in range(8)))
     built = []
-    build = loop.build_data
-    monkeypatch.setattr(loop, "build_data", lambda cfg, tokenizer, cache=None: built.append(
+    build = distill.build_data
+    monkeypatch.setattr(distill, "build_data", lambda cfg, tokenizer, cache=None: built.append(
         build(cfg, tokenizer, cache=cache)) or built[-1])
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")

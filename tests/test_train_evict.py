@@ -236,7 +236,7 @@ def test_widen_to_needs_gates_to_widen(tmp_path):
 
 
 def test_the_budget_text_names_each_share_once_and_the_held_out_one(tmp_path):
-    from retention.train.loop import evict_budget_text
+    from retention.train.evict import evict_budget_text
 
     assert evict_budget_text(_config(tmp_path, tmp_path)) == "global top-B of 10% of each context"
     drawn = _config(tmp_path, tmp_path, "loss.evict_fractions=[0.1,0.05,0.1,0.2]")

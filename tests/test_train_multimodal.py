@@ -206,16 +206,16 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
                                                  split="train", images=2, size=112)]
     assert all(a in predicted for a in answers)  # the answers are distilled
 
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
     built = {}
-    real_build = loop.build_multimodal
+    real_build = distill.build_multimodal
 
     def spy(cfg, processor, cache=None):
         built["rows"] = real_build(cfg, processor, cache=cache)
         return built["rows"]
 
-    monkeypatch.setattr(loop, "build_multimodal", spy)  # the training loop takes the multimodal path for this source
+    monkeypatch.setattr(distill, "build_multimodal", spy)  # the training loop takes the multimodal path for this source
     (tmp_path / "im.yaml").write_text(f"""
 model: {{name: tiny-qwen3-vl}}
 gates: {{variant: global, gate_hidden: 8, bias_init: 3.0}}
