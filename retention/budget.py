@@ -21,10 +21,17 @@ def entries_for_tokens(tokens: int, streams: int) -> int:
     return int(tokens) * streams
 
 
-def entries_for_fraction(fraction: float, context_tokens: int, streams: int, at_least: int = 1) -> int:
+def entries_for_fraction(fraction: float, context_tokens: int, *streams: int, at_least: int = 1) -> int:
     """Entries that keep ``fraction`` of a ``context_tokens``-token context's ``context_tokens * streams``, rounded,
-    and at least ``at_least`` (an eviction-aware training item counts the bare rounding: ``at_least=0``)."""
-    return max(at_least, round(fraction * context_tokens * streams))
+    and at least ``at_least`` (an eviction-aware training item counts the bare rounding: ``at_least=0``).
+
+    ``streams`` is one number (``L * H_kv``, as evaluation passes it) or its factors (``L, H_kv``, as training
+    passes them); the product is taken left to right, as each caller always took it, so a count that lands on a
+    tie at .5 rounds as it did (the two orders differ there by one entry, e.g. 1% of 165 tokens x 30 x 3)."""
+    product = fraction * context_tokens
+    for factor in streams:
+        product *= factor
+    return max(at_least, round(product))
 
 
 def training_entries(tokens_per_head: int | None, global_entries: int | None, streams: int) -> int:

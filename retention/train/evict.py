@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retention.attach import RetentionAttachment, unwrap
-from retention.budget import entries_for_fraction, streams_of
+from retention.budget import entries_for_fraction
 from retention.compat import cache_kwargs, output_cache
 from retention.losses import distillation_kl
 from retention.policies import lookahead_log_score
@@ -270,8 +270,8 @@ class EvictionDistiller(nn.Module):
                 h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
-        # a share of this item's context, as retention.eval.budgets.Budget.entries counts (without its floor of 1)
-        budget = entries_for_fraction(fraction, P, streams_of(cfg.num_layers, cfg.num_kv_heads), at_least=0)
+        # a share of this item's context (layers and heads apart, as this count always took them; no floor of 1)
+        budget = entries_for_fraction(fraction, P, cfg.num_layers, cfg.num_kv_heads, at_least=0)
         biases, stats = soft_keep_bias(log_betas, budget, att.sink, tau)
         with att.key_biases(biases):
             h_student = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
