@@ -70,7 +70,7 @@ def test_losses_go_down_and_beta_follows_the_budget(tiny_setup, tmp_path):
     assert last["beta_mean"] < first["beta_mean"], "a budget of 4 tokens per head must pull beta down"
     gates = load_gates(summary["export_dir"])
     assert (sorted(p.name for p in Path(summary["export_dir"]).iterdir())
-            == ["README.md", "config.json", "gates.safetensors"])
+            == ["README.md", "gates.safetensors", "retention.json"])
     ckpt = tmp_path / "run" / "checkpoints" / "step-12"
     assert {p.name for p in ckpt.iterdir()} == {"gates.safetensors", "trainer_state.pt", "state.json"}
     assert sum(p.stat().st_size for p in ckpt.iterdir()) < 10 * gates.W1.numel() * 4 + 1_000_000  # no base weights
@@ -792,7 +792,7 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
     for k, v in load_gates(first).state_dict().items():  # lr ~0: still the starting gates
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
-    kl = json.loads((Path(first) / "config.json").read_text())["training"]
+    kl = json.loads((Path(first) / "retention.json").read_text())["training"]
     assert f"| init_from | {first} (2 steps, 32-token rows, {kl['config']}, " \
            f"held-out KL {kl['held_out_kl_before']:.4g} -> {kl['held_out_kl']:.4g}) |" in card
 
@@ -894,13 +894,13 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
     missing.mkdir(parents=True)  # there, but no checkpoint: an error train.py prints (was a FileNotFoundError)
     from retention.cli import user_errors
 
-    with pytest.raises(user_errors(), match="final/config.json not found: a gate checkpoint needs"):
+    with pytest.raises(user_errors(), match="final/retention.json not found: a gate checkpoint needs"):
         train(load_config(cfg_file, over + [f"gates.init_from={missing}"]))
     # a shipped checkpoint's name is no missing folder: the run goes on to its next check (here, the missing model)
     with pytest.raises(ModelNotAvailableError, match="/nonexistent/model"):
         train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
     cfg = load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global"])
-    shipped = json.loads((local_checkpoint("smollm2-135m-global") / "config.json").read_text())["training"]
+    shipped = json.loads((local_checkpoint("smollm2-135m-global") / "retention.json").read_text())["training"]
     # the card says how: the shipped gates are a soup of two stages (`retention average`), named with its recipe
     assert init_from_note(cfg) == f"smollm2-135m-global (a weight-space average: {shipped['averaged_from']})"
     assert "stage 4 (configs/smollm2-global-4k-evict.yaml)" in shipped["averaged_from"]
@@ -908,14 +908,14 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
 
 def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):
     """``data.eval_fraction: 0`` (or data too small to hold a row out) used to print "KL nan" and write NaN, which
-    is not JSON, into the exported config.json."""
+    is not JSON, into the exported metadata (retention.json)."""
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     summary = train(load_config(cfg_file, over + ["train.steps=2", "data.eval_fraction=0", "train.eval_every=1"]))
     out = capsys.readouterr().out
     assert "no held-out rows: data.eval_fraction is 0; the run reports no held-out KL" in out
     assert "nan" not in out.lower() and "held_out_kl" not in summary
-    exported = (tmp_path / "run" / "final" / "config.json").read_text()
-    json.loads(exported, parse_constant=lambda c: pytest.fail(f"{c} in the exported config.json"))
+    exported = (tmp_path / "run" / "final" / "retention.json").read_text()
+    json.loads(exported, parse_constant=lambda c: pytest.fail(f"{c} in the exported retention.json"))
     assert all("eval_kl" not in h for h in summary["history"])
 
 

@@ -14,6 +14,7 @@ import torch
 from retention.budget import streams_of
 from retention.gates import GateConfig, RetentionGates
 from retention.hub import export_gates, local_checkpoint
+from retention.metadata import metadata_file, read_metadata
 
 from .checkpoint import check_resume_fits, find_checkpoint
 from .config import Config
@@ -27,10 +28,9 @@ def init_from_note(cfg: Config) -> str | None:
     if not src:
         return None
     folder = local_checkpoint(src)  # a folder here or a shipped checkpoint's name
-    meta = None if folder is None else folder / "config.json"
-    if meta is None or not meta.is_file():
+    if folder is None or not metadata_file(folder).is_file():
         return str(src)  # a Hub repo id: its own card says how it was trained
-    parent = json.loads(meta.read_text()).get("training", {})
+    parent = read_metadata(folder).get("training", {})
     if "averaged_from" in parent:  # a soup (`retention average`) trained no steps itself: its recipe says what it is
         return f"{src} (a weight-space average: {parent['averaged_from']})"
     said = [f"{parent['steps']} steps" if "steps" in parent else None,
