@@ -118,7 +118,7 @@ def _accelerator(cfg: Config) -> tuple[Accelerator, str | None, str | None]:
         cpu=not torch.cuda.is_available() and not deepspeed_cpu,
         gradient_accumulation_steps=cfg.train.grad_accum,
         log_with=tracker,
-        project_dir=str(cfg.train.output_dir),
+        project_dir=str(Path(cfg.train.output_dir)),
         step_scheduler_with_optimizer=False,  # one schedule step per optimizer step, whatever the world size
         # accelerate finds no backend for DeepSpeed's CPU accelerator and would count one process per rank
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_cpu else None,
