@@ -401,6 +401,37 @@ class RetentionAttachment:
         finally:
             self.gates = previous
 
+    @contextlib.contextmanager
+    def key_biases(self, biases: list[torch.Tensor]) -> Iterator["RetentionAttachment"]:
+        """Context in bias mode: layer ``l``'s attention adds ``biases[l]`` ``(B, H_kv, T_past)`` to its logits of
+        the past (cached) keys; cleared on exit."""
+        for m, b in zip(self.modules, biases):
+            m._retention_state.key_bias = b
+        try:
+            with self.use_mode("bias"):
+                yield self
+        finally:
+            for m in self.modules:
+                m._retention_state.key_bias = None
+
+    @contextlib.contextmanager
+    def recording_past_mass(self, queries: torch.Tensor | None = None) -> Iterator[list[torch.Tensor]]:
+        """Context in bias mode (no bias set: plain attention in float32) that records, per layer, the attention
+        ``(B, H_kv, T_past)`` the new queries pay each past key (summed over queries weighted by ``queries``
+        ``(T_new,)``, None: all 1; mean over the KV head's query heads). The yielded list fills on a clean exit."""
+        masses: list[torch.Tensor] = []
+        for m in self.modules:
+            m._retention_state.record_past_mass = True
+            m._retention_state.past_mass_queries = queries
+        try:
+            with self.use_mode("bias"):
+                yield masses
+            masses.extend(m._retention_state.past_mass for m in self.modules)
+        finally:
+            for m in self.modules:
+                m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
+                m._retention_state.past_mass_queries = None
+
     def reset(self) -> None:
         """Forget gate scores kept for decoding with a cache."""
         self._check_attached()

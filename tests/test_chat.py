@@ -245,7 +245,7 @@ def test_a_missing_gates_folder_is_an_error_before_the_model_loads(command, caps
     assert "Traceback" not in err
     (tmp_path / "run").mkdir()  # a folder that is no checkpoint (a run's output): was a FileNotFoundError traceback
     assert main([command, "--gates", str(tmp_path / "run")]) == 2
-    assert f"retention {command}: error: {tmp_path / 'run' / 'config.json'} not found" in capsys.readouterr().err
+    assert f"retention {command}: error: {tmp_path / 'run' / 'retention.json'} not found" in capsys.readouterr().err
 
 
 def test_an_unknown_model_is_an_error_not_a_traceback(capsys, monkeypatch, tmp_path):

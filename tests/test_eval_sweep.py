@@ -380,11 +380,11 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
     from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 
     want = CHECKPOINT_DIRS[-1] / "smollm2-135m-global"  # the checkout's (an editable install has no package copy)
-    assert ((want / "gates.safetensors").is_file() and (want / "config.json").is_file()
+    assert ((want / "gates.safetensors").is_file() and (want / "retention.json").is_file()
             and (want / "README.md").is_file())
     assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
     assert shipped_gates("some/other-model") is None
-    cfg = json.loads((want / "config.json").read_text())
+    cfg = json.loads((want / "retention.json").read_text())
     assert cfg["gate_config"]["variant"] == "global" and cfg["gate_config"]["num_layers"] == 30
 
 
