@@ -384,11 +384,11 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
     from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 
     want = CHECKPOINT_DIRS[-1] / "smollm2-135m-global"  # the checkout's (an editable install has no package copy)
-    assert ((want / "gates.safetensors").is_file() and (want / "config.json").is_file()
+    assert ((want / "gates.safetensors").is_file() and (want / "retention.json").is_file()
             and (want / "README.md").is_file())
     assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
     assert shipped_gates("some/other-model") is None
-    cfg = json.loads((want / "config.json").read_text())
+    cfg = json.loads((want / "retention.json").read_text())
     assert cfg["gate_config"]["variant"] == "global" and cfg["gate_config"]["num_layers"] == 30
 
 
@@ -715,6 +715,32 @@ def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, mon
                          (["--readme", str(readme)], "markers")):
         assert cli.main(["run", "--config", str(cfg), *flags]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_a_damaged_row_is_moved_aside_and_its_item_scored_again(tmp_path, capsys):
+    """Issue 77: a resumed sweep skipped a garbled middle line and scored its item again, but left the garbage in
+    place, so report and pool refused the file. The line goes to results.jsonl.bad, the file is rewritten whole."""
+    from retention.eval.runner import load_result_file
+
+    cfg = load_eval_config(_sweep_config(tmp_path, items=3, methods=["full", "streamingllm"], budgets=[0.5]))
+    results = run_sweep(cfg, progress=False)
+    lines = results.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 6
+    garbled = lines[2][:20] + b"\x00\xff garbage"
+    results.write_bytes(b"".join(lines[:2] + [garbled + b"\n", b"[1, 2]\n"] + lines[4:]))  # a line no row too
+    with pytest.raises(ValueError, match=r"line 3: not UTF-8 text; .*\(resuming its sweep moves such lines to results"):
+        load_result_file(results)
+    capsys.readouterr()
+    run_sweep(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert f"warning: {results}, lines 3, 4: not a row (damaged or edited); moved to {results}.bad" in err
+    assert (tmp_path / "out" / "results.jsonl.bad").read_bytes() == garbled + b"\n[1, 2]\n"
+    rows = load_result_file(results)  # report and pool read it again
+    key = lambda r: (r["item"], r["method"], r["budget"])  # noqa: E731
+    assert sorted(map(key, rows)) == sorted(key(json.loads(line)) for line in lines)
+    assert results.read_bytes().startswith(b"".join(lines[:2] + lines[4:]))  # the good rows kept as they were
+    run_sweep(cfg, progress=False)  # nothing left to move or score
+    assert "warning" not in capsys.readouterr().err and load_result_file(results) == rows
 
 
 def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
