@@ -414,7 +414,8 @@ def test_push_names_a_missing_folder_and_finds_the_shipped_checkpoint_by_name(fa
 
 
 def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
-    """A copy of the checkpoint ``src`` at ``dest`` whose tensors named in ``values`` have their first value set."""
+    """A copy of the checkpoint ``src`` at ``dest`` whose tensors named in ``values`` have their first value set, as
+    a run wrote them before the hash of the tensors was recorded (no ``gates_sha256``: a changed tensor is damage)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -424,6 +425,9 @@ def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
     for name, value in values.items():
         state[name].view(-1)[0] = value
     save_file(state, dest / "gates.safetensors", metadata={"format": "pt"})
+    meta = json.loads((dest / "retention.json").read_text())
+    meta.pop("gates_sha256", None)
+    (dest / "retention.json").write_text(json.dumps(meta))
     return dest
 
 

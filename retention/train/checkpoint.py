@@ -3,7 +3,8 @@
 A checkpoint ``step-N/`` holds the gates (and LoRA weights) as safetensors, the optimizer, scheduler and RNG
 states, the data position and the run's config; under DeepSpeed also DeepSpeed's own sharded optimizer state in
 ``deepspeed/``. ``--resume`` finds the latest intact one (:func:`intact_checkpoint`; a damaged one is skipped, saying
-why) and refuses one whose config changed in a way that changes the loss curve. :class:`StopRequests` turns Ctrl-C / SIGTERM into "stop after this step with a checkpoint".
+why) and refuses one whose config changed in a way that changes the loss curve. :class:`StopRequests` turns Ctrl-C /
+SIGTERM into "stop after this step with a checkpoint".
 """
 
 from __future__ import annotations
