@@ -194,14 +194,9 @@ class RetentionGates(nn.Module):
     def fingerprint(self) -> str:
         """12 hex digits of a SHA-256 over every parameter (name, dtype, shape, bytes): which gates scored a
         result, so results of other gates are never mixed in (see ``retention.eval.runner``)."""
-        import hashlib
+        from .io import tensors_sha256
 
-        h = hashlib.sha256()
-        for name, t in sorted(self.state_dict().items()):
-            t = t.detach().to("cpu").contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:12]
+        return tensors_sha256(self.state_dict())[:12]
 
     # -- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
@@ -213,15 +208,19 @@ class RetentionGates(nn.Module):
         check_finite_before_writing(self, path)
         check_gate_folder_target(path)
         with atomic_directory(path) as tmp:
-            save_state(self.state_dict(), tmp / "gates.safetensors")
-            write_metadata(tmp, {"gate_config": self.config.to_dict(), **(metadata or {})})
+            sha = save_state(self.state_dict(), tmp / "gates.safetensors")
+            write_metadata(tmp, {"gate_config": self.config.to_dict(), **(metadata or {}), GATES_SHA256: sha})
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, revision: str | None = None) -> "RetentionGates":
+    def from_pretrained(cls, path: str | Path, revision: str | None = None, verify: bool = True) -> "RetentionGates":
         """Load gates written by :meth:`save_pretrained` (safetensors only): a folder, else a shipped checkpoint's
         name (``smollm2-135m-global``) or a Hub repo id (``owner/name``, at ``revision``), as
-        :func:`retention.hub.load_gates` finds them (which also checks them against a model)."""
+        :func:`retention.hub.load_gates` finds them (which also checks them against a model).
+
+        ``verify``: check the tensors against the SHA-256 the metadata records (:data:`GATES_SHA256`; checkpoints
+        written before it have none and load as they are); ``False`` loads gates whose weights were edited on
+        purpose."""
         from safetensors.torch import load_file
 
         if not Path(path).expanduser().is_dir():
@@ -242,13 +241,17 @@ class RetentionGates(nn.Module):
         from safetensors import SafetensorError
 
         try:
+            meta = json.loads(cfg_file.read_text())
             with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: leave the caller's draws be
-                gates = cls(GateConfig.from_dict(json.loads(cfg_file.read_text())["gate_config"]))
+                gates = cls(GateConfig.from_dict(meta["gate_config"]))
         except (ValueError, KeyError, TypeError) as e:  # not JSON, no gate_config, or a bad value in it
             raise GateCheckpointError(f"{cfg_file} is not a gate config ({type(e).__name__}: {e}); re-export or "
                                       "re-download the checkpoint") from None
         try:
-            gates.load_state_dict(load_file(str(weights)))
+            state = load_file(str(weights))
+            if verify:
+                check_gates_sha256(state, meta.get(GATES_SHA256), weights, cfg_file)
+            gates.load_state_dict(state)
         except (SafetensorError, RuntimeError) as e:  # a cut-off download; tensors of another layout than the config's
             raise GateCheckpointError(f"{weights} cannot be loaded into the gates {cfg_file.name} describes ({e}); "
                                       "re-export or re-download the checkpoint") from None
@@ -259,6 +262,26 @@ class RetentionGates(nn.Module):
                 "of that run (python train.py --config CONFIG --export RUN/checkpoints/step-N, one from before the "
                 "loss went NaN)")
         return gates
+
+
+GATES_SHA256 = "gates_sha256"  # the metadata key: retention.io.tensors_sha256 of gates.safetensors's tensors
+
+
+def check_gates_sha256(state: Mapping[str, torch.Tensor], recorded: Any, weights: Path, meta_file: Path) -> None:
+    """GateCheckpointError naming ``weights`` when its tensors (``state``, as loaded) do not hash to ``recorded``
+    (the SHA-256 its metadata holds): flipped bytes inside a tensor load without any other error. Nothing to check
+    when ``recorded`` is None (a checkpoint from before the hash was recorded)."""
+    if recorded is None:
+        return
+    from .io import tensors_sha256
+
+    found = tensors_sha256(state)
+    if found != recorded:
+        raise GateCheckpointError(
+            f"{weights} is damaged: its tensors do not match the SHA-256 that {meta_file.name} records "
+            f"({str(recorded)[:12]}..., found {found[:12]}...); re-export or re-download the checkpoint. If you "
+            f"changed the weights on purpose, load them with verify=False (RetentionGates.from_pretrained or "
+            f"load_gates), or remove {GATES_SHA256} from {meta_file}")
 
 
 def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from .gates import RetentionGates, check_finite_before_writing, check_gate_folder_target, is_gate_folder
+from .gates import (GATES_SHA256, RetentionGates, check_finite_before_writing, check_gate_folder_target,
+                    is_gate_folder)
 from .io import atomic_directory, save_state
 from .metadata import LEGACY_META_FILE, META_FILE, RESULT_KEYS, metadata_file, metadata_text, read_metadata
 
@@ -155,7 +156,7 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     check_finite_before_writing(gates, path)  # what loading refuses must not replace what is there
     check_gate_folder_target(path)  # the folder is replaced whole: never over someone's files
     with atomic_directory(path) as tmp:
-        save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
+        config[GATES_SHA256] = save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
         (tmp / META_FILE).write_text(metadata_text(config))
         (tmp / "README.md").write_text(model_card(config))
     return path
@@ -205,10 +206,11 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
 
 
 def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None,
-               revision: str | None = None) -> RetentionGates:
+               revision: str | None = None, verify: bool = True) -> RetentionGates:
     """Load gates from a folder or a Hub repo (safetensors only; NaN or inf weights refused); with ``model``, check
-    they fit it."""
-    gates = RetentionGates.from_pretrained(checkpoint_folder(path_or_repo_id, revision))
+    they fit it. ``verify``: refuse tensors that do not match the SHA-256 the metadata records (``False``: gates
+    whose weights were edited on purpose)."""
+    gates = RetentionGates.from_pretrained(checkpoint_folder(path_or_repo_id, revision), verify=verify)
     if model is not None:
         from .attach import check_gates_match
 

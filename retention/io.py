@@ -1,4 +1,5 @@
-"""Safe file writing: atomic directories and files, safetensors state dicts."""
+"""Safe file writing: atomic directories and files (flushed to disk before they count as written), safetensors
+state dicts and the hash of their tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -23,6 +24,42 @@ def _usual_permissions(root: Path) -> None:
     mask = _umask()
     for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's list of names) to disk: a rename is atomic, but after a power loss or a
+    crash of the machine the renamed name could otherwise point at a file whose bytes never reached the disk."""
+    if not path.is_dir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    try:  # a folder: not every system opens or syncs one (Windows, some network file systems); nothing to do there
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """:func:`_fsync` every file under ``root``, then every folder (deepest first), then ``root``."""
+    folders = []
+    for p in root.rglob("*"):
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            folders.append(p)
+        else:
+            _fsync(p)
+    for d in sorted(folders, key=lambda d: len(d.parts), reverse=True):
+        _fsync(d)
+    _fsync(root)
 
 
 class FolderBusyError(RuntimeError):
@@ -138,6 +175,7 @@ def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[
     try:
         yield tmp
         _usual_permissions(tmp)
+        _fsync_tree(tmp)  # every byte on disk before the rename makes the folder count as written
         if keep_existing:
             try:
                 os.rename(tmp, path)  # fails when path exists as a non-empty folder: the first writer wins
@@ -145,6 +183,8 @@ def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[
                 if not path.is_dir():
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _fsync(path.parent)  # the rename itself
             return
         old = None
         if path.exists():
@@ -153,6 +193,7 @@ def atomic_directory(path: str | Path, keep_existing: bool = False) -> Iterator[
             old = path.with_name(f".old-{tmp.name.removeprefix('.tmp-')}")
             os.replace(path, old)
         os.replace(tmp, path)
+        _fsync(path.parent)  # the renames themselves, before the old folder goes
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -170,17 +211,37 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes on disk before the rename makes them the file's
         _usual_permissions(Path(tmp))
         os.replace(tmp, path)
+        _fsync(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
-def save_state(state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Save a state dict as safetensors (contiguous, detached copies)."""
+def tensors_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (64 hex digits) over the tensors of ``state`` in name order: each one's name, dtype, shape and bytes.
+    It does not depend on how a file lays them out, so it checks the tensors a safetensors file holds, not its
+    header; its first 12 digits are :meth:`~retention.gates.RetentionGates.fingerprint`."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_state(state: Mapping[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> str:
+    """Save a state dict as safetensors (contiguous, detached copies), flushed to disk; returns
+    :func:`tensors_sha256` of what was written, for the metadata to record."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(tensors, str(path), metadata=metadata)
+    _fsync(Path(path))
+    return tensors_sha256(tensors)

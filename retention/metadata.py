@@ -2,7 +2,8 @@
 
 It holds what code reads back: ``gate_config`` (the gates' layout), ``base_model`` and ``base_revision``, the
 training ``budget`` in words, a short ``training`` record (steps, KL, data, what the run started from; a soup's
-``averaged_from``) and ``format``. Tables and prose live only in the model card (``README.md``).
+``averaged_from``), ``format`` and ``gates_sha256`` (the SHA-256 of the tensors, checked on load; older checkpoints
+have none). Tables and prose live only in the model card (``README.md``).
 
 Checkpoints written before it kept all of that, and the card's results, in ``config.json`` (a name transformers
 reads as a model's config): they still load (:func:`read_metadata` falls back to it), and writing their metadata

@@ -142,11 +142,15 @@ def test_a_single_checkpoint_is_refused_before_it_is_read(tmp_path):
 
 
 def _nan_copy(src: Path, dest: Path) -> Path:
-    """A copy of the checkpoint ``src`` at ``dest`` with its ``w`` tensor all NaN, as a diverged run exports."""
+    """A copy of the checkpoint ``src`` at ``dest`` with its ``w`` tensor all NaN, as a diverged run exported it
+    before the hash of the tensors was recorded (no ``gates_sha256``: a changed tensor is damage)."""
     shutil.copytree(src, dest)
     state = load_file(dest / "gates.safetensors")
     state["w"] = torch.full_like(state["w"], float("nan"))
     save_file(state, dest / "gates.safetensors", metadata={"format": "pt"})
+    meta = json.loads((dest / "retention.json").read_text())
+    meta.pop("gates_sha256", None)
+    (dest / "retention.json").write_text(json.dumps(meta))
     return dest
 
 

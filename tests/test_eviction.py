@@ -519,3 +519,23 @@ def test_a_budget_below_the_sinks_or_one_entry_per_head_is_refused():
         RetentionCache(model, budget=n - 1, policy=get_policy("streamingllm"))
     RetentionCache(model, budget=n, policy=get_policy("streamingllm"))
     RetentionCache(model, budget=1, policy=GlobalGatesPolicy(sink=0))  # nothing held: any budget
+
+
+def test_trimkv_gates_under_one_global_budget_are_warned_about():
+    """Issue 77: TRIM-KV gates (untied, trained for a budget per KV head) ranked by the default global top-B were
+    accepted without a word; the per-head policy they were trained for, and global gates, stay silent."""
+    import warnings
+
+    from retention.policies.global_gates import GateScopeWarning
+
+    per_head = tiny_llama()
+    attach_gates(per_head, mode="score", variant="trimkv")
+    with pytest.warns(GateScopeWarning, match="TRIM-KV gates .*GlobalGatesPolicy ranks them under one global budget"
+                                              ".*use TrimKVPolicy\\(\\) \\(--policy trimkv"):
+        RetentionCache(per_head, budget=64)  # the default policy
+    tied = tiny_llama()
+    attach_gates(tied, mode="score")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GateScopeWarning)
+        RetentionCache(per_head, budget=64, policy=TrimKVPolicy())
+        RetentionCache(tied, budget=64)

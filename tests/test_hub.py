@@ -89,6 +89,60 @@ def test_a_damaged_checkpoint_is_a_clear_error(checkpoint, tmp_path, capsys, mon
         assert err.startswith("retention chat: error: ") and str(broken) in err, name
 
 
+def flip_low_bytes(file: Path, n: int = 1000) -> None:
+    """Change the lowest byte of ``n`` float32 values of a safetensors file in place: still finite, still loadable."""
+    data = bytearray(file.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # 8 bytes of header length, the JSON header, then the tensors
+    for i in range(n):
+        data[start + 4 * i] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_gates_whose_tensors_changed_are_refused_unless_verify_is_off(checkpoint, tmp_path, capsys, monkeypatch):
+    """Issue 77: 1,000 flipped bytes inside the tensors loaded without a word. The metadata records the tensors'
+    SHA-256 (its first 12 digits the fingerprint); a load checks it, verify=False loads weights edited on purpose,
+    and a checkpoint from before the hash loads as it did."""
+    import shutil
+
+    import retention
+    import retention.models
+    from retention.cli import main
+
+    path, gates, _ = checkpoint
+    recorded = json.loads((path / "retention.json").read_text())["gates_sha256"]
+    assert len(recorded) == 64 and recorded[:12] == gates.fingerprint()
+    saved = gates.save_pretrained(tmp_path / "saved")  # the other writer records it too
+    assert json.loads((saved / "retention.json").read_text())["gates_sha256"] == recorded
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    flip_low_bytes(broken / "gates.safetensors")
+    with pytest.raises(GateCheckpointError, match=r"broken/gates.safetensors is damaged: its tensors do not match the "
+                                                  r"SHA-256 that retention.json records .*verify=False"):
+        load_gates(broken)
+    for where in (retention.models, retention):
+        monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["chat", "--gates", str(broken)]) == 2
+    assert "gates.safetensors is damaged" in capsys.readouterr().err
+    edited = load_gates(broken, verify=False)
+    assert edited.fingerprint() != gates.fingerprint()
+    meta = json.loads((broken / "retention.json").read_text())
+    del meta["gates_sha256"]  # a checkpoint written before the hash was recorded
+    (broken / "retention.json").write_text(json.dumps(meta))
+    assert load_gates(broken).fingerprint() == edited.fingerprint()
+
+
+def test_the_shipped_checkpoints_record_the_hash_of_their_tensors():
+    """The hash was added to their retention.json without touching gates.safetensors: the fingerprints that name
+    their published rows are the same."""
+    from retention.models import shipped_checkpoint
+
+    for name, fingerprint in (("smollm2-135m-global", "b49312ce5b7a"), ("smollm2-135m-trimkv", "a937e4c61da3"),
+                              ("smollm2-135m-trimkv-4k", "e0a9f702343c")):
+        folder = shipped_checkpoint(name)
+        assert json.loads((folder / "retention.json").read_text())["gates_sha256"][:12] == fingerprint
+        assert load_gates(folder).fingerprint() == fingerprint
+
+
 def test_model_card_says_what_the_variant_is(tmp_path):
     model = tiny_llama()
     cards = {}
@@ -360,7 +414,8 @@ def test_push_names_a_missing_folder_and_finds_the_shipped_checkpoint_by_name(fa
 
 
 def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
-    """A copy of the checkpoint ``src`` at ``dest`` whose tensors named in ``values`` have their first value set."""
+    """A copy of the checkpoint ``src`` at ``dest`` whose tensors named in ``values`` have their first value set, as
+    a run wrote them before the hash of the tensors was recorded (no ``gates_sha256``: a changed tensor is damage)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -370,6 +425,9 @@ def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
     for name, value in values.items():
         state[name].view(-1)[0] = value
     save_file(state, dest / "gates.safetensors", metadata={"format": "pt"})
+    meta = json.loads((dest / "retention.json").read_text())
+    meta.pop("gates_sha256", None)
+    (dest / "retention.json").write_text(json.dumps(meta))
     return dest
 
 

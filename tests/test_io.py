@@ -1,6 +1,8 @@
 """Atomic writes: a folder is replaced in one rename, a crash leaves the old one, and a content-keyed cache
 built by two processes at once keeps the first (a reader of it is never pulled from under it)."""
 
+import os
+
 import pytest
 
 from retention.io import atomic_directory
@@ -138,3 +140,37 @@ def test_a_file_write_aimed_at_a_folder_names_it_and_leaves_no_temp_file(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any(target.iterdir())
     atomic_write_bytes(target / "f.json", b"data")
     assert (target / "f.json").read_bytes() == b"data"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names each synced descriptor's file through /proc")
+def test_atomic_writes_are_on_disk_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """Issue 77: a rename is atomic, but after a power loss the new name could point at a file whose bytes never
+    reached the disk (a checkpoint of zeros). Every file written (and its folders) is flushed before the rename,
+    and the folder holding the new name after it."""
+    from pathlib import Path
+
+    import torch
+
+    from retention.io import atomic_write_bytes, save_state
+
+    synced, target = [], tmp_path / "ckpt"
+    fsync = os.fsync
+
+    def spy(fd):  # which file, and whether it was before the rename made the target
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")), target.exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    with atomic_directory(target) as tmp:
+        save_state({"w": torch.ones(3)}, tmp / "gates.safetensors")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "state.json").write_text("{}")
+    before = {p.name for p, done in synced if not done}
+    assert {"gates.safetensors", "sub", "state.json"} <= before, synced
+    assert any(p.name.startswith(".tmp-ckpt-") and not done for p, done in synced), "the folder itself"
+    assert (tmp_path, True) in synced, "the folder holding the renamed one, after the rename"
+    synced.clear()
+    target = tmp_path / "rows.json"
+    atomic_write_bytes(target, b"[]")
+    assert any(p.name.startswith(".tmp-rows.json-") and not done for p, done in synced), synced
+    assert (tmp_path, True) in synced

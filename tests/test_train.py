@@ -369,6 +369,86 @@ def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, 
         train(load_config(cfg_file, over), resume=str(tmp_path / "nowhere"))
 
 
+def _cut(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip(f: Path) -> None:
+    """1,000 float32 values changed in their lowest byte: the file still reads, the tensors hold other numbers."""
+    data = bytearray(f.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for i in range(1000):
+        data[start + 4 * i] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+CHECKPOINT_DAMAGE = {  # how a checkpoint was damaged -> what the message says of it
+    "gates.safetensors cut": (lambda c: _cut(c / "gates.safetensors"),
+                              r"gates.safetensors is damaged \(its tensors cannot be read"),
+    "gates.safetensors flipped": (lambda c: _flip(c / "gates.safetensors"),
+                                  r"gates.safetensors is damaged \(its tensors do not match the SHA-256"),
+    "state.json garbled": (lambda c: (c / "state.json").write_text('{"step": 8, "data": '),
+                           r"state.json is damaged \(not JSON"),
+    "trainer_state.pt cut": (lambda c: _cut(c / "trainer_state.pt"),
+                             r"trainer_state.pt is damaged \(it does not load"),
+    "trainer_state.pt missing": (lambda c: (c / "trainer_state.pt").unlink(), r"trainer_state.pt is missing"),
+}
+
+
+def test_a_damaged_checkpoint_is_skipped_by_resume_latest_and_named_when_given(tiny_setup, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Issue 77: a damaged checkpoint gave a raw traceback after the model and data had loaded, and the earlier
+    intact one was never tried. Each is now read before the model loads: --resume latest takes the newest intact
+    one, naming the one it skips and its damage; a damaged checkpoint given by its folder is an error naming both."""
+    import retention.train.loop as loop
+
+    cfg_file, over = config_for(tiny_setup, tmp_path / "whole")
+    whole = train(load_config(cfg_file, over + ["train.steps=8"]))["history"]
+    assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == ["step-4", "step-8"]
+    checks = loop.checks_before_loading
+    chosen = []
+
+    class ModelLoads(Exception):
+        pass
+
+    def record(*a, **k):
+        chosen.append(checks(*a, **k)[0])
+        return None, None
+
+    def model_loads(*a, **k):
+        raise ModelLoads
+
+    monkeypatch.setattr(loop, "checks_before_loading", record)
+    monkeypatch.setattr(loop, "load_model", model_loads)
+    capsys.readouterr()
+    for name, (damage, message) in CHECKPOINT_DAMAGE.items():
+        run = tmp_path / name.replace(" ", "-")
+        shutil.copytree(tmp_path / "whole", run)
+        damage(run / "checkpoints" / "step-8")
+        cfg_file, over = config_for(tiny_setup, run)
+        chosen.clear()
+        with pytest.raises(ModelLoads):
+            train(load_config(cfg_file, over + ["train.steps=8"]), resume="latest")
+        assert chosen == [run / "checkpoints" / "step-4"], name
+        out = capsys.readouterr().out
+        skip = f"warning: --resume latest skips step-8: {re.escape(str(run))}/checkpoints/step-8/{message}"
+        assert re.search(skip, out), (name, out)
+        assert f"resuming from {run / 'checkpoints' / 'step-4'}, the newest intact checkpoint" in out
+        with pytest.raises(SystemExit, match=f"--resume .*step-8: .*step-8/{message}.*; give an earlier checkpoint"):
+            train(load_config(cfg_file, over), resume=str(run / "checkpoints" / "step-8"))
+        assert chosen == [run / "checkpoints" / "step-4"], f"{name}: the explicit one got past the check"
+    damage, _ = CHECKPOINT_DAMAGE["state.json garbled"]
+    damage(run / "checkpoints" / "step-4")  # every checkpoint damaged: nothing to fall back to
+    with pytest.raises(SystemExit, match=r"no intact checkpoint under .*\(step-8: .*; step-4: .*state.json is "
+                                         r"damaged .*\): start a fresh run"):
+        train(load_config(cfg_file, over), resume="latest")
+    monkeypatch.undo()  # the fallback resumes the very same run
+    run = tmp_path / "gates.safetensors-cut"
+    resumed = train(load_config(cfg_file := config_for(tiny_setup, run)[0], ["train.steps=8"]), resume="latest")
+    assert [r["loss"] for r in resumed["history"]] == pytest.approx([r["loss"] for r in whole], rel=1e-6, abs=1e-9)
+    assert "skips step-8" in capsys.readouterr().out
+
+
 def test_an_export_dir_of_other_files_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
     import retention.train.loop as loop
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,7 @@ class GlobalGatesPolicy(EvictionPolicy):
         self._value_metric = None
 
     def bind(self, model: PreTrainedModel) -> None:
+        warn_if_trained_for_another_scope(model, self)
         if self.value_weight > 0:
             self._value_metric = value_metrics(model)
 
@@ -146,6 +148,26 @@ class GlobalGatesPolicy(EvictionPolicy):
             m = self._value_metric.to(v.device)[entries.layer, entries.head]  # (R, D, D)
             sq = torch.einsum("rld,rde,rle->rl", v, m, v)
         return 0.5 * torch.log(sq.clamp_min(1e-30))
+
+
+class GateScopeWarning(UserWarning):
+    """Gates ranked under a budget scope other than the one they were trained for (TRIM-KV's per-head gates under
+    one global budget)."""
+
+
+def warn_if_trained_for_another_scope(model: PreTrainedModel, policy: EvictionPolicy) -> None:
+    """:class:`GateScopeWarning` when the gates attached to ``model`` are TRIM-KV's (``variant="trimkv"``: nothing
+    tied, trained for a budget per KV head) and ``policy`` ranks them under one global budget: their scores were
+    never put on one scale across heads, so the global top-B splits the budget among heads by accident."""
+    gates = getattr(model, "retention_gates", None)
+    if getattr(getattr(gates, "config", None), "variant", None) != "trimkv" or policy.budget_scope != "global":
+        return
+    warnings.warn(
+        f"the attached gates are TRIM-KV gates (variant 'trimkv': a scoring projection per layer and KV head, trained "
+        f"for a budget per KV head), but {type(policy).__name__} ranks them under one global budget, which they were "
+        "not trained for (their scores are not on one scale across heads): use TrimKVPolicy() (--policy trimkv; "
+        "name: trimkv in an eval config), or gates of variant 'global'. To rank them globally on purpose, filter "
+        "retention.policies.global_gates.GateScopeWarning", GateScopeWarning, stacklevel=3)
 
 
 def reorder_within_rows(base: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

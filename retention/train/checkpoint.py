@@ -2,8 +2,9 @@
 
 A checkpoint ``step-N/`` holds the gates (and LoRA weights) as safetensors, the optimizer, scheduler and RNG
 states, the data position and the run's config; under DeepSpeed also DeepSpeed's own sharded optimizer state in
-``deepspeed/``. ``--resume`` finds the latest and refuses one whose config changed in a way that changes the loss
-curve. :class:`StopRequests` turns Ctrl-C / SIGTERM into "stop after this step with a checkpoint".
+``deepspeed/``. ``--resume`` finds the latest intact one (:func:`intact_checkpoint`; a damaged one is skipped, saying
+why) and refuses one whose config changed in a way that changes the loss curve. :class:`StopRequests` turns Ctrl-C /
+SIGTERM into "stop after this step with a checkpoint".
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retention.io import atomic_directory, exclusive_use, save_state
+from retention.gates import GATES_SHA256
+from retention.io import atomic_directory, exclusive_use, save_state, tensors_sha256
 
 from .config import Config
 from .data import PackedStream
@@ -119,7 +121,7 @@ def save_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.Op
     """Gates (and LoRA weights) as safetensors, optimizer/scheduler/RNG/data position; never the frozen base.
     ``deepspeed_state``: a folder :func:`save_deepspeed_state` wrote (the optimizer, sharded): moved in."""
     with atomic_directory(path) as tmp:
-        save_state(gates.state_dict(), tmp / "gates.safetensors")
+        sha = save_state(gates.state_dict(), tmp / "gates.safetensors")
         if extra:
             save_state(extra, tmp / "trainable.safetensors")
         torch.save(
@@ -130,7 +132,7 @@ def save_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.Op
         if deepspeed_state is not None:
             os.rename(deepspeed_state, tmp / DEEPSPEED_STATE)
         meta = {"step": step, "data": stream.state_dict(), "history": history, "gate_config": gates.config.to_dict(),
-                "before": before, **({"config": settings} if settings is not None else {})}
+                "before": before, **({"config": settings} if settings is not None else {}), GATES_SHA256: sha}
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -285,13 +287,91 @@ def check_resume_fits(cfg: Config, ckpt: Path, flag: str = "--resume") -> None:
                          "(--set gates.<key>=<its value>)")
 
 
+def run_checkpoints(output_dir: Path) -> list[Path]:
+    """The run's checkpoint folders ``checkpoints/step-N``, oldest first."""
+    found = [p for p in (output_dir / "checkpoints").glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def find_checkpoint(output_dir: Path, resume: str) -> Path:
+    """The checkpoint ``resume`` names: ``latest`` (the newest of the run, whole or not) or a folder.
+    FileNotFoundError when there is none."""
     if resume != "latest":
         p = Path(resume)
         if not (p / "state.json").is_file():
             raise FileNotFoundError(f"--resume {resume}: no checkpoint there (state.json missing)")
         return p
-    ckpts = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    ckpts = run_checkpoints(output_dir)
     if not ckpts:
         raise FileNotFoundError(f"--resume latest: no checkpoint under {output_dir / 'checkpoints'}")
     return ckpts[-1]
+
+
+CHECKPOINT_FILES = ("state.json", "gates.safetensors", "trainer_state.pt")  # what every checkpoint holds
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """What keeps ``ckpt`` from resuming, naming the file and the damage (a file missing, cut off, not JSON, tensors
+    that do not match the SHA-256 ``state.json`` records, a trainer state that does not load); ``None`` when it is
+    intact. Reads every file as the resume will (safetensors; ``torch.load`` with ``weights_only``), without the
+    model: a disk that filled up or a copy cut short is found before the model and data load. DeepSpeed's optimizer
+    shards are left to DeepSpeed's own load."""
+    from safetensors import safe_open
+
+    for name in CHECKPOINT_FILES:
+        if not (ckpt / name).is_file():
+            return f"{ckpt / name} is missing"
+    state_file = ckpt / "state.json"
+    try:
+        meta = json.loads(state_file.read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        return f"{state_file} is damaged (not JSON: {e})"
+    absent = [k for k in ("step", "data", "history") if not isinstance(meta, dict) or k not in meta]
+    if absent:
+        return f"{state_file} is damaged (it lacks {', '.join(absent)})"
+    for name in ("gates.safetensors", "trainable.safetensors"):
+        f = ckpt / name
+        if not f.is_file():  # trainable.safetensors: only runs that train LoRA weights too
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        except Exception as e:  # safetensors raises its own error types for each kind of damage
+            return f"{f} is damaged (its tensors cannot be read: {e})"
+        recorded = meta.get(GATES_SHA256) if name == "gates.safetensors" else None
+        if recorded is not None and tensors_sha256(tensors) != recorded:
+            return f"{f} is damaged (its tensors do not match the SHA-256 that state.json records)"
+    f = ckpt / "trainer_state.pt"
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # a cut-off zip, a garbled pickle: torch raises many kinds
+        return f"{f} is damaged (it does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if not isinstance(state, dict) or not {"scheduler", "rng"} <= set(state):
+        return f"{f} is damaged (it lacks the scheduler or RNG state)"
+    return None
+
+
+def intact_checkpoint(output_dir: Path, resume: str) -> Path:
+    """The checkpoint to resume, checked by :func:`checkpoint_damage` before anything expensive loads. ``latest``:
+    the newest intact one of the run, with a warning naming each newer one skipped and its damage; a folder: that
+    one, or SystemExit naming the file and the damage. FileNotFoundError when there is no checkpoint at all."""
+    ckpt = find_checkpoint(output_dir, resume)
+    if resume != "latest":
+        if damage := checkpoint_damage(ckpt):
+            raise SystemExit(f"--resume {ckpt}: {damage}; give an earlier checkpoint of the run (step-N), --resume "
+                             "latest (the newest intact one), or start a fresh run (drop --resume)")
+        return ckpt
+    skipped = []
+    for ckpt in reversed(run_checkpoints(output_dir)):
+        damage = checkpoint_damage(ckpt)
+        if damage is None:
+            if skipped and os.environ.get("RANK", "0") == "0":  # every rank checks; one says so
+                for old, why in skipped:
+                    print(f"[retention] warning: --resume latest skips {old.name}: {why}")
+                print(f"[retention] warning: resuming from {ckpt}, the newest intact checkpoint (the steps after it "
+                      "run again)")
+            return ckpt
+        skipped.append((ckpt, damage))
+    raise SystemExit(f"--resume latest: no intact checkpoint under {output_dir / 'checkpoints'} ("
+                     + "; ".join(f"{c.name}: {why}" for c, why in skipped)
+                     + "): start a fresh run (drop --resume)")

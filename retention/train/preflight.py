@@ -13,7 +13,7 @@ from retention.gates import RetentionGates, check_gate_folder_target
 from retention.hub import load_gates, local_checkpoint
 from retention.models import looks_like_a_path
 
-from .checkpoint import check_resume_fits, find_checkpoint
+from .checkpoint import check_resume_fits, intact_checkpoint
 from .config import Config
 from .sources import check_hub_source, check_local_source
 
@@ -78,8 +78,8 @@ def checks_before_loading(cfg: Config, resume: str | None, repo: str | None,
             check_push_target(repo)
         except HubError as e:
             raise SystemExit(str(e)) from None
-    try:  # a missing checkpoint fails now, not after the model and data load
-        ckpt = find_checkpoint(out_dir, resume) if resume else None
+    try:  # a missing or damaged checkpoint fails now (or an earlier intact one is taken), not after the model loads
+        ckpt = intact_checkpoint(out_dir, resume) if resume else None
     except FileNotFoundError as e:
         raise SystemExit(f"{e}: drop --resume to start a fresh run, or give a checkpoint folder (step-N)") from None
     if ckpt is not None:  # the checkpoint's gates must be the ones this config builds (say so before the model loads)
