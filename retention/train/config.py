@@ -138,7 +138,9 @@ class TrainConfig:
     schedule: str = "cosine"  # cosine | constant
     clip: float = 1.0
     seed: int = 0
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    # auto: what `accelerate launch --mixed_precision` set, else bf16 on GPU and none on CPU | no | bf16 | fp16 (a
+    # precision named here wins over accelerate's; retention.train.precision)
+    mixed_precision: str = "auto"
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
@@ -221,6 +223,8 @@ CHOICES = {
     "model.dtype": MODEL_DTYPES,
     "model.attn_implementation": ("sdpa", "eager"),
 }
+# string keys whose value `no` YAML reads as false (`mixed_precision: no`, accelerate's spelling): false means this
+FALSE_MEANS = {"train.mixed_precision": "no"}
 POSITIVE = {
     "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau",
     "data.seq_len", "train.steps",
@@ -303,6 +307,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{key} must be a finite number{where}, got {value!r}")
         return num
     if tp is str:
+        if value is False and key in FALSE_MEANS:  # YAML reads a bare `no` as false
+            return FALSE_MEANS[key]
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{key} must be a string{where}, got {value!r}")
         return str(value)

@@ -38,6 +38,7 @@ from .checkpoint import (DEEPSPEED_STATE, StopRequests, check_resume_fits, deeps
 from .config import Config
 from .data import PackedStream, build_data, collate_any
 from .multimodal_data import build_multimodal, shows_images
+from .precision import training_precision
 from .sources import check_hub_source, check_local_source
 from .evict import HARD_TAU, EvictionDistiller, ExampleStream, future_rank_loss, load_examples
 
@@ -385,9 +386,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         if cfg.gates.widen_to is not None and cfg.gates.widen_to > r:
             start_gates = start_gates.widened(cfg.gates.widen_to,
                                               generator=torch.Generator().manual_seed(cfg.train.seed))
-    mp = cfg.train.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if torch.cuda.is_available() else "no"
+    mp = training_precision(cfg, cuda=torch.cuda.is_available())  # says the device and precision used
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     deepspeed_cpu = use_deepspeed and os.environ.get("DS_ACCELERATOR") == "cpu"  # DeepSpeed's CPU accelerator (gloo)
     if use_deepspeed and not torch.cuda.is_available() and not deepspeed_cpu:
