@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # modules that import triton at their top, imported only behind a CUDA / triton_available() check
-TRITON_KERNEL_MODULES = {"retention/ops/retention_attention/triton_kernel.py", "retention/ops/capacity/triton_kernel.py",
-                         "retention/cache/triton_decode.py"}
+TRITON_KERNEL_MODULES = {"retention/ops/retention_attention/triton_kernel.py",
+                         "retention/ops/capacity/triton_kernel.py", "retention/cache/triton_decode.py"}
 IMPORT_NAMES = {"PIL": "pillow", "yaml": "pyyaml"}  # import name -> distribution name where they differ
 
 

@@ -138,7 +138,8 @@ def check_record_images(record: Any, source: SourceConfig, where: str) -> int:
                 _load_image(ref, root)
             except (UnidentifiedImageError, OSError, ValueError) as e:
                 raise DataError(f"{where}: image {shown!r} ({path or 'inline bytes'}) does not decode as an image "
-                                f"({type(e).__name__}: {e}; {root_text}); replace the file or drop the record") from None
+                                f"({type(e).__name__}: {e}; {root_text}); replace the file or drop the "
+                                "record") from None
             n += 1
     return n
 
