@@ -92,6 +92,8 @@ with torch.no_grad():
     out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
 assert out.shape[1] == 124
 import retention.chat, retention.cli, retention.hub, retention.train.config, retention.train.loop  # noqa: E401
+import retention.retention_map, retention.tiny_model, retention.train.recipes  # noqa: E401
+retention.cli.build_parser()  # every subcommand registers
 print("ok", "evicted" if "eviction rounds: 0" not in str(cache.memory_report()) else "kept all")
 """
 
