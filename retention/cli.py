@@ -95,6 +95,7 @@ def build_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 # Modules that add subcommands: each defines ``register(subparsers)`` and sets ``func`` on its parsers.
 COMMAND_MODULES = ("retention.chat_cli", "retention.hub", "retention.average", "retention.eval.cli")
+COMMAND_MODULES += ("retention.train.recipes", "retention.tiny_model", "retention.retention_map")  # issue 76
 
 
 def _command_modules():

@@ -56,6 +56,18 @@ def test_the_wheel_holds_every_module_and_the_shipped_gates(wheel):
         assert {"gates.safetensors", "retention.json"} <= {p.name for p in shipped.iterdir()}
         assert files <= names, f"shipped gates left out of the wheel: {sorted(files - names)}"
     assert not any(n.startswith("checkpoints/") for n in names)  # no stray top-level folder in site-packages
+    # the training recipes (issue 76): `retention train --config smollm2.yaml` outside a checkout
+    recipes = {f"retention/configs/{p.relative_to(ROOT / 'configs').as_posix()}" for p in (ROOT / "configs").rglob("*")
+               if p.suffix in (".yaml", ".json")}
+    assert {"retention/configs/smollm2.yaml", "retention/configs/accelerate/zero2.yaml",
+            "retention/configs/deepspeed/zero3.json"} <= recipes
+    assert recipes <= names, f"recipes left out of the wheel: {sorted(recipes - names)}"
+    # no triton or deepspeed among the core requirements: the wheel installs where triton has no wheels
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [ln for ln in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if ln.startswith("Requires-Dist")]
+    core = [ln for ln in requires if "extra ==" not in ln]
+    assert not [ln for ln in core if any(x in ln for x in ("triton", "deepspeed", "peft", "gguf"))], core
+    assert any("triton" in ln and "Linux" in ln and 'extra == "gpu"' in ln for ln in requires), requires
 
 
 @pytest.fixture(scope="module")
@@ -108,21 +120,31 @@ def test_a_users_own_eval_and_train_modules_are_never_imported(installed, tmp_pa
     assert "--config" in outputs[2]  # `python -m retention.train` (accelerate launch -m retention.train) installed
 
 
-def test_an_installed_copy_asks_for_a_configs_path_instead_of_a_bare_name(installed, tmp_path):
-    """The recipes stay in the repository: a bare config name given to an installed copy stops with a message that
-    asks for a path, not one naming a folder inside site-packages that never existed."""
+def test_an_installed_copy_finds_its_packaged_recipes_and_asks_for_an_eval_configs_path(installed, tmp_path):
+    """A bare training config name given to an installed copy is read from the recipes inside the wheel (with its
+    ``base:`` chain), and ``retention init-config`` copies one out; the eval configs stay in the repository, so a
+    bare eval config name stops with a message that asks for a path, not one naming a folder in site-packages."""
     env = {**os.environ, "PYTHONPATH": str(installed)}
-    for args, prog in ((["retention.train", "--config", "smollm2.yaml"], "python -m retention.train"),
-                       (["retention", "eval", "run", "--config", "smollm2-goal.yaml"], None)):
-        done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env=env)
-        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
-        assert "this installed copy has none: pass the YAML file's path" in done.stderr, done.stderr[-3000:]
-        assert "site-packages" not in done.stderr and str(installed) not in done.stderr
-        if prog:
-            usage = subprocess.run([sys.executable, "-m", *args[:1], "--help"], capture_output=True, text=True,
-                                   timeout=300, cwd=tmp_path, env=env).stdout
-            assert usage.startswith(f"usage: {prog} "), usage[:200]
+    probe = ("from retention.train.config import load_config\n"
+             "cfg = load_config('smollm2-global-4k.yaml')\n"
+             "print(cfg.source); print(cfg.data.seq_len)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    source, seq_len = done.stdout.split()[-2:]
+    assert Path(source) == installed / "retention" / "configs" / "smollm2-global-4k.yaml" and seq_len == "4096"
+    done = subprocess.run([sys.executable, "-m", "retention", "init-config", "qwen3vl.yaml", "mine"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "mine" / "qwen3vl.yaml").read_text() == (ROOT / "configs" / "qwen3vl.yaml").read_text()
+    done = subprocess.run([sys.executable, "-m", "retention", "eval", "run", "--config", "smollm2-goal.yaml"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "this installed copy has none: pass the YAML file's path" in done.stderr, done.stderr[-3000:]
+    assert "site-packages" not in done.stderr and str(installed) not in done.stderr
+    usage = subprocess.run([sys.executable, "-m", "retention.train", "--help"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path, env=env).stdout
+    assert usage.startswith("usage: python -m retention.train "), usage[:200]
 
 
 def test_the_inference_path_imports_no_triton():

@@ -5,37 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+from retention.tiny_model import CHAT_TEMPLATE, VISION_TOKENS  # noqa: F401  (shared with `retention tiny-model`)
 
 
 def tiny_qwen3_vl_processor(tokenizer_dir: str | Path | None = None):
-    """Qwen3VLProcessor built locally; images at most 112x112 pixels (16 merged tokens). The tokenizer is the
-    embedded model's unless ``tokenizer_dir`` names a folder holding another (a machine without the package)."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLProcessor
+    """Qwen3VLProcessor built locally (:func:`retention.tiny_model.tiny_qwen3_vl_processor`); images at most 112x112
+    pixels (16 merged tokens). The tokenizer is the embedded model's unless ``tokenizer_dir`` names a folder holding
+    another (a machine without the package)."""
+    from retention.tiny_model import tiny_qwen3_vl_processor as build
 
-    from retention.models import embedded_model_dir
-
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
-        # the video processor needs torchvision; images do not
-        def check_argument_for_proper_class(self, name, arg):
-            if name == "video_processor" and arg is None:
-                return None
-            return super().check_argument_for_proper_class(name, arg)
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir or embedded_model_dir())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    images = Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=112 * 112
-    )
-    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None,
-                                     chat_template=CHAT_TEMPLATE)
+    return build(tokenizer_dir)
 
 
 def tiny_qwen3_vl_for(processor, seed: int = 0):

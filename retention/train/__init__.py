@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     parser = argparse.ArgumentParser(
         prog=prog, description=f"Train retention gates: accelerate launch {launched} --config <name>.yaml",
     )
-    parser.add_argument("--config", required=True, help="YAML file, or a bare name resolved against configs/")
+    parser.add_argument("--config", required=True,
+                        help="YAML file, or a bare recipe name (configs/ of a checkout, else the packaged copy)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set train.steps=10 (repeatable)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None,

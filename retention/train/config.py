@@ -20,6 +20,10 @@ from retention.models import MODEL_DTYPES
 from retention.templates import template_variables_problem
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/
+# the recipes inside an installed wheel (pyproject.toml's package-dir: configs/ -> retention/configs/)
+PACKAGED_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# where a bare config name is looked up, in this order: a checkout's own (edited) recipes first
+CONFIG_DIRS = (CONFIG_DIR, PACKAGED_CONFIG_DIR)
 
 
 class ConfigError(ValueError):
@@ -138,7 +142,9 @@ class TrainConfig:
     schedule: str = "cosine"  # cosine | constant
     clip: float = 1.0
     seed: int = 0
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    # auto: what `accelerate launch --mixed_precision` set, else bf16 on GPU and none on CPU | no | bf16 | fp16 (a
+    # precision named here wins over accelerate's; retention.train.precision)
+    mixed_precision: str = "auto"
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
@@ -221,6 +227,8 @@ CHOICES = {
     "model.dtype": MODEL_DTYPES,
     "model.attn_implementation": ("sdpa", "eager"),
 }
+# string keys whose value `no` YAML reads as false (`mixed_precision: no`, accelerate's spelling): false means this
+FALSE_MEANS = {"train.mixed_precision": "no"}
 POSITIVE = {
     "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau",
     "data.seq_len", "train.steps",
@@ -303,6 +311,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{key} must be a finite number{where}, got {value!r}")
         return num
     if tp is str:
+        if value is False and key in FALSE_MEANS:  # YAML reads a bare `no` as false
+            return FALSE_MEANS[key]
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{key} must be a string{where}, got {value!r}")
         return str(value)
@@ -498,18 +508,22 @@ def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str,
 
 
 def resolve_config_path(path: str | Path) -> Path:
-    """A path as given, else a bare name resolved against ``configs/`` (``qwen3vl.yaml`` or ``qwen3vl``)."""
+    """A path as given, else a bare name (``qwen3vl.yaml`` or ``qwen3vl``, ``accelerate/zero2.yaml``) resolved
+    against a checkout's ``configs/``, then the recipes inside the installed package."""
     p = Path(path)
     if p.is_file():
         return p
-    for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
-        if candidate.is_file():
-            return candidate
-    if not CONFIG_DIR.is_dir():  # an installed wheel: the recipes stay in the repository
-        raise ConfigError(f"config {str(path)!r} not found; a bare name is looked up in a checkout's configs/, and "
-                          "this installed copy has none: pass the YAML file's path")
-    available = sorted(x.name for x in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"config {str(path)!r} not found (also looked in {CONFIG_DIR}); available: {available}")
+    dirs = [d for d in CONFIG_DIRS if d.is_dir()]
+    for folder in dirs:
+        for candidate in (folder / p, folder / f"{p}.yaml"):
+            if candidate.is_file():
+                return candidate
+    if not dirs:
+        raise ConfigError(f"config {str(path)!r} not found, and this copy of retention has no recipes (neither a "
+                          "checkout's configs/ nor the packaged ones): pass the YAML file's path")
+    available = sorted({x.name for d in dirs for x in d.glob("*.yaml")})
+    raise ConfigError(f"config {str(path)!r} not found (a bare name is looked up among the recipes); available: "
+                      f"{available}")
 
 
 def _apply_override(data: dict, assignment: str) -> str:

@@ -38,6 +38,7 @@ from .checkpoint import (DEEPSPEED_STATE, StopRequests, deepspeed_processes, hol
 from .config import Config
 from .export import check_finite_gates, export_checkpoint, init_from_note, run_facts
 from .objectives import Objective, objective_class
+from .precision import training_precision
 from .preflight import check_budget, check_positions, checks_before_loading, make_tracker
 
 if TYPE_CHECKING:
@@ -101,9 +102,7 @@ def _accelerator(cfg: Config) -> tuple[Accelerator, str | None, str | None]:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
-    mp = cfg.train.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if torch.cuda.is_available() else "no"
+    mp = training_precision(cfg, cuda=torch.cuda.is_available())  # says the device and precision used
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     deepspeed_cpu = use_deepspeed and os.environ.get("DS_ACCELERATOR") == "cpu"  # DeepSpeed's CPU accelerator (gloo)
     if use_deepspeed and not torch.cuda.is_available() and not deepspeed_cpu:

@@ -253,6 +253,12 @@ def check_local_source(source: SourceConfig) -> None:
         if not sum(_has_content(rec, source.kind, where) for where, rec in records):
             raise DataError(f"data source {source.path!r} holds no records (its files are empty): fill it, or leave "
                             "it out of data.sources")
+        if source.kind == "multimodal":  # the first records' images exist and decode (a missing one failed late)
+            from .multimodal_data import IMAGE_CHECK_RECORDS, check_record_images
+
+            for where, rec in itertools.islice(_local_records(str(path), source.kind, source.field),
+                                               IMAGE_CHECK_RECORDS):
+                check_record_images(rec, source, where)
     elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
         raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing "
                         f"file or folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
@@ -307,7 +313,11 @@ def check_hub_source(source: SourceConfig) -> None:
     except Exception:  # the stream broke off: not an answer about the dataset
         return
     if first is not None:
-        _record_content(first, source.kind, source.field, f"data source {source.path!r}")
+        record = _record_content(first, source.kind, source.field, f"data source {source.path!r}")
+        if source.kind == "multimodal":  # its images, under image_root (unpacked from the set's archives)
+            from .multimodal_data import check_record_images
+
+            check_record_images(record, source, f"data source {source.path!r}, first record")
 
 
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
