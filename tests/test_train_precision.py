@@ -42,8 +42,11 @@ def test_auto_follows_accelerate_launch_and_a_named_precision_wins_saying_so():
 
 def test_a_cpu_run_says_its_device_and_precision_first_before_the_model_loads(tmp_path, monkeypatch, capsys):
     """bf16 + gradient checkpointing on a machine without a GPU started silently."""
+    from accelerate.state import AcceleratorState
+
     import retention.train.loop as loop
 
+    AcceleratorState._reset_state(True)  # an earlier test's Accelerator (another precision) must not be reused
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)  # its config is read before the load
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
