@@ -33,14 +33,14 @@ SETTINGS = ("cache", "masked", "plain", "bare")
 @contextmanager
 def masked_attention() -> Iterator[None]:
     """The retention cache with its mask-free path off: every layer builds the per-head mask."""
-    from retention.cache import hf
+    from retention.cache import dispatch
 
-    real = hf.padded_attention
-    hf.padded_attention = lambda *args, held=None: real(*args, held=None)
+    real = dispatch.padded_attention
+    dispatch.padded_attention = lambda *args, held=None: real(*args, held=None)
     try:
         yield
     finally:
-        hf.padded_attention = real
+        dispatch.padded_attention = real
 
 
 def prefill_ms(model: PreTrainedModel, ids: list[int], setting: str, chunk: int) -> float:

@@ -26,7 +26,7 @@ def test_the_prefill_bench_runs_as_its_command(tiny, capsys):
 
 
 def test_masked_turns_the_mask_free_path_off_and_back_on(monkeypatch):
-    from retention.cache import hf
+    from retention.cache import dispatch
 
     calls = []
 
@@ -34,10 +34,10 @@ def test_masked_turns_the_mask_free_path_off_and_back_on(monkeypatch):
         calls.append(held)
         return attention.padded_attention(*args, held=held)
 
-    monkeypatch.setattr(hf, "padded_attention", spy)
+    monkeypatch.setattr(dispatch, "padded_attention", spy)
     with bench_prefill.masked_attention():
-        hf.padded_attention(*_args(), held=5)  # what the cache asks for while nothing is evicted
-    assert hf.padded_attention is spy and calls == [None]
+        dispatch.padded_attention(*_args(), held=5)  # what the cache asks for while nothing is evicted
+    assert dispatch.padded_attention is spy and calls == [None]
 
 
 def _args():

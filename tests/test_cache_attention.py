@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from retention.attach import attach_gates
-from retention.cache import RetentionCache, attention, hf
+from retention.cache import RetentionCache, attention, dispatch
 from retention.compat import cache_kwargs
 from retention.policies import get_policy
 from tiny_models import tiny_qwen3
@@ -73,7 +73,7 @@ def spied(monkeypatch):
         calls.append(held is not None)
         return real(*args, held=held)
 
-    monkeypatch.setattr(hf, "padded_attention", spy)
+    monkeypatch.setattr(dispatch, "padded_attention", spy)
     return calls
 
 

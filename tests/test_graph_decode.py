@@ -141,3 +141,29 @@ def test_a_decoder_kept_over_a_reset_refuses_a_padded_refill():
     with pytest.raises(ValueError, match="left padding"):
         decoder.step(torch.tensor([[5], [7]]))
     assert torch.equal(cache.store.lengths, lengths) and cache._seen[0] == 6  # refused before touching the cache
+
+
+def _private_cache_reads(source: str) -> list[str]:
+    """``name.attr`` of each private attribute the source reads off the cache (``c``, ``cache``, ``self.cache``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("c", "cache")) or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "cache"):
+                found.append(f"{ast.unparse(owner)}.{node.attr}")
+    return found
+
+
+def test_the_decoder_uses_only_the_cache_s_public_methods():
+    """GraphDecoder reached into the cache's private state (cache._static, _seen, _pad_entries, _maybe_evict); it
+    asks through public methods now (holds_padding, begin_planned_step, planned_slots, end_planned_step)."""
+    from pathlib import Path
+
+    import retention.cache.graph_decode as graph_decode
+
+    checked = _private_cache_reads("c._seen[0]\nself.cache._static = None\ncache.store\n")
+    assert sorted(checked) == ["c._seen", "self.cache._static"]
+    assert _private_cache_reads(Path(graph_decode.__file__).read_text()) == []

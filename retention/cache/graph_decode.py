@@ -56,7 +56,7 @@ class GraphDecoder:
                              "(global_gates)")
         if cache.page_size & (cache.page_size - 1):
             raise ValueError(f"the paged kernel needs a power-of-two page size, got {cache.page_size}")
-        if cache._pad_entries is not None and bool(cache._pad_entries.any()):
+        if cache.holds_padding:
             raise ValueError("the cache holds left padding, which the recorded step does not mask: decode a padded "
                              "batch with model.generate")
         device = cache.store.lengths.device
@@ -86,37 +86,33 @@ class GraphDecoder:
                              f"got {tuple(ids.shape)}")
         if store is None or store.batch != self.batch:
             raise RuntimeError("the cache was reordered since this decoder was built: build a new one")
-        if not c._seen[0]:  # reset since: a step would decode the lone token at position 0 as if it began a text
+        # reset since: a step would decode the lone token at position 0 as if it began a text
+        if not c.get_seq_length():
             raise RuntimeError("the cache holds no tokens (it was reset): prefill it again before stepping")
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"step takes token ids (an integer tensor), got {ids.dtype}")
-        if c._pad_entries is not None and bool(c._pad_entries.any()):  # refilled since (reset) with a padded batch
+        if c.holds_padding:  # refilled since (reset) with a padded batch
             raise ValueError("the cache holds left padding, which the recorded step does not mask: decode a padded "
                              "batch with model.generate")
-        # what the cache's first layer does at the start of a forward
-        c._maybe_evict(1)
-        c._last_query_len, c._forward_pads = 1, None
+        c.begin_planned_step()  # what the cache's first layer does at the start of a forward: evict
         B, L, H = self.batch, self.layers, self.heads
         slots = store.reserve_next()  # streams ordered (b, l, h); each layer reads its (b, h) rows
         self._slots.copy_(slots.view(B, L, H).transpose(0, 1).reshape(L, B * H))
-        self._t.fill_(c._seen[0])
+        self._t.fill_(c.get_seq_length())
         self._ids.copy_(ids)
         if self._mrope:
             delta = unwrap(self.model).model.rope_deltas
             self._delta.copy_(delta.expand(B, 1) if delta is not None else torch.zeros_like(self._delta))
-        c._static = {"slots": self._slots, "pos": self._t.expand(B * H)}
         try:
-            if self.graph:
-                self._replay()
-            else:
-                self._logits = self._forward()
+            with c.planned_slots(self._slots, self._t.expand(B * H)):
+                if self.graph:
+                    self._replay()
+                else:
+                    self._logits = self._forward()
         except BaseException:  # the step did not happen: give its slots back, so the cache is as before it
             store.release_next()
             raise
-        finally:
-            c._static = None
-        c._seen = [s + 1 for s in c._seen]
-        c.peak_entries = max(c.peak_entries, int(store.host_lengths.sum()))
+        c.end_planned_step()
         return self._logits.clone()
 
     def _forward(self) -> torch.Tensor:
