@@ -136,7 +136,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .cli import check_gates_source, model_placement
+    from .commands import check_gates_source, model_placement
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
     if args.cuda_graphs and torch.device(device).type != "cuda":
@@ -285,7 +285,7 @@ def _typed_lines() -> Iterator[str]:
 
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
-    from .cli import add_placement_args, non_negative_int, positive_int
+    from .commands import add_placement_args, non_negative_int, positive_int
     from .policies import POLICIES
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")

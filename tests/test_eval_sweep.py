@@ -314,7 +314,7 @@ def test_smollm2_full_cache_solves_easy_needles():
     from retention.eval.methods import FullCache
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import run_item
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     model, tok = load_eval_model("smollm2-135m")
     items = generate("niah_single", tok, 1024, 5, seed=0)
@@ -392,10 +392,10 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
 def test_one_shared_prefill_equals_one_prefill_per_budget(policy):
     """Several budgets compress copies of one prefilled cache: the same rows as separate runs."""
     from retention.eval.budgets import parse_budget
-    from retention.eval.methods import make_method
+    from retention.eval.method_specs import make_method
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import run_item, run_item_budgets
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -421,10 +421,10 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
     import torch
 
     from retention.eval.budgets import parse_budget
-    from retention.eval.methods import make_method
+    from retention.eval.method_specs import make_method
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import SharedPrefill, context_and_prompt, run_item_budgets
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -890,8 +890,8 @@ def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, caps
 def test_eval_list_names_everything_a_config_can_use(capsys):
     from retention.eval.cli import main
     from retention.eval.loaders import HUB_TASKS
-    from retention.eval.methods import available_methods
-    from retention.eval.tasks import TASKS
+    from retention.eval.method_specs import available_methods
+    from retention.tasks import TASKS
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out
@@ -939,7 +939,7 @@ def test_rescore_scores_stored_replies_again_under_the_current_metrics(tmp_path,
     i = next(i for i, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 4)
     j = next(j for j, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 3)
     from retention.eval.models import tiny_tokenizer
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     tok = tiny_tokenizer()
     needle = {it.id: it.answers[0] for seed in (3, 4) for it in generate("niah_single", tok, 96, 2, seed=seed)}

