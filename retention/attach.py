@@ -402,14 +402,31 @@ def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if mode in ("teacher", "bias"):
         return
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    state.log_beta = state.attachment.gates(state.layer, x)
-    if mode == "score":
-        # a retention cache (anything with this method) takes each new token's log_beta with its K/V
-        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        state.cache = cache if hasattr(cache, "retention_pre_attention") else None
-        if state.cache is not None:
-            state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
+    if mode != "score":
+        state.log_beta = state.attachment.gates(state.layer, x)
+        return
+    # a retention cache (anything with this method) takes each new token's log_beta with its K/V
+    # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    state.cache = cache if hasattr(cache, "retention_pre_attention") else None
+    if gates_needed(state.cache):
+        state.log_beta = state.attachment.gates(state.layer, x)
+    else:  # a training-free policy ranks without beta: the store keeps log_beta 0 (beta 1) for its entries
+        B, T = x.shape[0], x.shape[1]
+        state.log_beta = torch.zeros(B, state.attachment.gates.config.num_kv_heads, T, dtype=torch.float32,
+                                     device=x.device)
+    if state.cache is not None:
+        state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
+
+
+def gates_needed(cache: Any) -> bool:
+    """Whether the gate MLP must score a score-mode forward into ``cache``: not for a retention cache whose policy is
+    training-free (``uses_gates`` False, e.g. SnapKV, H2O, StreamingLLM), which never reads the scores, unless that
+    policy asks for them (``keeps_gate_scores``: a cache another, gated policy ranks later)."""
+    policy = getattr(cache, "policy", None)
+    if policy is None:
+        return True
+    return bool(getattr(policy, "uses_gates", True) or getattr(policy, "keeps_gate_scores", False))
 
 
 def model_stem(name: str | None) -> str:

@@ -53,6 +53,7 @@ class FutureAttention(WindowPolicy):
 
     name: str = "oracle"
     frozen: bool = False
+    keeps_gate_scores = True  # class attribute: the gates' global top-B may set the split of its cache (head_split)
 
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)``: attention of the last ``window`` queries, summed over them, mean over the group."""

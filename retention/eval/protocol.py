@@ -63,6 +63,7 @@ class _QueryRecorder(EvictionPolicy):
     name = "recorder"
     needs_queries = True
     evicts = False
+    keeps_gate_scores = True  # the methods that copy this prefill include gated ones
 
     def __init__(self) -> None:
         self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
