@@ -122,7 +122,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy, get_policy
 
-    gate_options = {"sink": args.sink, "recent": args.recent, "pool": args.pool}
+    gate_options = {"sink": args.sink, "recent": args.recent}
     try:  # the policy checks its options before the model loads
         if args.policy == "global_gates":
             policy = GlobalGatesPolicy(**{k: v for k, v in gate_options.items() if v is not None})  # else its defaults
@@ -301,8 +301,6 @@ def register(subparsers: Any) -> None:
                    "(attention sinks; default 4); 0: the gates alone decide")
     p.add_argument("--recent", type=int, default=None, help="global_gates: newest tokens always kept in every head "
                    "(a local window; default 0)")
-    p.add_argument("--pool", type=int, default=None, help="global_gates: odd width, rank each entry by the best gate "
-                   "score among its neighbours in the head (keeps whole spans such as multi-digit numbers); default 1")
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="prefill chunk in tokens (default: %(default)s): a long turn competes for the budget chunk "
                    "by chunk")
