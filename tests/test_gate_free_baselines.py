@@ -75,7 +75,7 @@ def test_a_gated_policy_still_runs_the_gates(name, model_and_calls):
     model, calls = model_and_calls
     calls.clear()
     _generate(model, name)
-    assert len(calls) == model.config.num_hidden_layers * 5  # every layer: the prompt, 4 steps (the 5th token is not fed)
+    assert len(calls) == model.config.num_hidden_layers * 5  # every layer: the prompt, 4 steps (the 5th is not fed)
 
 
 def test_gates_are_needed_without_a_retention_cache_and_for_a_policy_that_keeps_their_scores():

@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (*user_errors(), DatasetUnavailableError, EvalConfigError) as e:  # a model that cannot load, gates that do not fit: the message names the fix
+    # a model that cannot load, gates that do not fit, a Hub set not readable here: the message names the fix
+    except (*user_errors(), DatasetUnavailableError, EvalConfigError) as e:
         print(f"python -m retention.eval {args.eval_command}: error: {e}", file=sys.stderr)
         return 2
