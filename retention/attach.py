@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .architecture import (SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_supported, sliding_window_of,
-                           text_config, text_config_of, unwrap)
+# model config access lives in architecture (the gates need it too); these names stay importable from here
+from .architecture import (SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_supported,  # noqa: F401
+                           sliding_window_of, text_config, text_config_of, unwrap)
 from .gates import GateConfig, RetentionGates
 from .ops.retention_attention import retention_attention
 from .padding import new_token_valid

@@ -20,7 +20,8 @@ from torch import nn
 
 from .gates import RetentionGates, check_finite_before_writing, check_gate_folder_target
 from .io import atomic_directory, save_state
-from .locate import CHECKPOINT_FILES, HubError, checkpoint_folder, is_gate_folder, local_checkpoint
+from .locate import (CHECKPOINT_FILES, HubError, checkpoint_folder, is_gate_folder,  # noqa: F401  (home: locate)
+                     local_checkpoint)
 
 _CARD_INTRO = {  # what the gates are, by GateConfig.variant
     "global": ["Learned retention gates for global KV-cache eviction (one budget for all layers, heads and",

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .architecture import check_supported, is_multimodal, text_config, text_mrope_positions
+from .architecture import check_supported, is_multimodal, text_config, text_mrope_positions  # noqa: F401
 from .io import atomic_directory
-from .locate import CHECKPOINT_DIRS, looks_like_a_path, shipped_checkpoint
+from .locate import CHECKPOINT_DIRS, looks_like_a_path, shipped_checkpoint  # noqa: F401  (their home is locate)
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from retention.tasks.base import Item
-from retention.tasks.image_items import IMAGE_TASKS, dialogue_turns, image_files, is_multimodal_item
+from retention.tasks.image_items import IMAGE_TASKS, dialogue_turns, image_files, is_multimodal_item  # noqa: F401
 
 from .budgets import Budget
 from .methods import FullCache, Method, kv_streams, snapshot_cache
