@@ -833,7 +833,7 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     variables scores them again, and the tokenizer handed to the sweep stays as it was."""
     from chat_templates import THINKING_SWITCH_TEMPLATE
 
-    import retention.eval.protocol
+    import retention.tasks.prompt
     from retention.eval.models import load_eval_model
     from retention.templates import with_template_variables
 
@@ -847,8 +847,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     assert tok.chat_template == THINKING_SWITCH_TEMPLATE
 
     prompts = []
-    render = retention.eval.protocol.render_chat
-    monkeypatch.setattr(retention.eval.protocol, "render_chat",
+    render = retention.tasks.prompt.render_chat
+    monkeypatch.setattr(retention.tasks.prompt, "render_chat",
                         lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
 
     def sweep(extra: str) -> list[dict]:
