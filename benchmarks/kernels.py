@@ -8,7 +8,9 @@ GPU (bf16, GQA 4, T = 2k..32k, d = 64/128), forward and forward+backward for
   flex       torch.nn.attention.flex_attention (compiled) with the same score_mod and a causal block mask
 All methods run side by side in one process on the same inputs; times are medians of ``--reps``
 runs timed with CUDA events after warm-up (compilation, autotuning). Ratios are to fa2 when it is
-installed, else to sdpa. Goal: ours fwd+bwd within 1.3x of fa2.
+installed, else to sdpa. Goal: ours fwd+bwd within 1.3x of fa2. ``--json FILE`` also writes the rows of ours and
+the baseline as machine-readable records (key ``attention``, see :mod:`benchmarks.results_file`), and the tiles the
+autotuner chose for ours are printed.
 
 CPU (no CUDA, or ``--cpu``): the CPU training paths side by side in fp32, ratios to the blocked reference:
   reference      the blocked PyTorch reference (exact; taken where a beta near 0 needs it)
@@ -19,6 +21,7 @@ from [-decay, 0]); trained SmolLM2 gates reach about 3.
 
     python -m benchmarks.kernels              # GPU sweep, or the CPU check without a GPU
     python -m benchmarks.kernels --seq 2048 4096 --dims 128 --reps 20
+    python -m benchmarks.kernels --methods ours sdpa --seq 4096 16384 32768 --json benchmarks/results/gpu.json
     python -m benchmarks.kernels --cpu --seq 1024 4096 --kv-heads 3 --group 3 --decay 0.01 3
 """
 
@@ -138,44 +141,80 @@ def _measure(fn: Callable, params, reps: int, cuda: bool) -> tuple[float, float,
 HEADER = "| T | d | method | fwd ms | fwd+bwd ms | {} | fwd ratio | fwd+bwd ratio |"
 
 
+def _chosen_tiles() -> str:
+    """The tiles the autotuner picked for ours, per kernel and key: what the next tuning round starts from."""
+    from retention.ops.retention_attention import triton_kernel as tk
+
+    parts = []
+    for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel"):
+        cache = getattr(getattr(tk, name), "cache", {})
+        for key, cfg in cache.items():
+            tiles = ",".join(f"{k}={v}" for k, v in cfg.kwargs.items())
+            parts.append(f"{name}{tuple(key[:3])}: {tiles} warps={cfg.num_warps} stages={cfg.num_stages}")
+    return "; ".join(parts)
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
 def gpu_sweep(args: argparse.Namespace) -> None:
     import torch
 
     Hq = args.kv_heads * args.group
-    print(f"device: {torch.cuda.get_device_name()}, bf16, batch {args.batch}, GQA {args.group} "
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}, {'/'.join(args.dtypes)}, batch {args.batch}, GQA {args.group} "
           f"({Hq} query / {args.kv_heads} KV heads), median of {args.reps} after warm-up (CUDA events)")
     print(HEADER.format("peak MiB"))
     print("|---|---|---|---|---|---|---|---|")
-    for D in args.dims:
-        for T in args.seq:
-            q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, torch.bfloat16, "cuda")
-            rows: dict = {}
-            for name, fn in _methods(q, k, v, lb).items():
-                if args.methods and name not in args.methods:
-                    continue
-                if isinstance(fn, str):
-                    rows[name] = fn
-                    continue
-                try:
-                    rows[name] = _measure(fn, (q, k, v, lb), args.reps, True)
-                except torch.cuda.OutOfMemoryError:
-                    rows[name] = "out of memory"
-                except Exception as e:  # one failing method must not hide the others
-                    rows[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
-                finally:
-                    for p in (q, k, v, lb):
-                        p.grad = None
-                    torch.cuda.empty_cache()
-            base_name = next((n for n in ("fa2", "sdpa", "sdpa+bias") if isinstance(rows.get(n), tuple)), "fa2")
-            base = rows.get(base_name) if isinstance(rows.get(base_name), tuple) else None
-            for name, r in rows.items():
-                if isinstance(r, str):
-                    print(f"| {T} | {D} | {name} | {r} | | | | |")
-                    continue
-                fr = f"{r[0] / base[0]:.2f}x" if base else "n/a"
-                fbr = f"{r[1] / base[1]:.2f}x" if base else "n/a"
-                print(f"| {T} | {D} | {name} | {r[0]:.2f} | {r[1]:.2f} | {r[2]:.0f} | {fr} | {fbr} |")
-            print(f"(T={T}, d={D}: ratios to {base_name if base else 'nothing: no baseline ran'})")
+    records = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, DTYPES[dtype_name])
+        for D in args.dims:
+            for T in args.seq:
+                q, k, v, lb = _inputs(args.batch, T, Hq, args.kv_heads, D, dtype, "cuda")
+                rows: dict = {}
+                for name, fn in _methods(q, k, v, lb).items():
+                    if args.methods and name not in args.methods:
+                        continue
+                    if isinstance(fn, str):
+                        rows[name] = fn
+                        continue
+                    try:
+                        rows[name] = _measure(fn, (q, k, v, lb), args.reps, True)
+                    except torch.cuda.OutOfMemoryError:
+                        rows[name] = "out of memory"
+                    except Exception as e:  # one failing method must not hide the others
+                        rows[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                    finally:
+                        for p in (q, k, v, lb):
+                            p.grad = None
+                        torch.cuda.empty_cache()
+                base_name = next((n for n in ("fa2", "sdpa", "sdpa+bias") if isinstance(rows.get(n), tuple)), "fa2")
+                base = rows.get(base_name) if isinstance(rows.get(base_name), tuple) else None
+                for name, r in rows.items():
+                    if isinstance(r, str):
+                        print(f"| {T} | {D} | {name} | {r} | | | | |")
+                        continue
+                    fr = f"{r[0] / base[0]:.2f}x" if base else "n/a"
+                    fbr = f"{r[1] / base[1]:.2f}x" if base else "n/a"
+                    print(f"| {T} | {D} | {name} | {r[0]:.2f} | {r[1]:.2f} | {r[2]:.0f} | {fr} | {fbr} |")
+                print(f"({dtype_name}, T={T}, d={D}: ratios to {base_name if base else 'nothing: no baseline ran'})")
+                ours = rows.get("ours")
+                if isinstance(ours, tuple) and base:
+                    records.append({
+                        "dtype": dtype_name, "T": T, "d": D, "baseline": base_name,
+                        "ours_fwd_ms": round(ours[0], 4), "sdpa_fwd_ms": round(base[0], 4),
+                        "ours_fwdbwd_ms": round(ours[1], 4), "sdpa_fwdbwd_ms": round(base[1], 4),
+                        "fwd_ratio": round(ours[0] / base[0], 3), "fwdbwd_ratio": round(ours[1] / base[1], 3),
+                        "ours_peak_mib": round(ours[2], 1),
+                    })
+    if "ours" in (args.methods or ["ours"]):
+        print(f"autotuned tiles: {_chosen_tiles()}")
+    if args.json and records:
+        from benchmarks.results_file import update
+
+        update(args.json, "attention", records, device)
+        print(f"wrote {len(records)} rows to {args.json} (key 'attention')")
 
 
 TRITON_INTERP_MAX_T = 256  # the interpreter runs the kernel in numpy: minutes past this
@@ -230,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (GPU: 10, CPU: 1)")
     p.add_argument("--methods", nargs="+", default=None, choices=["ours", "fa2", "sdpa", "sdpa+bias", "flex"],
                    help="GPU methods to run (default: all)")
+    p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES), help="GPU input dtypes")
+    p.add_argument("--json", default=None, help="GPU: also write the rows to this JSON file (key 'attention')")
     p.add_argument("--cpu", action="store_true", help="the CPU paths even where a GPU is present")
     p.add_argument("--decay", type=float, nargs="+", default=[0.01],
                    help="CPU: strongest decays, log_beta drawn from [-decay, 0] (default 0.01)")

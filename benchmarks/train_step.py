@@ -11,9 +11,13 @@ step-ref (CPU): the step with the gated attention on the blocked reference inste
 
 Timings alternate between the two (median of ``--reps``); peak memory is each variant's own process
 (resident-set growth sampled during the step on CPU, ``torch.cuda.max_memory_allocated`` above the
-weights on GPU). Prints the ratios.
+weights on GPU). Prints the ratios. On a GPU it also breaks one step of each variant down by where its device
+time goes (the gated attention kernels, the capacity kernels, SDPA, matrix products, the rest), from the profiler's
+kernel list, so the step's excess over its floor has names. ``--json FILE`` writes the rows as machine-readable
+records (key ``step``, see :mod:`benchmarks.results_file`).
 
     python -m benchmarks.train_step --seq-len 512 --reps 3
+    python -m benchmarks.train_step --seq-len 4096 --dtype bfloat16 --json benchmarks/results/gpu.json   # GPU
 """
 
 from __future__ import annotations
@@ -146,6 +150,61 @@ def memory_ratio(step_mib: float, floor_mib: float) -> str:
     return f"{step_mib / floor_mib:.2f}x"
 
 
+# our Triton kernels by their exact names (SDPA's flash kernels are also called ``flash_fwd_kernel``), then
+# kernel-name pieces -> the part of the step they belong to (first match wins)
+OURS = {"_fwd_kernel": "gated attention", "_dkdv_kernel": "gated attention", "_dq_kernel": "gated attention",
+        "_delta_kernel": "gated attention", "_cap_fwd": "capacity", "_cap_bwd": "capacity"}
+CATEGORIES = (
+    ("gated attention", ()),
+    ("capacity", ()),
+    ("sdpa attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("matmuls", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "wgmma")),
+)
+
+
+def category(kernel: str) -> str:
+    """The part of the step a CUDA kernel of this name belongs to (``OURS``, ``CATEGORIES``); ``other`` else."""
+    mine = next((k for k in OURS if kernel == k or kernel.startswith(k + "_")), None)  # Triton may add a suffix
+    if mine:
+        return OURS[mine]
+    name = kernel.lower()
+    for cat, pieces in CATEGORIES:
+        if any(p in name for p in pieces):
+            return cat
+    return "other"
+
+
+def breakdown(fn: Callable, ids: torch.Tensor, pos: torch.Tensor) -> dict[str, float]:
+    """Device milliseconds of one call of ``fn`` by category of kernel (GPU only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(ids, pos)
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "device_time", None)
+        us = getattr(e, "cuda_time", 0.0) if us is None else us
+        cat = category(e.name)
+        out[cat] = out.get(cat, 0.0) + us / 1e3
+    return out
+
+
+def print_breakdown(parts: dict[str, dict[str, float]]) -> None:
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    names = list(parts)
+    print("device ms of one step by kernel category (profiler):")
+    print("| category | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for c in cats + ["total"]:
+        vals = [sum(parts[n].values()) if c == "total" else parts[n].get(c, 0.0) for n in names]
+        print(f"| {c} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     from retention.cli import positive_int
 
@@ -157,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file (key 'step')")
     p.add_argument("--measure-peak", choices=["floor", "step", "step-ref"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from retention.cli import checked_device, run_reporting_user_errors
@@ -204,6 +264,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"peak memory ratio step / step-ref: {memory_ratio(mem['step'], mem['step-ref'])}")
     if mem:
         print(f"peak memory ratio step / floor: {memory_ratio(mem['step'], mem['floor'])}")
+    parts = {}
+    if cuda:
+        try:
+            parts = {k: breakdown(steps[k], ids, pos) for k in ("floor", "step")}
+            print_breakdown(parts)
+        except Exception as e:  # the profiler is a help, not the measurement
+            print(f"breakdown unavailable: {type(e).__name__}: {e}")
+    if args.json:
+        from benchmarks.results_file import update
+
+        row = {"dtype": {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype], "T": args.seq_len,
+               "batch": args.batch, "step_s": round(med["step"], 5), "floor_s": round(med["floor"], 5),
+               "ratio": round(ratio, 3), "step_peak_mib": round(mem["step"], 1) if mem else None,
+               "floor_peak_mib": round(mem["floor"], 1) if mem else None,
+               "breakdown_ms": {k: {c: round(v, 2) for c, v in d.items()} for k, d in parts.items()}}
+        import os
+
+        existing = []
+        if os.path.exists(args.json):
+            with open(args.json) as f:
+                existing = [r for r in json.load(f).get("step", [])
+                            if (r.get("dtype"), r.get("T"), r.get("batch")) != (row["dtype"], row["T"], row["batch"])]
+        device = torch.cuda.get_device_name() if cuda else "cpu"
+        update(args.json, "step", existing + [row], device)
+        print(f"wrote the step row to {args.json} (key 'step')")
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -74,6 +75,11 @@ class _LayerState:
     past_mass_queries: torch.Tensor | None = None  # (T_new,) weights of the new queries in that sum; None: all 1
 
 
+# the boundaries found in the last position_ids: every layer of a forward gets the same tensor, and finding them
+# waits for the GPU once (a sync per layer kept a training step's launches from running ahead of the GPU)
+_LAST_RESTARTS: list = [None, None]  # [weakref to position_ids and its (pointer, version), cu_seqlens or None]
+
+
 def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor | None:
     """Document boundaries over the flattened batch: explicit ``cu_seq_lens_k`` or restarts of position_ids."""
     cu = kwargs.get("cu_seq_lens_k", kwargs.get("cu_seq_lens_q"))
@@ -82,6 +88,16 @@ def _cu_seqlens(kwargs: dict[str, Any], batch: int, seqlen: int) -> torch.Tensor
     pos = kwargs.get("position_ids")
     if pos is None or pos.ndim != 2 or pos.shape != (batch, seqlen):
         return None
+    seen = _LAST_RESTARTS[0]
+    if seen is not None and seen[0]() is pos and seen[1] == (pos.data_ptr(), pos._version):
+        return _LAST_RESTARTS[1]
+    cu = _restarts(pos, batch, seqlen)
+    _LAST_RESTARTS[:] = [(weakref.ref(pos), (pos.data_ptr(), pos._version)), cu]
+    return cu
+
+
+def _restarts(pos: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor | None:
+    """``cu_seqlens`` where ``pos`` ``(batch, seqlen)`` restarts (a packed row's documents); None if it never does."""
     restart = torch.ones_like(pos, dtype=torch.bool)
     restart[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     if not bool(restart[:, 1:].any()):
@@ -304,6 +320,37 @@ class RetentionAttachment:
             yield self
         finally:
             self.gates = previous
+
+    @contextlib.contextmanager
+    def key_biases(self, biases: list[torch.Tensor]) -> Iterator["RetentionAttachment"]:
+        """Context in bias mode: layer ``l``'s attention adds ``biases[l]`` ``(B, H_kv, T_past)`` to its logits of
+        the past (cached) keys; cleared on exit."""
+        for m, b in zip(self.modules, biases):
+            m._retention_state.key_bias = b
+        try:
+            with self.use_mode("bias"):
+                yield self
+        finally:
+            for m in self.modules:
+                m._retention_state.key_bias = None
+
+    @contextlib.contextmanager
+    def recording_past_mass(self, queries: torch.Tensor | None = None) -> Iterator[list[torch.Tensor]]:
+        """Context in bias mode (no bias set: plain attention in float32) that records, per layer, the attention
+        ``(B, H_kv, T_past)`` the new queries pay each past key (summed over queries weighted by ``queries``
+        ``(T_new,)``, None: all 1; mean over the KV head's query heads). The yielded list fills on a clean exit."""
+        masses: list[torch.Tensor] = []
+        for m in self.modules:
+            m._retention_state.record_past_mass = True
+            m._retention_state.past_mass_queries = queries
+        try:
+            with self.use_mode("bias"):
+                yield masses
+            masses.extend(m._retention_state.past_mass for m in self.modules)
+        finally:
+            for m in self.modules:
+                m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
+                m._retention_state.past_mass_queries = None
 
     def reset(self) -> None:
         """Forget gate scores kept for decoding with a cache."""

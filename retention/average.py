@@ -20,6 +20,7 @@ import torch
 
 from .gates import RetentionGates, check_gate_folder_target, nonfinite_tensors
 from .hub import HubError, checkpoint_folder, export_gates, local_checkpoint
+from .metadata import read_metadata
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -78,7 +79,7 @@ def average_checkpoints(
 ) -> Path:
     """Load checkpoints (folders or Hub repos), average them, and export the mean to ``out`` atomically.
 
-    The card and ``config.json`` record the sources and weights; the sources must share the base model and be
+    The card and ``retention.json`` record the sources and weights; the sources must share the base model and be
     distinct checkpoints (one named twice is refused: weight it with ``weights``). A budget or base revision the
     sources do not share is written per source, never as the first one's. Sources with NaN or inf weights, or a
     non-finite mean, are refused before anything is written."""
@@ -107,7 +108,7 @@ def average_checkpoints(
         raise ValueError(f"{paths[i]} and {paths[j]} hold the same gate weights: averaging gates with themselves "
                          "gives them back unchanged; name one of them (to count it more, give it a larger "
                          "--weights value)")
-    configs = [json.loads((folder / "config.json").read_text()) for folder in folders]
+    configs = [read_metadata(folder) for folder in folders]
     bases = {c.get("base_model") or c["gate_config"].get("base_model") for c in configs}
     if len(bases) > 1:
         raise ValueError(f"the checkpoints were trained for different base models {sorted(map(str, bases))}: "

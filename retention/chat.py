@@ -922,9 +922,25 @@ def _check_counts(**given: tuple[Any, int, str]) -> None:
 
 def _check_text(what: str, text: Any, error: type[Exception] = ChatInputError) -> None:
     """``error`` unless ``text`` is a string (a None or a list rendered as a Jinja error or a TypeError deep in the
-    template)."""
+    template) of Unicode characters (:func:`not_unicode`)."""
     if not isinstance(text, str):
         raise error(f"{what} must be a str, got {type(text).__name__}: {text!r:.60}")
+    bad = not_unicode(text)
+    if bad:
+        raise error(f"{what} holds {bad}, which is no character (a byte that is not UTF-8, as pasted from a file in "
+                    "another encoding, or half a surrogate pair): type it again, or give UTF-8 text "
+                    "(text.encode('utf-8', 'replace').decode() replaces such characters with ?)")
+
+
+def not_unicode(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (``'\\udce9' at character 3``), or None: Python reads a byte that is not
+    UTF-8 from a terminal or a pipe as one (``surrogateescape``), and the tokenizer refused it with a TypeError that
+    ended ``retention chat``, conversation and all."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"{text[e.start:e.end]!r} at character {e.start}"
+    return None
 
 
 # the ranges generate's logits processors accept, checked before a turn starts (they raise only once it runs);

@@ -192,6 +192,8 @@ def _chat_command(args: argparse.Namespace) -> int:
             return 2
     if args.seed is not None:  # after the model and gates load, so the replies alone draw from it
         torch.manual_seed(args.seed)
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not UTF-8: that message is refused, the chat goes on
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         chat_loop(chat, _typed_lines() if sys.stdin.isatty() else sys.stdin)
     except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly (during a reply it stops the reply)

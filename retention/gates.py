@@ -31,6 +31,7 @@ from torch import nn
 
 from .architecture import text_config_of
 from .locate import checkpoint_folder, is_gate_folder
+from .metadata import META_FILE, metadata_file, write_metadata
 
 VARIANTS = ("global", "seed", "trimkv")
 UNTRAINED_SEED = 0  # the initial weights of untrained gates at inference (demo, chat, eval): one set everywhere
@@ -204,8 +205,8 @@ class RetentionGates(nn.Module):
 
     # -- persistence -------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-        """Write ``gates.safetensors`` and ``config.json`` into ``path`` atomically (temp dir + rename); ``path``
-        must be new, empty or gates written before (:func:`check_gate_folder_target`)."""
+        """Write ``gates.safetensors`` and ``retention.json`` (:mod:`retention.metadata`) into ``path`` atomically
+        (temp dir + rename); ``path`` must be new, empty or gates written before (:func:`check_gate_folder_target`)."""
         from .io import atomic_directory, save_state
 
         path = Path(path).expanduser()  # as from_pretrained reads "~/gates"
@@ -213,8 +214,7 @@ class RetentionGates(nn.Module):
         check_gate_folder_target(path)
         with atomic_directory(path) as tmp:
             save_state(self.state_dict(), tmp / "gates.safetensors")
-            payload = {"gate_config": self.config.to_dict(), **(metadata or {})}
-            (tmp / "config.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+            write_metadata(tmp, {"gate_config": self.config.to_dict(), **(metadata or {})})
         return path
 
     @classmethod
@@ -227,7 +227,7 @@ class RetentionGates(nn.Module):
         if not Path(path).expanduser().is_dir():
             path = checkpoint_folder(path, revision)  # HubError naming the fix when it is none of these
         path = Path(path).expanduser()
-        cfg_file, weights = path / "config.json", path / "gates.safetensors"
+        cfg_file, weights = metadata_file(path), path / "gates.safetensors"
         for f in (cfg_file, weights):
             if not f.is_file():
                 inside = gate_folders_under(path)
@@ -235,8 +235,8 @@ class RetentionGates(nn.Module):
                 if (path / "state.json").is_file() and weights.is_file():  # a run's checkpoints/step-N
                     hint = ("; it is a training checkpoint: export its gates with `python train.py --config CONFIG "
                             f"--export {path}` and load the exported folder")
-                raise GateCheckpointError(f"{f} not found: a gate checkpoint needs config.json and "
-                                          f"gates.safetensors{hint}")
+                raise GateCheckpointError(f"{f} not found: a gate checkpoint needs {META_FILE} (config.json before "
+                                          f"it) and gates.safetensors{hint}")
         from safetensors import SafetensorError
 
         try:
@@ -248,7 +248,7 @@ class RetentionGates(nn.Module):
         try:
             gates.load_state_dict(load_file(str(weights)))
         except (SafetensorError, RuntimeError) as e:  # a cut-off download; tensors of another layout than the config's
-            raise GateCheckpointError(f"{weights} cannot be loaded into the gates config.json describes ({e}); "
+            raise GateCheckpointError(f"{weights} cannot be loaded into the gates {cfg_file.name} describes ({e}); "
                                       "re-export or re-download the checkpoint") from None
         if bad := nonfinite_tensors(gates.state_dict()):  # NaN scores would evict at random, without a word
             raise GateCheckpointError(

@@ -1,7 +1,9 @@
-"""Gate checkpoints: export (safetensors + config + model card), load (local or Hub), push to the Hub.
+"""Gate checkpoints: export (safetensors + metadata + model card), load (local or Hub), push to the Hub.
 
-A checkpoint folder holds ``gates.safetensors``, ``config.json`` (gate config, base model id and
-revision, budget, training summary) and ``README.md`` (a model card with Hub metadata).
+A checkpoint folder holds ``gates.safetensors``, ``retention.json`` (:mod:`retention.metadata`: gate config, base
+model id and revision, budget, a short training record) and ``README.md`` (a model card with Hub metadata, and
+the results tables :mod:`retention.eval.publish` puts in it). Checkpoints from before ``retention.json`` keep
+their metadata in ``config.json``: they load, push and publish as they are.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib
-import json
 import os
 import posixpath
 import re
@@ -20,8 +21,10 @@ from torch import nn
 
 from .gates import RetentionGates, check_finite_before_writing, check_gate_folder_target
 from .io import atomic_directory, save_state
-from .locate import (CHECKPOINT_FILES, HubError, checkpoint_folder, is_gate_folder,  # noqa: F401  (home: locate)
-                     local_checkpoint)
+from .locate import (CHECKPOINT_FILES, DOWNLOAD_FILES, HubError, checkpoint_folder,  # noqa: F401  (home: locate)
+                     is_gate_folder, local_checkpoint)
+from .metadata import LEGACY_META_FILE, META_FILE, RESULT_KEYS, metadata_file, metadata_text, read_metadata
+
 
 _CARD_INTRO = {  # what the gates are, by GateConfig.variant
     "global": ["Learned retention gates for global KV-cache eviction (one budget for all layers, heads and",
@@ -49,8 +52,14 @@ _CARD_CACHE = {
 }
 
 
-def model_card(config: dict[str, Any]) -> str:
+def model_card(config: dict[str, Any], results_markdown: str | None = None,
+               results_sections: list[dict[str, str]] | None = None) -> str:
+    """The model card of a checkpoint with metadata ``config``: its layout and training record, how to use it,
+    then the main results (``results_markdown``) and further result sets (``results_sections``: ``title`` and
+    ``markdown`` each); an older checkpoint's ``config.json`` carries both as keys of ``config``."""
     gc = config["gate_config"]
+    results_markdown = config.get("results_markdown") if results_markdown is None else results_markdown
+    sections = config.get("results_sections", []) if results_sections is None else results_sections
     base = config.get("base_model") or gc.get("base_model") or "unknown"
     summary = config.get("training") or {}  # export_gates(..., training=None) records None
     lines = [
@@ -92,12 +101,42 @@ def model_card(config: dict[str, Any]) -> str:
         "```",
         "",
     ]
-    sections = config.get("results_sections", [])
-    if config.get("results_markdown") or sections:
-        lines += ["## Results", "", *([config["results_markdown"], ""] if config.get("results_markdown") else [])]
+    if results_markdown or sections:
+        lines += ["## Results", "", *([results_markdown, ""] if results_markdown else [])]
     for section in sections:  # further result sets (e.g. a goal check), in the order they were published
         lines += [f"### {section['title']}", "", section["markdown"], ""]
     return "\n".join(lines)
+
+
+_RESULTS_HEADING = "## Results\n\n"
+_SECTION = re.compile(r"\n\n### (.+)\n\n")  # a further result set's heading, as model_card writes it
+
+
+def card_results(folder: str | Path) -> tuple[str | None, list[dict[str, str]]]:
+    """The results the card of the checkpoint in ``folder`` shows, as :func:`model_card` takes them: the main
+    results' markdown (None when it has none) and the further sections (``title``, ``markdown`` and, when the
+    section shows a plot of its own, ``figure``). An older checkpoint's ``config.json`` holds them as keys; else
+    they are read from ``README.md``, the results part :func:`model_card` wrote."""
+    legacy = read_metadata(folder, results=True)
+    if any(k in legacy for k in RESULT_KEYS):
+        return legacy.get("results_markdown"), list(legacy.get("results_sections", []))
+    card = Path(folder) / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    at = text.find("\n" + _RESULTS_HEADING)
+    if at < 0:
+        return None, []
+    # model_card ends with an empty line: the last part carries one "\n" more than the markdown it was given
+    rest = "\n\n" + text[at + 1 + len(_RESULTS_HEADING):].removesuffix("\n")
+    parts = _SECTION.split(rest)  # [main, title, markdown, title, markdown, ...]
+    main = parts[0].removeprefix("\n\n") or None
+    sections = []
+    for title, markdown in zip(parts[1::2], parts[2::2]):
+        section = {"title": title, "markdown": markdown}
+        figures = [x for x in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown) if "://" not in x]
+        if figures:  # the plot publish put beside it, removed with it when the section is replaced
+            section["figure"] = figures[-1]
+        sections.append(section)
+    return main, sections
 
 
 def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
@@ -111,7 +150,7 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
     check_gate_folder_target(path)  # the folder is replaced whole: never over someone's files
     with atomic_directory(path) as tmp:
         save_state(gates.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+        (tmp / META_FILE).write_text(metadata_text(config))
         (tmp / "README.md").write_text(model_card(config))
     return path
 
@@ -166,7 +205,9 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
         raise HubError(f"{path}: there is no such folder (looked for {path.resolve()}); give the folder a training "
                        "run exported (train.py --export, or its export.dir)")
     path = local
-    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+    # an older checkpoint's config.json stands for its retention.json
+    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()
+               and not (f == META_FILE and metadata_file(path).is_file())]
     if missing:
         how = (f"python train.py --config CONFIG --export {path} --to DIR, then push DIR"
                if (path / "state.json").is_file() else "export it first")  # a run's checkpoints/step-N
@@ -182,7 +223,8 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(  # the patterns are fnmatch's: a figure named "fig[1].png" must match itself only
-            folder_path=str(path), repo_id=repo_id, allow_patterns=[*CHECKPOINT_FILES, *map(glob.escape, figures)],
+            folder_path=str(path), repo_id=repo_id,
+            allow_patterns=[*CHECKPOINT_FILES, metadata_file(path).name, *map(glob.escape, figures)],
             commit_message="Upload retention gates",
         )
     except HfHubHTTPError as e:
@@ -217,7 +259,7 @@ def _push_command(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("push", help="upload a gate checkpoint folder to the Hugging Face Hub")
-    p.add_argument("path", help="checkpoint folder (gates.safetensors, config.json, README.md)")
+    p.add_argument("path", help=f"checkpoint folder (gates.safetensors, {META_FILE}, README.md)")
     p.add_argument("repo_id", help="e.g. your-name/smollm2-135m-retention-gates")
     p.add_argument("--private", action="store_true", help="create the repo private (when it does not exist yet)")
     p.set_defaults(func=_push_command)

@@ -29,12 +29,47 @@ class FolderBusyError(RuntimeError):
     """Another process is writing to the folder a run would write to; the message names it and the fix."""
 
 
-@contextlib.contextmanager
-def exclusive_use(folder: str | Path, what: str) -> Iterator[None]:
-    """Hold a lock on ``folder`` while ``what`` (a training run, a sweep) writes there. A second run into the same
-    folder would interleave its rows or checkpoints with the first's: it gets :class:`FolderBusyError` at once.
-    The lock is a file in the system's temp folder, so it holds between the processes of one machine."""
+class LockFolderError(FolderBusyError):
+    """The folder of the locks (in the system's temp folder) is not this user's own, private folder, or holds a
+    symbolic link where a lock goes: another local user could block this user's runs or redirect what they write.
+    The message names the folder and the fix."""
+
+
+def lock_folder() -> Path:
+    """This user's folder of locks, ``<tmp>/retention-locks-<user>``: created private (0700) when missing, and
+    refused (:class:`LockFolderError`) when it is a link, another user's, or writable by others, since in a shared
+    temp folder anyone can create that name first."""
     import getpass
+    import stat
+
+    locks = Path(tempfile.gettempdir()) / f"retention-locks-{getpass.getuser()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(locks, 0o700)
+    fix = f"remove it (rm -r {locks}) if it is stale, or set TMPDIR to a folder of your own"
+    st = os.lstat(locks)
+    if not stat.S_ISDIR(st.st_mode):
+        raise LockFolderError(f"the lock folder {locks} is not a folder (a link or a file): {fix}")
+    if st.st_uid != os.geteuid():
+        raise LockFolderError(f"the lock folder {locks} belongs to another user (uid {st.st_uid}): {fix}")
+    if st.st_mode & 0o022:  # others could have put links or locks in it
+        raise LockFolderError(f"the lock folder {locks} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, "
+                              f"not 700): {fix}")
+    if st.st_mode & 0o077:  # readable only (earlier versions made it with the umask's mode): nothing to fear in it
+        os.chmod(locks, 0o700)
+    return locks
+
+
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():  # only this user (or root) can write the private folder: not ours to follow or delete
+        raise LockFolderError(f"{path} is a symbolic link, where retention keeps a lock: remove it (rm {path})")
+
+
+@contextlib.contextmanager
+def exclusive_use(folder: str | Path, what: str, fix: str = "give this one another output folder") -> Iterator[None]:
+    """Hold a lock on ``folder`` while ``what`` (a training run, a sweep) writes there. A second run into the same
+    folder would interleave its rows or checkpoints with the first's: it gets :class:`FolderBusyError` at once,
+    naming ``fix``. The lock is a file in this user's private :func:`lock_folder`, so it holds between the processes
+    of one machine; its files are never written through links."""
     import hashlib
 
     from filelock import FileLock, Timeout
@@ -42,21 +77,29 @@ def exclusive_use(folder: str | Path, what: str) -> Iterator[None]:
     # the lock lives in the temp folder (cleared by the system, one per user), keyed by the folder's path: the
     # folder itself is not created or touched
     folder = Path(folder).expanduser().resolve()
-    locks = Path(tempfile.gettempdir()) / f"retention-locks-{getpass.getuser()}"
-    locks.mkdir(parents=True, exist_ok=True)
+    locks = lock_folder()
     key = hashlib.sha1(str(folder).encode()).hexdigest()[:16]
-    lock, pid_file = FileLock(str(locks / f"{key}.lock")), locks / f"{key}.pid"
+    lock_file, pid_file = locks / f"{key}.lock", locks / f"{key}.pid"
+    _refuse_link(lock_file)
+    lock = FileLock(str(lock_file))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         try:
-            holder = f" (pid {int(pid_file.read_text())})"
+            fd = os.open(pid_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd) as fh:
+                holder = f" (pid {int(fh.read())})"
         except (OSError, ValueError):
             holder = ""
-        raise FolderBusyError(f"another process{holder} is writing {what} in {folder}: wait for it to finish, or give "
-                              "this one another output folder") from None
+        raise FolderBusyError(f"another process{holder} is writing {what} in {folder}: wait for it to finish, or "
+                              f"{fix}") from None
     try:
-        pid_file.write_text(str(os.getpid()))
+        # a new file (a stale one, or a link put there, is removed first, never followed)
+        with contextlib.suppress(FileNotFoundError):
+            pid_file.unlink()
+        fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(os.getpid()))
         yield
     finally:
         with contextlib.suppress(OSError):

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CHECKPOINT_FILES = ("gates.safetensors", "config.json", "README.md")
+from .metadata import LEGACY_META_FILE, META_FILE, metadata_file
+
+CHECKPOINT_FILES = ("gates.safetensors", META_FILE, "README.md")
+# what a checkpoint download fetches: an older checkpoint's metadata too
+DOWNLOAD_FILES = (*CHECKPOINT_FILES, LEGACY_META_FILE)
 # Trained gates shipped with the toolkit (a few MB each): `checkpoints/` of a checkout, which a wheel installs as
 # the data package `retention/checkpoints/` (pyproject.toml's package-dir); the first that exists wins.
 CHECKPOINT_DIRS = (Path(__file__).resolve().parent / "checkpoints", Path(__file__).resolve().parents[1] / "checkpoints")
@@ -20,9 +24,10 @@ class HubError(RuntimeError):
 
 
 def is_gate_folder(path: str | Path) -> bool:
-    """Whether ``path`` holds gates written by this toolkit (a ``config.json`` with a ``gate_config``)."""
+    """Whether ``path`` holds gates written by this toolkit (a ``retention.json``, or an older checkpoint's
+    ``config.json``, with a ``gate_config``)."""
     try:
-        return "gate_config" in json.loads((Path(path) / "config.json").read_text())
+        return "gate_config" in json.loads(metadata_file(path).read_text())
     except (OSError, ValueError, TypeError):
         return False
 
@@ -49,7 +54,7 @@ def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
     (:func:`shipped_checkpoint`: the installed package's copy, from any folder); ``None`` when
     neither exists."""
     p = Path(path_or_repo_id).expanduser()
-    if p.is_file() and p.name in CHECKPOINT_FILES and is_gate_folder(p.parent):
+    if p.is_file() and p.name in DOWNLOAD_FILES and is_gate_folder(p.parent):
         return p.parent  # a file of a checkpoint (its gates.safetensors, say) names the checkpoint
     if p.exists():
         return p
@@ -67,14 +72,14 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
         raise HubError(
             f"gate checkpoint {str(path_or_repo_id)!r}: there is no such folder (looked for "
             f"{Path(path_or_repo_id).expanduser().resolve()}); give "
-            "the folder a training run exported (gates.safetensors, config.json), a shipped checkpoint's name "
+            f"the folder a training run exported (gates.safetensors, {META_FILE}), a shipped checkpoint's name "
             "(smollm2-135m-global) or a Hub repo id (owner/name)"
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(CHECKPOINT_FILES)))
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(DOWNLOAD_FILES)))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         raise HubError(
             f"gate checkpoint {str(path_or_repo_id)!r} is neither a local folder nor reachable on the Hub ({e}); "

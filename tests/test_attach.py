@@ -138,6 +138,29 @@ def test_explicit_cu_seqlens_match_position_restarts():
     torch.testing.assert_close(a, b)
 
 
+def test_document_restarts_are_found_once_per_forward_not_once_per_layer(monkeypatch):
+    """Finding a packed row's documents in position_ids waits for the device; every layer of a forward gets the same
+    position_ids, so it is done once (a sync per layer kept a GPU training step from running ahead). New positions
+    in the same tensor, or a new tensor, are read again."""
+    model = tiny_llama()
+    assert model.config.num_hidden_layers > 1
+    attach_gates(model, bias_init=0.0)
+    calls = []
+    real = attach_mod._restarts
+    monkeypatch.setattr(attach_mod, "_restarts", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, 100, (1, 20))
+    pos = torch.cat([torch.arange(8), torch.arange(12)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits
+        assert len(calls) == 1
+        pos[0, 8:] += 8  # one document now: the same tensor, changed in place
+        whole = model(input_ids=ids, position_ids=pos).logits
+        assert len(calls) == 2
+        assert torch.equal(whole, model(input_ids=ids, position_ids=torch.arange(20)[None]).logits)
+    assert len(calls) == 3
+    assert not torch.allclose(packed[0, 8:], whole[0, 8:])  # the first forward did see two documents
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_only_gate_parameters_train(arch):
     model = BUILDERS[arch]()

@@ -76,7 +76,7 @@ def test_average_command_writes_a_checkpoint_that_records_its_sources(tmp_path, 
     assert capsys.readouterr().out.strip() == str(out)
     loaded = load_gates(out, model=tiny_llama())
     torch.testing.assert_close(loaded.W1, 0.75 * a.W1 + 0.25 * b.W1)
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = json.loads((out / "retention.json").read_text())
     assert cfg["training"]["averaged_from"] == f"0.75 x {pa} + 0.25 x {pb}"
     assert cfg["training"]["source 1"] == "configs/b.yaml" and cfg["budget"] == "10%"
     assert "| averaged_from | 0.75 x" in (out / "README.md").read_text()
@@ -122,7 +122,8 @@ def test_average_command_reports_bad_input_without_a_traceback(tmp_path, capsys)
     assert "gate_hidden" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["average", str(pa), str(tmp_path / "empty"), "--out", str(tmp_path / "soup")]) == 2
-    assert "config.json not found: a gate checkpoint needs config.json and gates.safetensors" in capsys.readouterr().err
+    assert ("retention.json not found: a gate checkpoint needs retention.json (config.json before it) and "
+            "gates.safetensors") in capsys.readouterr().err
     assert not (tmp_path / "soup").exists()
 
 
@@ -182,7 +183,7 @@ def test_average_of_sources_at_different_budgets_states_each_budget(tmp_path):
     pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama", budget="96 entries", base_revision="r1")
     pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama", budget="384 entries", base_revision="r2")
     out = average_checkpoints([pa, pb], tmp_path / "soup")
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = json.loads((out / "retention.json").read_text())
     want = "differs by source: source 0: 96 entries; source 1: 384 entries"
     assert cfg["budget"] == want and f"| training budget | {want} |" in (out / "README.md").read_text()
     # no one base revision is the mean's: none claimed, each recorded
@@ -190,7 +191,7 @@ def test_average_of_sources_at_different_budgets_states_each_budget(tmp_path):
     assert cfg["training"]["base_revision"] == "differs by source: source 0: r1; source 1: r2"
     # shared facts are stated once, as before
     pc = export_gates(_gates(2), tmp_path / "c", base_model="tiny-llama", budget="96 entries", base_revision="r1")
-    cfg = json.loads((average_checkpoints([pa, pc], tmp_path / "soup2") / "config.json").read_text())
+    cfg = json.loads((average_checkpoints([pa, pc], tmp_path / "soup2") / "retention.json").read_text())
     assert cfg["budget"] == "96 entries" and cfg["base_revision"] == "r1" and "base_revision" not in cfg["training"]
 
 
@@ -218,3 +219,17 @@ def test_average_refuses_copies_of_one_checkpoint_in_two_folders(tmp_path, capsy
     assert f"{pa} and {copy} hold the same gate weights" in err and "--weights" in err
     assert not (tmp_path / "soup").exists()
     assert main(["average", str(pa), str(pb), "--out", str(tmp_path / "soup")]) == 0  # distinct sets still average
+
+
+def test_average_reads_a_checkpoint_from_before_retention_json(tmp_path):
+    """A source whose metadata is still in config.json (with the card's results) averages as any other; the mean is
+    written with retention.json."""
+    pa = export_gates(_gates(0), tmp_path / "a", base_model="tiny-llama", budget="10%", training={"config": "a.yaml"})
+    pb = export_gates(_gates(1), tmp_path / "b", base_model="tiny-llama", budget="10%", training={"config": "b.yaml"})
+    meta = json.loads((pb / "retention.json").read_text())
+    (pb / "retention.json").unlink()
+    (pb / "config.json").write_text(json.dumps({**meta, "results_markdown": "| a table |"}))
+    out = average_checkpoints([pa, pb], tmp_path / "soup")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
+    cfg = json.loads((out / "retention.json").read_text())
+    assert cfg["training"]["source 1"] == "b.yaml" and cfg["budget"] == "10%" and "results_markdown" not in cfg

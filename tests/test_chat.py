@@ -245,7 +245,7 @@ def test_a_missing_gates_folder_is_an_error_before_the_model_loads(command, caps
     assert "Traceback" not in err
     (tmp_path / "run").mkdir()  # a folder that is no checkpoint (a run's output): was a FileNotFoundError traceback
     assert main([command, "--gates", str(tmp_path / "run")]) == 2
-    assert f"retention {command}: error: {tmp_path / 'run' / 'config.json'} not found" in capsys.readouterr().err
+    assert f"retention {command}: error: {tmp_path / 'run' / 'retention.json'} not found" in capsys.readouterr().err
 
 
 def test_an_unknown_model_is_an_error_not_a_traceback(capsys, monkeypatch, tmp_path):
@@ -273,6 +273,37 @@ def test_prompt_lookup_on_the_first_turn_only(smollm2):
         chat.send("Again.", prompt_lookup_num_tokens=4)
     assert chat.memory()["tokens_seen"] == seen and len(chat.messages) == 2
     assert isinstance(chat.send("Again."), str)
+
+
+def test_a_byte_that_is_not_utf8_is_refused_and_the_chat_goes_on(smollm2, capsys, monkeypatch):
+    """Issue 77: a byte that is not UTF-8 typed or piped into `retention chat` (Python reads it as a lone surrogate)
+    ended the session with the tokenizer's `TypeError: TextEncodeInput must be Union[...]`, losing the conversation;
+    through the API the same TypeError. It is a ChatInputError: the message is not sent, the chat goes on."""
+    import io
+    import sys
+
+    import retention.chat_cli as chat_module
+    import retention.models
+    from retention.cli import main
+
+    model, tok = smollm2
+    chat = RetentionChat(model, tok, budget_tokens=None, max_new_tokens=4)
+    with pytest.raises(ChatInputError, match=r"the message holds '\\udce9' at character 3, which is no character"):
+        chat.send("caf\udce9 au lait")
+    with pytest.raises(ChatInputError, match=r"the reply holds '\\ud800' at character 0.*type it again, or give"):
+        chat.add_turn("hi", "\ud800")
+    assert chat.messages == [] and chat.memory()["tokens_seen"] == 0
+    model.retention.detach()
+
+    monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait\nHello!\n"), encoding="utf-8"))
+    sent, loop = [], chat_module.chat_loop
+    monkeypatch.setattr(chat_module, "chat_loop", lambda chat, lines: (loop(chat, lines), sent.extend(chat.messages)))
+    assert main(["chat", "--budget", "32", "--max-new-tokens", "4"]) == 0
+    model.retention.detach()
+    err = capsys.readouterr().err
+    assert "error: the message holds '\\udce9' at character 3" in err and "the message was not sent" in err
+    assert [m["content"] for m in sent if m["role"] == "user"] == ["Hello!"]
 
 
 class _ScriptedChat:

@@ -128,10 +128,9 @@ def test_a_card_section_adds_a_result_set_and_keeps_the_main_one(tmp_path):
 
 
 def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path):
-    import json
-
     from retention.eval.cli import main
     from retention.eval.publish import publish
+    from retention.hub import card_results
 
     rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5))
     card = _blank_card(tmp_path / "card")
@@ -141,19 +140,19 @@ def test_a_renamed_card_section_takes_the_place_of_the_one_it_replaces(tmp_path)
     publish(rows, card, card_section="Pooled over 12 items", replaces="Pooled over 10 items")
 
     def titles() -> list[str]:
-        return [x["title"] for x in json.loads((card / "config.json").read_text())["results_sections"]]
+        return [x["title"] for x in card_results(card)[1]]  # as the card shows them
 
     assert titles() == ["First", "Pooled over 12 items", "Last"]
     text = (card / "README.md").read_text()
     assert ("Pooled over 10 items" not in text
             and text.index("### First") < text.index("### Pooled over 12") < text.index("### Last"))
     # a title the card does not have, or --replaces without a section, is refused before anything is written
-    before = (card / "config.json").read_bytes()
+    before = (card / "retention.json").read_bytes(), (card / "README.md").read_bytes()
     with pytest.raises(ValueError, match="no such section.*'First', 'Pooled over 12 items', 'Last'"):
         publish(rows, card, card_section="New", replaces="Pooled over 11 items")
     assert main(["report", str(rows), "--card", str(card), "--replaces", "First"]) == 2
     assert main(["report", str(rows), "--card", str(card), "--card-section", "New", "--replaces", "Nope"]) == 2
-    assert (card / "config.json").read_bytes() == before
+    assert ((card / "retention.json").read_bytes(), (card / "README.md").read_bytes()) == before
 
 
 def test_learned_rows_are_known_by_their_policy_not_their_label():
@@ -590,3 +589,28 @@ def test_a_failed_row_leaves_the_gap_and_its_interval_over_the_same_items():
     # with every item scored by both, the point is the difference of the means, as before
     whole = _rows(*A, "t", [90.0, 80.0, 100.0, 70.0, 60.0]) + _rows(*FULL, "t", [100.0, 100.0, 90.0, 100.0, 80.0])
     assert paired_gap(whole, A, FULL, ["t"]) == pytest.approx(-14.0) and "-14.0 [" in summary_table(whole)
+
+
+def test_publishing_into_a_checkpoint_from_before_retention_json_keeps_its_results_and_converts_it(tmp_path):
+    """A card whose metadata and results are still in config.json: a new section lands after its sections, and the
+    checkpoint comes out with retention.json (metadata only) and every result in README.md."""
+    import json
+
+    from retention.eval.publish import publish
+    from retention.hub import card_results, model_card
+
+    rows = _write_rows(tmp_path / "goal.jsonl", _rows(*FULL, "t", [100.0] * 5) + _rows(*A, "t", [100.0] * 5))
+    card = _blank_card(tmp_path / "card")
+    meta = json.loads((card / "retention.json").read_text())
+    (card / "retention.json").unlink()
+    old = {**meta, "results_markdown": "| old | main |", "results_sections": [{"title": "Old", "markdown": "| o |"}]}
+    (card / "config.json").write_text(json.dumps(old))
+    (card / "README.md").write_text(model_card(old))
+    publish(rows, card, card_section="New")
+    assert sorted(p.name for p in card.iterdir() if p.suffix != ".png") == ["README.md", "gates.safetensors",
+                                                                          "retention.json"]
+    assert json.loads((card / "retention.json").read_text()) == meta  # no tables in it
+    main, sections = card_results(card)
+    assert main == "| old | main |" and [s["title"] for s in sections] == ["Old", "New"]
+    text = (card / "README.md").read_text()
+    assert text.index("| old | main |") < text.index("### Old") < text.index("### New")

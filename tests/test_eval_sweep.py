@@ -32,7 +32,11 @@ def test_config_errors_before_any_model_loads(tmp_path):
         # a traceback
         (f"output: {p}\n", "output: .*c.yaml is a file; the sweep writes results.jsonl .* into a folder"),
         ("output: 3\n", "output: must be a folder path"),
-        ("seed: true\n", "seed: must be an integer, got True"),  # a bool is an int to isinstance
+        ("seed: true\n", "seed: must be an integer >= 0 .*, got True"),  # a bool is an int to isinstance
+        ("seed: -1\n", "seed: must be an integer >= 0"),
+        ("output: runs/{sed}\n", r"output: 'runs/\{sed\}' names \['sed'\]; the one placeholder is \{seed\}"),
+        ("output: runs/{}\n", r"the one placeholder is \{seed\}"),
+        ("output: runs/{seed\n", r"output: 'runs/\{seed': .*the one placeholder is \{seed\}"),
     ]
     for text, match in cases:
         p.write_text(text)
@@ -380,11 +384,11 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
     from retention.models import CHECKPOINT_DIRS, EMBEDDED_MODELS, shipped_gates
 
     want = CHECKPOINT_DIRS[-1] / "smollm2-135m-global"  # the checkout's (an editable install has no package copy)
-    assert ((want / "gates.safetensors").is_file() and (want / "config.json").is_file()
+    assert ((want / "gates.safetensors").is_file() and (want / "retention.json").is_file()
             and (want / "README.md").is_file())
     assert shipped_gates("smollm2-135m") == want == shipped_gates(EMBEDDED_MODELS["smollm2-135m"].hub_id)
     assert shipped_gates("some/other-model") is None
-    cfg = json.loads((want / "config.json").read_text())
+    cfg = json.loads((want / "retention.json").read_text())
     assert cfg["gate_config"]["variant"] == "global" and cfg["gate_config"]["num_layers"] == 30
 
 
@@ -713,6 +717,32 @@ def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, mon
         assert words in capsys.readouterr().err
 
 
+def test_a_damaged_row_is_moved_aside_and_its_item_scored_again(tmp_path, capsys):
+    """Issue 77: a resumed sweep skipped a garbled middle line and scored its item again, but left the garbage in
+    place, so report and pool refused the file. The line goes to results.jsonl.bad, the file is rewritten whole."""
+    from retention.eval.runner import load_result_file
+
+    cfg = load_eval_config(_sweep_config(tmp_path, items=3, methods=["full", "streamingllm"], budgets=[0.5]))
+    results = run_sweep(cfg, progress=False)
+    lines = results.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 6
+    garbled = lines[2][:20] + b"\x00\xff garbage"
+    results.write_bytes(b"".join(lines[:2] + [garbled + b"\n", b"[1, 2]\n"] + lines[4:]))  # a line no row too
+    with pytest.raises(ValueError, match=r"line 3: not UTF-8 text; .*\(resuming its sweep moves such lines to results"):
+        load_result_file(results)
+    capsys.readouterr()
+    run_sweep(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert f"warning: {results}, lines 3, 4: not a row (damaged or edited); moved to {results}.bad" in err
+    assert (tmp_path / "out" / "results.jsonl.bad").read_bytes() == garbled + b"\n[1, 2]\n"
+    rows = load_result_file(results)  # report and pool read it again
+    key = lambda r: (r["item"], r["method"], r["budget"])  # noqa: E731
+    assert sorted(map(key, rows)) == sorted(key(json.loads(line)) for line in lines)
+    assert results.read_bytes().startswith(b"".join(lines[:2] + lines[4:]))  # the good rows kept as they were
+    run_sweep(cfg, progress=False)  # nothing left to move or score
+    assert "warning" not in capsys.readouterr().err and load_result_file(results) == rows
+
+
 def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):
     """Rows carry the fingerprint of the gates that scored them; when a method's gates change (a new
     shipped checkpoint), its rows move to results.replaced.jsonl and are scored again, the others stay."""
@@ -885,6 +915,46 @@ def test_run_seed_flag_scores_another_item_set_into_the_same_rows(tmp_path, caps
         assert main(["run", "--config", str(p), "--seed", str(seed), "--quiet"]) == 0
     rows = read_results(tmp_path / "out" / "results.jsonl")
     assert [(r["seed"], r["item"]) for r in rows] == [(3, "fidelity-eval-96-3-0"), (4, "fidelity-eval-96-4-0")]
+
+
+def test_seed_fills_the_output_folder(tmp_path):
+    """``{seed}`` in ``output`` is filled with the item seed: the config's, or the one given instead (``--seed``)."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"output: {tmp_path}/set{{seed}}\nseed: 2\n")
+    assert load_eval_config(p).output == f"{tmp_path}/set2"
+    cfg = load_eval_config(p, seed=7)
+    assert (cfg.seed, cfg.output) == (7, f"{tmp_path}/set7")
+    assert load_eval_config(p, seed=7, output=f"{tmp_path}/{{seed}}/x").output == f"{tmp_path}/7/x"
+    p.write_text(f"output: {tmp_path}/fixed\nseed: 2\n")  # no placeholder: the folder stays
+    assert load_eval_config(p, seed=7).output == f"{tmp_path}/fixed"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 17, 24])
+def test_goal_sets_config_keeps_each_published_sets_folder(seed):
+    """One config serves every goal set: ``--seed N`` gives the folder and the items that set's own config gave
+    (``runs/eval/goal-setN``; seeds 1 and 3 keep theirs by ``--output``), so a published set's rows resume there."""
+    cfg = load_eval_config("smollm2-goal-sets.yaml", seed=seed)
+    assert (cfg.seed, cfg.output, cfg.items) == (seed, f"runs/eval/goal-set{seed}", 12)
+    assert [m.label for m in cfg.method_list()] == ["full", "global_gates_sink4", "streamingllm"]
+
+
+def test_run_seed_flag_fills_the_output_and_refuses_a_bad_seed(tmp_path, capsys, monkeypatch):
+    import retention.eval.runner
+    from retention.eval.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\noutput: {tmp_path}/set{{seed}}\ntasks: [fidelity]\nlengths: [96]\n"
+                 "items: 1\nseed: 0\nmethods: [{name: full}]\n")
+    assert main(["run", "--config", str(p), "--seed", "5", "--quiet"]) == 0
+    rows = read_results(tmp_path / "set5" / "results.jsonl")
+    assert [(r["seed"], r["item"]) for r in rows] == [(5, "fidelity-eval-96-5-0")]
+    assert not (tmp_path / "set0").exists()
+    monkeypatch.setattr(retention.eval.runner, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    for bad in ("four", "-1", "2.5"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "--config", str(p), "--seed", bad])
+        assert exit_.value.code == 2
+        assert f"argument --seed: '{bad}' is not an item set: give a whole number >= 0" in capsys.readouterr().err
 
 
 def test_eval_list_names_everything_a_config_can_use(capsys):

@@ -123,7 +123,7 @@ def test_wrong_hidden_size_is_a_clear_error():
 def test_save_and_load_round_trip(tmp_path):
     gates = make("trimkv", bias_init=1.0)
     gates.save_pretrained(tmp_path / "g", metadata={"base_model": "tiny"})
-    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["config.json", "gates.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["gates.safetensors", "retention.json"]
     state = torch.random.get_rng_state()
     loaded = RetentionGates.from_pretrained(tmp_path / "g")
     assert torch.equal(torch.random.get_rng_state(), state)  # loading draws nothing: a seeded run's draws stay its own
@@ -132,13 +132,13 @@ def test_save_and_load_round_trip(tmp_path):
         assert torch.equal(v, loaded.state_dict()[k])
     x = torch.randn(1, 3, D)
     assert torch.equal(gates(2, x), loaded(2, x))
-    assert json.loads((tmp_path / "g" / "config.json").read_text())["base_model"] == "tiny"
+    assert json.loads((tmp_path / "g" / "retention.json").read_text())["base_model"] == "tiny"
 
 
 def test_load_missing_files_names_them(tmp_path):
     from retention.gates import GateCheckpointError
 
-    with pytest.raises(GateCheckpointError, match="config.json"):  # a user error: commands print it, no traceback
+    with pytest.raises(GateCheckpointError, match="retention.json"):  # a user error: commands print it, no traceback
         RetentionGates.from_pretrained(tmp_path)
 
 

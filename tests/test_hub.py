@@ -25,8 +25,9 @@ def checkpoint(tmp_path):
 
 def test_export_writes_a_self_describing_checkpoint(checkpoint):
     path, gates, _ = checkpoint
-    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
-    cfg = json.loads((path / "config.json").read_text())
+    # retention.json: never config.json, a name transformers takes for a model's config
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
+    cfg = json.loads((path / "retention.json").read_text())
     assert (cfg["gate_config"] == {**gates.config.to_dict(), "base_model": "tiny-llama"}
             and cfg["budget"] == "64 entries")
     assert RetentionGates.from_pretrained(path).config.base_model == "tiny-llama"
@@ -52,9 +53,9 @@ def test_export_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
     (tmp_path / "empty").mkdir()
     export_gates(gates, tmp_path / "empty")
     gates.save_pretrained(path)  # over the export: earlier gates, replaced whole
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "gates.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["gates.safetensors", "retention.json"]
     export_gates(gates, path, base_model="tiny-llama")
-    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "gates.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(checkpoint, tmp_path, capsys, monkeypatch):
@@ -69,11 +70,11 @@ def test_a_damaged_checkpoint_is_a_clear_error(checkpoint, tmp_path, capsys, mon
     path, gates, _ = checkpoint
     cases = {
         "cut": lambda d: (d / "gates.safetensors").write_bytes((path / "gates.safetensors").read_bytes()[:500]),
-        "json": lambda d: (d / "config.json").write_text("{"),
-        "no_config": lambda d: (d / "config.json").write_text('{"format": "retention-gates/1"}'),
-        "layout": lambda d: (d / "config.json").write_text(json.dumps(other_width)),
+        "json": lambda d: (d / "retention.json").write_text("{"),
+        "no_config": lambda d: (d / "retention.json").write_text('{"format": "retention-gates/1"}'),
+        "layout": lambda d: (d / "retention.json").write_text(json.dumps(other_width)),
     }
-    other_width = json.loads((path / "config.json").read_text())
+    other_width = json.loads((path / "retention.json").read_text())
     other_width["gate_config"]["gate_hidden"] += 4  # tensors of one width, a config of another
     for where in (retention.models, retention):
         monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
@@ -153,25 +154,25 @@ def test_a_checkpoint_under_home_loads_by_tilde(checkpoint, monkeypatch):
 
 
 def test_a_checkpoint_file_names_its_checkpoint_and_a_run_folder_lists_the_ones_inside(checkpoint, tmp_path):
-    """Giving the checkpoint's gates.safetensors (or its config.json) looked for "gates.safetensors/config.json"; a
-    folder that holds checkpoints (a run's output, checkpoints/) said only that its config.json was missing."""
+    """Giving the checkpoint's gates.safetensors (or its retention.json) looked for "gates.safetensors/config.json";
+    a folder that holds checkpoints (a run's output, checkpoints/) said only that its config.json was missing."""
     path, gates, _ = checkpoint
-    for name in ("gates.safetensors", "config.json"):
+    for name in ("gates.safetensors", "retention.json"):
         assert torch.equal(load_gates(path / name).state_dict()["W1"], gates.state_dict()["W1"])
     stray = tmp_path / "loose"  # a file of that name outside a checkpoint is not taken for one
     stray.mkdir()
-    (stray / "config.json").write_text("{}")
-    with pytest.raises(GateCheckpointError, match="loose/config.json/config.json not found"):
-        load_gates(stray / "config.json")
+    (stray / "retention.json").write_text("{}")
+    with pytest.raises(GateCheckpointError, match="loose/retention.json/retention.json not found"):
+        load_gates(stray / "retention.json")
     run = tmp_path / "run"
     export_gates(gates, run / "final", base_model="tiny-llama")
-    step = run / "checkpoints" / "step-4"  # a training checkpoint: gates and trainer state, no config.json
+    step = run / "checkpoints" / "step-4"  # a training checkpoint: gates and trainer state, no retention.json
     step.mkdir(parents=True)
     for name in ("gates.safetensors", "state.json"):
         (step / name).write_bytes((run / "final" / "gates.safetensors").read_bytes() if name.endswith("tensors")
                                   else b"{}")
     with pytest.raises(GateCheckpointError,
-                       match=r"run/config.json not found: .*; the gate checkpoints under it: final$"):
+                       match=r"run/retention.json not found: .*; the gate checkpoints under it: final$"):
         load_gates(run)
     with pytest.raises(GateCheckpointError, match=f"a training checkpoint: export its gates with `python train.py "
                                                   f"--config CONFIG --export {step}`"):
@@ -270,7 +271,7 @@ def test_push_sends_exactly_the_checkpoint_files(checkpoint, fake_hub):
     url = push_to_hub(path, "me/gates")
     assert url == "https://huggingface.co/me/gates/commit/abc"
     sent = hub.committed_files()
-    assert sorted(sent) == ["README.md", "config.json", "gates.safetensors"]
+    assert sorted(sent) == ["README.md", "gates.safetensors", "retention.json"]
     for name, data in sent.items():
         assert data == (path / name).read_bytes()
     assert all(r.headers["authorization"] == "Bearer hf_fake_token_for_tests" for r in hub.requests)
@@ -292,7 +293,7 @@ def test_push_sends_the_images_the_model_card_shows(checkpoint, fake_hub):
     hub = fake_hub()
     push_to_hub(path, "me/gates")
     sent = hub.committed_files()
-    assert sorted(sent) == ["README.md", "config.json", "gates.safetensors", "results-goal.png", "results.png"]
+    assert sorted(sent) == ["README.md", "gates.safetensors", "results-goal.png", "results.png", "retention.json"]
     assert sent["results-goal.png"] == b"png two"
 
 
@@ -355,7 +356,7 @@ def test_push_names_a_missing_folder_and_finds_the_shipped_checkpoint_by_name(fa
     sent = hub.committed_files()
     shipped = shipped_gates("smollm2-135m")
     assert sent["gates.safetensors"] == (shipped / "gates.safetensors").read_bytes()
-    assert {"README.md", "config.json"} <= set(sent)
+    assert {"README.md", "retention.json"} <= set(sent)
 
 
 def _with_bad_values(src: Path, dest: Path, **values: float) -> Path:
@@ -423,5 +424,75 @@ def test_push_sends_images_linked_with_a_dot_path_a_title_or_a_bracket_in_their_
     hub = fake_hub()
     push_to_hub(path, "me/gates")
     sent = hub.committed_files()
-    assert sorted(sent) == ["README.md", "a.png", "config.json", "d.png", "e[1].png", "figs/b.png", "gates.safetensors"]
+    assert sorted(sent) == ["README.md", "a.png", "d.png", "e[1].png", "figs/b.png", "gates.safetensors",
+                            "retention.json"]
     assert all(sent[name] == name.encode() for name in ("a.png", "figs/b.png", "d.png", "e[1].png"))
+
+
+def _legacy(path: Path, tmp_path: Path) -> Path:
+    """The checkpoint at ``path`` as checkpoints before retention.json were written: its metadata and the card's
+    results in config.json, the card made from that file."""
+    import shutil
+
+    from retention.hub import model_card
+
+    old = tmp_path / "legacy"
+    shutil.copytree(path, old)
+    meta = json.loads((old / "retention.json").read_text())
+    (old / "retention.json").unlink()
+    meta.update(results_markdown="| method | score |\n|---|---|\n| gates | 90 |",
+                results_sections=[{"title": "Goal check", "markdown": "| a | b |\n|---|---|\n| 1 | 2 |"}])
+    (old / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    (old / "README.md").write_text(model_card(meta))
+    return old
+
+
+def test_a_checkpoint_from_before_retention_json_loads_pushes_and_converts(checkpoint, tmp_path, fake_hub):
+    from retention.gates import is_gate_folder
+    from retention.hub import card_results, local_checkpoint, model_card
+    from retention.metadata import read_metadata, write_metadata
+
+    path, gates, model = checkpoint
+    old = _legacy(path, tmp_path)
+    assert is_gate_folder(old) and local_checkpoint(old / "config.json") == old
+    loaded = load_gates(old, model=model)
+    assert loaded.fingerprint() == gates.fingerprint() and loaded.config.base_model == "tiny-llama"
+    meta = read_metadata(old)
+    assert meta["budget"] == "64 entries" and "results_markdown" not in meta  # results belong to the card
+    assert card_results(old) == ("| method | score |\n|---|---|\n| gates | 90 |",
+                                 [{"title": "Goal check", "markdown": "| a | b |\n|---|---|\n| 1 | 2 |"}])
+    hub = fake_hub()
+    push_to_hub(old, "me/gates")
+    assert sorted(hub.committed_files()) == ["README.md", "config.json", "gates.safetensors"]
+    # rewriting its metadata converts it: retention.json replaces config.json, the results stay in the card
+    card = (old / "README.md").read_text()
+    write_metadata(old, meta)
+    assert sorted(p.name for p in old.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
+    assert load_gates(old).fingerprint() == gates.fingerprint()
+    main, sections = card_results(old)  # now read from the card
+    assert model_card(read_metadata(old), main, sections) == card
+
+
+def test_a_model_folders_config_json_is_no_gate_metadata(tmp_path):
+    from retention.metadata import metadata_file
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert metadata_file(tmp_path) == tmp_path / "retention.json"  # missing: not the model's config
+    with pytest.raises(GateCheckpointError, match="retention.json not found"):
+        load_gates(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-global", "smollm2-135m-trimkv", "smollm2-135m-trimkv-4k"])
+def test_the_shipped_cards_results_read_back_as_they_are_shown(name):
+    """Publishing into a shipped checkpoint rebuilds its card from retention.json and the results read from the card:
+    they must come back as the card shows them (the tables are no longer kept in a second file)."""
+    from retention.hub import card_results, model_card
+    from retention.metadata import read_metadata
+
+    folder = Path(__file__).resolve().parent.parent / "checkpoints" / name
+    assert not (folder / "config.json").exists() and (folder / "retention.json").is_file()
+    card = (folder / "README.md").read_text()
+    remade = model_card(read_metadata(folder), *card_results(folder))
+    results = card.index("\n## Results\n") if "\n## Results\n" in card else len(card)
+    assert remade[remade.find("\n## Results\n") if "\n## Results\n" in remade else len(remade):] == card[results:]
+    assert len((folder / "retention.json").read_bytes()) < 4000  # metadata, not tables

@@ -79,6 +79,54 @@ def test_a_folder_in_use_is_refused_to_a_second_writer(tmp_path):
         pass
 
 
+def test_the_lock_folder_is_private_and_its_files_are_never_written_through_links(tmp_path, monkeypatch):
+    """Issue 77: the lock folder in the shared temp folder was taken as found (anyone can create that name first) and
+    the pid file was written through links: another local user could make a run overwrite any file the user can
+    write, or block the user's runs. The folder is made 0700 and refused when it is a link, another user's or
+    writable by others; a link planted where a lock goes is refused or replaced, never followed."""
+    import getpass
+    import hashlib
+    import os
+    import tempfile
+
+    from retention.io import LockFolderError, exclusive_use, lock_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    locks = tmp_path / f"retention-locks-{getpass.getuser()}"
+    with exclusive_use(tmp_path / "run", "a sweep"):
+        assert oct(locks.stat().st_mode & 0o777) == "0o700"
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    key = hashlib.sha1(str((tmp_path / "run").resolve()).encode()).hexdigest()[:16]
+    (locks / f"{key}.pid").symlink_to(victim)  # the pid file is a new file: the link goes, its target stays
+    with exclusive_use(tmp_path / "run", "a sweep"):
+        assert not (locks / f"{key}.pid").is_symlink()
+    assert victim.read_text() == "keep me"
+    (locks / f"{key}.lock").unlink(missing_ok=True)
+    (locks / f"{key}.lock").symlink_to(victim)
+    with pytest.raises(LockFolderError, match=f"{key}.lock is a symbolic link, where retention keeps a lock: remove"):
+        with exclusive_use(tmp_path / "run", "a sweep"):
+            pass
+    assert victim.read_text() == "keep me"
+    (locks / f"{key}.lock").unlink()
+    locks.chmod(0o777)  # made by someone else, open to all
+    with pytest.raises(LockFolderError, match="is writable by other users \\(mode 777, not 700\\): .*set TMPDIR"):
+        with exclusive_use(tmp_path / "run", "a sweep"):
+            pass
+    locks.chmod(0o755)  # what earlier versions made (the umask's mode): ours, and tightened
+    assert lock_folder() == locks and oct(locks.stat().st_mode & 0o777) == "0o700"
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)  # as seen by another user
+    with pytest.raises(LockFolderError, match=f"{locks} belongs to another user \\(uid {os.getuid()}\\)"):
+        lock_folder()
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    locks.chmod(0o700)
+    locks.rename(tmp_path / "elsewhere")
+    locks.symlink_to(tmp_path / "elsewhere")  # a link to a folder someone chose
+    with pytest.raises(LockFolderError, match="is not a folder \\(a link or a file\\)"):
+        lock_folder()
+
+
 def test_a_file_write_aimed_at_a_folder_names_it_and_leaves_no_temp_file(tmp_path):
     """The rename used to fail only after the temp file was written beside the folder, with an error naming both."""
     from retention.io import atomic_write_bytes

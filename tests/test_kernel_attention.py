@@ -93,16 +93,23 @@ def test_empty_sequence():
     assert out.shape == (1, 0, 2, 16) and lse.shape == (1, 2, 0)
 
 
-def test_work_list_covers_every_block_once_heaviest_first():
-    lengths = torch.tensor([5, 40, 1, 33])
-    for order in ("late", "early"):
-        w = triton_kernel.work_list(lengths, 16, order)
-        items = sorted(map(tuple, w.tolist()))
-        assert items == [(s, b) for s, n in enumerate(lengths.tolist()) for b in range(-(-n // 16))]
-    late = triton_kernel.work_list(lengths, 16, "late").tolist()
-    assert late[0][1] == 2  # the last query block of the longest segment has the most keys
-    early = triton_kernel.work_list(lengths, 16, "early").tolist()
-    assert early[0] == [1, 0]  # the first key block of the longest segment has the most queries
+def test_segments_are_built_once_per_input_and_again_when_cu_seqlens_changes():
+    """Every layer of a forward passes the same shapes and cu_seqlens: the segments (and the host sync that packed
+    documents need) come from a cache; an in-place change to cu_seqlens, or another tensor, builds them anew."""
+    cu = torch.tensor([0, 5, 9, 16])
+    first = triton_kernel.segments(2, 8, 8, cu, torch.device("cpu"))
+    assert triton_kernel.segments(2, 8, 8, cu, torch.device("cpu")) is first
+    assert first.qlen.tolist() == [5, 3, 1, 7] and first.b.tolist() == [0, 0, 1, 1]
+    assert first.t0.tolist() == [0, 5, 0, 1]
+    assert (first.max_q, first.max_k) == (7, 7)
+    cu[1] = 2  # same tensor, new contents
+    again = triton_kernel.segments(2, 8, 8, cu, torch.device("cpu"))
+    assert again is not first and again.qlen.tolist() == [2, 6, 1, 7]
+    other = triton_kernel.segments(2, 8, 8, cu.clone(), torch.device("cpu"))
+    assert other is not again and other.qlen.tolist() == again.qlen.tolist()
+    rows = triton_kernel.segments(3, 4, 9, None, torch.device("cpu"))  # decode shape: 4 queries over 9 keys
+    assert rows is triton_kernel.segments(3, 4, 9, None, torch.device("cpu"))
+    assert rows.qlen.tolist() == [4] * 3 and rows.klen.tolist() == [9] * 3 and (rows.max_q, rows.max_k) == (4, 9)
 
 
 @pytest.mark.slow

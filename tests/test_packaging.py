@@ -53,7 +53,7 @@ def test_the_wheel_holds_every_module_and_the_shipped_gates(wheel):
     for spec in EMBEDDED_MODELS.values():
         shipped = ROOT / "checkpoints" / spec.gates
         files = {f"retention/checkpoints/{spec.gates}/{p.name}" for p in shipped.iterdir() if p.is_file()}
-        assert "gates.safetensors" in {p.name for p in shipped.iterdir()}
+        assert {"gates.safetensors", "retention.json"} <= {p.name for p in shipped.iterdir()}
         assert files <= names, f"shipped gates left out of the wheel: {sorted(files - names)}"
     assert not any(n.startswith("checkpoints/") for n in names)  # no stray top-level folder in site-packages
 

@@ -70,7 +70,7 @@ def test_losses_go_down_and_beta_follows_the_budget(tiny_setup, tmp_path):
     assert last["beta_mean"] < first["beta_mean"], "a budget of 4 tokens per head must pull beta down"
     gates = load_gates(summary["export_dir"])
     assert (sorted(p.name for p in Path(summary["export_dir"]).iterdir())
-            == ["README.md", "config.json", "gates.safetensors"])
+            == ["README.md", "gates.safetensors", "retention.json"])
     ckpt = tmp_path / "run" / "checkpoints" / "step-12"
     assert {p.name for p in ckpt.iterdir()} == {"gates.safetensors", "trainer_state.pt", "state.json"}
     assert sum(p.stat().st_size for p in ckpt.iterdir()) < 10 * gates.W1.numel() * 4 + 1_000_000  # no base weights
@@ -149,6 +149,50 @@ def test_a_second_run_into_the_same_folder_stops_before_the_model_loads(tiny_set
             main(["--config", str(cfg_file)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "is writing a training run in" in err and "another output folder" in err
+
+
+def test_a_second_run_exporting_to_the_same_folder_stops_before_the_model_loads(tiny_setup, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Issue 77: two runs with their own output folders but one export.dir both exported there, and the second
+    replaced the first's gates without a word; the export folder is held as the output folder is."""
+    import retention.train.loop as loop
+    from retention.io import exclusive_use
+    from retention.train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "second")
+    shared = tmp_path / "gates"
+    with exclusive_use(shared, "the gates of a training run (its export.dir)"):  # the first run, still going
+        with pytest.raises(SystemExit) as stop:
+            main(["--config", str(cfg_file), "--set", f"export.dir={shared}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"is writing the gates of a training run (its export.dir) in {shared}" in err
+    assert "--set export.dir=DIR" in err and not shared.exists()
+
+
+def test_half_written_checkpoints_of_a_killed_run_are_removed(tiny_setup, tmp_path, capsys, monkeypatch):
+    """Issue 77: a kill -9 while a checkpoint was written left its .tmp-step-* folder (~20 MB) for good; the next
+    run in the folder (it holds the folder, so no other run is writing them) removes them, and so does a run's end."""
+    import retention.train.loop as loop
+
+    save = loop.save_checkpoint
+
+    def save_and_leave_one(path, *a, **k):  # as a save that died halfway would, at the last step
+        save(path, *a, **k)
+        (path.parent / f".tmp-{path.name}-xyz").mkdir()
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_and_leave_one)
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name in (".tmp-step-4-abc123", ".old-step-8-def456", ".step-4.deepspeed"):
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "gates.safetensors").write_bytes(b"half")
+    (ckpts / "step-4").mkdir()  # a whole checkpoint is another matter (set aside, not deleted)
+    (ckpts / "step-4" / "state.json").write_text("{}")
+    train(load_config(cfg_file, over + ["train.steps=4"]))
+    assert "removed 3 half-written checkpoint folder(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4"]
+    assert len(list((tmp_path / "run").glob("checkpoints-before-*/step-4"))) == 1
 
 
 def test_a_resume_with_other_gate_settings_is_refused_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):
@@ -269,15 +313,15 @@ def test_the_logged_rate_is_the_one_the_step_used_and_a_diverged_run_writes_noth
     assert [r["lr"] for r in run["history"]] == pytest.approx([0.05 * f(k) for k in range(4)])
     assert run["history"][0]["lr"] == pytest.approx(0.025)  # warm-up's first step: half the rate
     # a loss that turns NaN (a huge lr no longer does it: the kernels read log-beta -> -inf as beta = 0)
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
-    real = loop.distillation_kl
+    real = distill.distillation_kl
 
     def nan_kl(*args, **kwargs):
         total, n = real(*args, **kwargs)
         return total * float("nan"), n
 
-    monkeypatch.setattr(loop, "distillation_kl", nan_kl)
+    monkeypatch.setattr(distill, "distillation_kl", nan_kl)
     with pytest.raises(SystemExit, match="the run diverged; lower train.lr"):
         train(load_config(cfg_file, over + [f"train.output_dir={tmp_path / 'nan'}"]))
     assert not list((tmp_path / "nan").glob("checkpoints/step-*")) and not (tmp_path / "nan" / "final").exists()
@@ -350,6 +394,29 @@ def test_unreadable_local_data_stops_the_run_before_the_model_loads(tiny_setup, 
         main(["--config", str(cfg_file)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("train.py: error: ") and "holds no text files: give .txt" in err
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "holds no records (its files are empty)"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "a.jsonl, line 1 (byte offset 46): not UTF-8"),
+    (b'{"messages": [{"role": "user", "content": null}]}\n', "a.jsonl, line 1, turn 1: the user turn's content"),
+])
+def test_empty_undecodable_or_unrenderable_data_stops_the_run_before_the_model_loads(tiny_setup, tmp_path, capsys,
+                                                                                    monkeypatch, data, message):
+    """Issue 77: each was found only after the model had loaded (a UnicodeDecodeError or a jinja2 UndefinedError
+    naming neither file nor line, or "gave no usable documents")."""
+    import retention.train.loop as loop
+    from retention.train import main
+
+    monkeypatch.setattr(loop, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "a.jsonl").write_bytes(data)
+    cfg_file, _ = config_for(tiny_setup, tmp_path / "run")
+    cfg_file.write_text(cfg_file.read_text().replace(f"kind: text, path: {tiny_setup / 'text'}",
+                                                     f"kind: chat, path: {tmp_path / 'a.jsonl'}"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(cfg_file)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("train.py: error: ") and message in err
 
 
 def test_train_py_prints_a_model_error_not_a_traceback(tmp_path, capsys):
@@ -498,7 +565,7 @@ def test_retention_train_is_listed_and_hands_its_arguments_to_the_training_comma
 
 def test_the_card_states_the_budget_in_the_capacity_losss_own_terms(tiny_setup, tmp_path):
     """TRIM-KV's per-head capacity gives every KV head the same budget (no 'on average'); the global form one total."""
-    from retention.train.loop import capacity_budget_text
+    from retention.train.distill import capacity_budget_text
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     per_head = load_config(cfg_file, over + ["loss.capacity_form=per_head", "gates.variant=trimkv"])
@@ -745,12 +812,12 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
     """LoRA adapters train with the gates; the teacher runs with adapters off; both are checkpointed."""
     from safetensors.torch import load_file
 
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
     cfg_file, over = config_for(tiny_setup, tmp_path / "lora")
     over += ["train.steps=4", "train.save_every=2", "lora.enabled=true", "lora.r=2", "train.stop_after=2"]
     seen = []
-    real = loop.Distiller.forward
+    real = distill.Distiller.forward
 
     def spy(self, *a, **k):  # record that the teacher pass ran without adapters
         ctx = self.model.disable_adapter
@@ -765,13 +832,13 @@ def test_lora_co_training_keeps_the_teacher_original_and_resumes(tiny_setup, tmp
         finally:
             del self.model.disable_adapter
 
-    loop.Distiller.forward = spy
+    distill.Distiller.forward = spy
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             part = train(load_config(cfg_file, over))
     finally:
-        loop.Distiller.forward = real
+        distill.Distiller.forward = real
     assert seen and part["stopped_early"]
     # peft's read of transformers' deprecated property is not shown to users (the run filters that one warning)
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
@@ -792,7 +859,7 @@ def test_a_continued_run_says_what_it_continued(tiny_setup, tmp_path):
     for k, v in load_gates(first).state_dict().items():  # lr ~0: still the starting gates
         torch.testing.assert_close(load_gates(second["export_dir"]).state_dict()[k], v)
     card = (Path(second["export_dir"]) / "README.md").read_text()
-    kl = json.loads((Path(first) / "config.json").read_text())["training"]
+    kl = json.loads((Path(first) / "retention.json").read_text())["training"]
     assert f"| init_from | {first} (2 steps, 32-token rows, {kl['config']}, " \
            f"held-out KL {kl['held_out_kl_before']:.4g} -> {kl['held_out_kl']:.4g}) |" in card
 
@@ -839,7 +906,7 @@ def test_sink_tokens_train_undecayed_and_the_card_says_so(tiny_setup, tmp_path):
 def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup, tmp_path, monkeypatch):
     """``data.sources.N.weight`` weights the training KL; the held-out KL stays the plain mean, so runs
     with different weights report comparable numbers."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from retention.losses import distillation_kl
 
     calls = []
@@ -848,7 +915,7 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
         calls.append((torch.is_grad_enabled(), weights))
         return distillation_kl(*args, weights=weights, **kwargs)
 
-    monkeypatch.setattr(loop, "distillation_kl", spy)
+    monkeypatch.setattr(distill, "distillation_kl", spy)
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     sources = f"data.sources=[{{kind: text, path: {tiny_setup / 'text'}, max_docs: 2}}, " \
               f"{{kind: chat, path: sharegpt, max_docs: 10, weight: 25}}]"
@@ -863,7 +930,7 @@ def test_source_weights_reach_the_training_kl_but_not_the_held_out_kl(tiny_setup
 def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_path, monkeypatch):
     """When ``eval_every`` lands on the last step, that pass is the summary's held-out KL: the items are not
     scored a second time (as many held-out KL calls as a run that scores them only at the end)."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from retention.losses import distillation_kl
 
     held_out = []
@@ -873,7 +940,7 @@ def test_a_held_out_pass_at_the_last_step_is_the_runs_final_one(tiny_setup, tmp_
             held_out.append(1)
         return distillation_kl(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "distillation_kl", spy)
+    monkeypatch.setattr(distill, "distillation_kl", spy)
     counts, summaries = [], []
     for run, every in (("end", 0), ("last", 2)):
         held_out.clear()
@@ -894,13 +961,13 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
     missing.mkdir(parents=True)  # there, but no checkpoint: an error train.py prints (was a FileNotFoundError)
     from retention.cli import user_errors
 
-    with pytest.raises(user_errors(), match="final/config.json not found: a gate checkpoint needs"):
+    with pytest.raises(user_errors(), match="final/retention.json not found: a gate checkpoint needs"):
         train(load_config(cfg_file, over + [f"gates.init_from={missing}"]))
     # a shipped checkpoint's name is no missing folder: the run goes on to its next check (here, the missing model)
     with pytest.raises(ModelNotAvailableError, match="/nonexistent/model"):
         train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
     cfg = load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global"])
-    shipped = json.loads((local_checkpoint("smollm2-135m-global") / "config.json").read_text())["training"]
+    shipped = json.loads((local_checkpoint("smollm2-135m-global") / "retention.json").read_text())["training"]
     # the card says how: the shipped gates are a soup of two stages (`retention average`), named with its recipe
     assert init_from_note(cfg) == f"smollm2-135m-global (a weight-space average: {shipped['averaged_from']})"
     assert "stage 4 (configs/smollm2-global-4k-evict.yaml)" in shipped["averaged_from"]
@@ -908,14 +975,14 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
 
 def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):
     """``data.eval_fraction: 0`` (or data too small to hold a row out) used to print "KL nan" and write NaN, which
-    is not JSON, into the exported config.json."""
+    is not JSON, into the exported metadata (retention.json)."""
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
     summary = train(load_config(cfg_file, over + ["train.steps=2", "data.eval_fraction=0", "train.eval_every=1"]))
     out = capsys.readouterr().out
     assert "no held-out rows: data.eval_fraction is 0; the run reports no held-out KL" in out
     assert "nan" not in out.lower() and "held_out_kl" not in summary
-    exported = (tmp_path / "run" / "final" / "config.json").read_text()
-    json.loads(exported, parse_constant=lambda c: pytest.fail(f"{c} in the exported config.json"))
+    exported = (tmp_path / "run" / "final" / "retention.json").read_text()
+    json.loads(exported, parse_constant=lambda c: pytest.fail(f"{c} in the exported retention.json"))
     assert all("eval_kl" not in h for h in summary["history"])
 
 
@@ -962,7 +1029,7 @@ def test_a_missing_hub_dataset_stops_the_run_before_the_model_loads(tiny_setup, 
 def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monkeypatch):
     """``data.chat_template_kwargs`` renders every chat row with those variables (Qwen3's ``enable_thinking`` in
     life), through a copy of the tokenizer; the data cache keeps rows of other variables apart."""
-    import retention.train.loop as loop
+    import retention.train.distill as distill
     from transformers import AutoModelForCausalLM
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.first and persona is defined %}"
@@ -976,8 +1043,8 @@ def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monk
                                                       {"role": "assistant", "content": f"River {i} runs far. " * 6}]})
                              + "\n" for i in range(8)))
     built = []
-    build = loop.build_data
-    monkeypatch.setattr(loop, "build_data", lambda cfg, tokenizer, cache=None: built.append(
+    build = distill.build_data
+    monkeypatch.setattr(distill, "build_data", lambda cfg, tokenizer, cache=None: built.append(
         build(cfg, tokenizer, cache=cache)) or built[-1])
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")

@@ -122,13 +122,23 @@ def test_every_shipped_config_loads():
     """The configs in configs/ are what the README and model cards point at: each must validate."""
     from pathlib import Path
 
-    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    root = Path(__file__).resolve().parent.parent
+    configs = sorted((root / "configs").glob("*.yaml"))
     assert len(configs) >= 4
-    for path in configs:
+    # the studies' recipes are diffs over the shipped chain (base: ../../configs/...): a moved base breaks them
+    recipes = sorted(root.glob("experiments/*/train*.yaml"))  # train.yaml, or train-<variant>.yaml beside others
+    assert len(recipes) >= 11, recipes
+    for path in configs + recipes:
         cfg = load_config(path)
         assert cfg.train.steps > 0 and cfg.data.seq_len > 0, path
         # a tracker named outright stops the run when it is not installed: shipped recipes run wherever they land
         assert cfg.train.tracker in ("auto", "none", None), path
+    # the shipped chain: each stage is a diff over the one before it
+    for stage, base in (("smollm2-global-4k", "smollm2-global"),
+                        ("smollm2-global-4k-answers-sink", "smollm2-global-4k"),
+                        ("smollm2-global-4k-evict", "smollm2-global-4k-answers-sink")):
+        assert f"base: {base}.yaml" in (root / "configs" / f"{stage}.yaml").read_text()
+        assert load_config(f"{stage}.yaml").gates.init_from == f"runs/{base}/final"
 
 
 def test_moving_a_run_moves_its_export(tmp_path):
@@ -217,3 +227,44 @@ def test_a_file_that_is_no_mapping_a_key_set_twice_and_infinite_numbers_are_refu
             load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\n"), [given])
     with pytest.raises(ConfigError, match="data.seq_len must be >= 2"):  # every row would be dropped
         load_config(write(tmp_path, "budget:\n  tokens_per_head: 8\n"), ["data.seq_len=1"])
+
+
+def test_a_base_config_is_merged_under_its_child(tmp_path):
+    """``base:`` names a file beside the config; mappings merge key by key, lists and values replace."""
+    (tmp_path / "base.yaml").write_text("budget:\n  tokens_per_head: 8\ntrain:\n  steps: 5\n  lr: 0.5\n"
+                                        "data:\n  seq_len: 256\n  sources:\n    - {kind: text, path: sotu}\n"
+                                        "    - {kind: chat, path: sharegpt}\n")
+    child = write(tmp_path, "base: base.yaml\ntrain:\n  steps: 7\ndata:\n  sources: [{kind: text, path: /x}]\n")
+    cfg = load_config(child)
+    assert (cfg.train.steps, cfg.train.lr, cfg.budget.tokens_per_head, cfg.data.seq_len) == (7, 0.5, 8, 256)
+    assert [(s.kind, s.path) for s in cfg.data.sources] == [("text", "/x")]  # the list replaced, not merged
+    assert cfg.source == str(child)
+    # an error on a key the base set names the base file and its line
+    (tmp_path / "base.yaml").write_text("budget:\n  tokens_per_head: 8\ngates:\n  variant: shared\n")
+    with pytest.raises(ConfigError, match=r"gates.variant = 'shared' \(.*base.yaml, line 4\) is not allowed"):
+        load_config(child)
+
+
+def test_bases_chain_and_are_relative_to_the_config_that_names_them(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.yaml").write_text("budget:\n  tokens_per_head: 8\ntrain:\n  steps: 1\n  lr: 0.1\n"
+                                             "  warmup_steps: 0\n")
+    (tmp_path / "one" / "b.yaml").write_text("base: a.yaml\ntrain:\n  steps: 2\n  lr: 0.2\n")
+    cfg = load_config(write(tmp_path, "base: one/b.yaml\ntrain:\n  steps: 3\n"))
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.warmup_steps, cfg.budget.tokens_per_head) == (3, 0.2, 0, 8)
+    # --set still applies over the merged config
+    assert load_config(tmp_path / "c.yaml", ["train.lr=0.3"]).train.lr == 0.3
+
+
+def test_a_missing_base_or_a_cycle_of_bases_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"base 'gone.yaml' named in .*c.yaml not found: no file .*gone.yaml"):
+        load_config(write(tmp_path, "base: gone.yaml\nbudget:\n  tokens_per_head: 8\n"))
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nbudget:\n  tokens_per_head: 8\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"base 'a.yaml' named in .*b.yaml makes a cycle of bases "
+                                          r"\(.*a.yaml -> .*b.yaml -> .*a.yaml\)"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="cycle"):  # a config naming itself
+        load_config(write(tmp_path, "base: c.yaml\n"))
+    with pytest.raises(ConfigError, match="base in .*c.yaml must be the path of another config file"):
+        load_config(write(tmp_path, "base: [a.yaml]\n"))

@@ -1,5 +1,6 @@
 """Training data: packing with document boundaries, chat masks, offline corpora, resumable streams."""
 
+import json
 import re
 
 import pytest
@@ -277,10 +278,58 @@ def test_unreadable_local_data_is_a_clear_error(tmp_path, content, name, message
     source = SourceConfig(kind="chat", path=str(tmp_path / name))
     with pytest.raises(DataError, match=re.escape(message)):
         list(iter_source(source))
-    if "line 2" not in message:  # the first record is what the check before the model load reads
-        with pytest.raises(DataError, match=re.escape(message)):
-            check_local_source(source)
+    with pytest.raises(DataError, match=re.escape(message)):  # every record is read before the model loads
+        check_local_source(source)
 
+
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize("kind, name, data, message", [
+    # issue 77: a UnicodeDecodeError naming neither file nor line, after the model loaded
+    ("chat", "a.jsonl", json.dumps({"messages": CHAT}).encode() + b'\n{"messages": "caf\xe9"}\n',
+     "a.jsonl, line 2 (byte offset 110): not UTF-8 text (invalid continuation byte b'\\xe9'); save the file as "
+     "UTF-8 (e.g. iconv -f latin1 -t utf-8 a.jsonl > fixed.jsonl)"),
+    ("chat", "a.json", b'[\n{"messages": []},\n"\xff"]', "a.json, line 3 (byte offset 21): not UTF-8 text"),
+    # issue 77: a jinja2 UndefinedError from the chat template, after the model loaded
+    ("chat", "a.jsonl", (json.dumps({"messages": CHAT}) + "\n"
+                         + json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n").encode(),
+     "a.jsonl, line 2, turn 1: the user turn's content must be text or a list of parts, got NoneType None; fix or "
+     "drop this record"),
+    ("chat", "a.json", json.dumps([{"messages": CHAT}, {"messages": [CHAT[0], {"role": "assistant", "content": 7}]}])
+     .encode(), "a.json, record 2, turn 2: the assistant turn's content must be text or a list of parts, got int 7"),
+    ("chat", "a.jsonl", json.dumps({"conversations": [{"from": None, "value": "hi"}]}).encode(),
+     "a.jsonl, line 1, turn 1: the role must be a name such as user, assistant or system, got None"),
+    ("chat", "a.jsonl", json.dumps({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}).encode(),
+     "a.jsonl, line 1, turn 1: the user turn's content parts must be {\"type\": ...} objects"),
+    ("text", "a.jsonl", json.dumps({"text": "fine"}).encode() + b"\n" + json.dumps({"text": None}).encode(),
+     "a.jsonl, line 2: the 'text' field must be text, got NoneType None"),
+    ("multimodal", "a.jsonl", json.dumps({"conversations": [{"from": "human", "value": None}]}).encode(),
+     "a.jsonl, line 1: cannot read this multimodal record (TypeError"),
+    # issue 77: an empty file was found only once the model had loaded
+    ("chat", "a.jsonl", b"", "data source '{path}' holds no records (its files are empty)"),
+    ("text", "a.txt", b"\n  \n", "data source '{path}' holds no records (its files are empty)"),
+])
+def test_bad_records_are_named_with_their_file_and_line_before_the_model_loads(tmp_path, kind, name, data, message):
+    """check_local_source reads every record the run will (it runs before the model loads): the encoding, the JSON,
+    each turn's role and content, and whether the source holds anything at all."""
+    from retention.train.sources import DataError, check_local_source
+
+    (tmp_path / name).write_bytes(data)
+    source = SourceConfig(kind=kind, path=str(tmp_path / name))
+    with pytest.raises(DataError, match=re.escape(message.replace("{path}", str(tmp_path / name)))):
+        check_local_source(source)
+    if "no records" not in message and kind != "multimodal":  # reading the source for tokenization says the same
+        with pytest.raises(DataError, match=re.escape(message)):
+            list(iter_source(source))
+
+
+def test_max_docs_bounds_what_the_check_reads(tmp_path):
+    from retention.train.sources import check_local_source
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": None}) + "\n")
+    check_local_source(SourceConfig(kind="chat", path=str(tmp_path / "a.jsonl"), max_docs=1))  # never reads line 2
 
 
 @pytest.mark.parametrize("kind, path, split, message", [

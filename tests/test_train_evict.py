@@ -236,7 +236,7 @@ def test_widen_to_needs_gates_to_widen(tmp_path):
 
 
 def test_the_budget_text_names_each_share_once_and_the_held_out_one(tmp_path):
-    from retention.train.loop import evict_budget_text
+    from retention.train.evict import evict_budget_text
 
     assert evict_budget_text(_config(tmp_path, tmp_path)) == "global top-B of 10% of each context"
     drawn = _config(tmp_path, tmp_path, "loss.evict_fractions=[0.1,0.05,0.1,0.2]")
@@ -278,7 +278,7 @@ def test_an_evict_run_trains_resumes_and_exports(tmp_path, monkeypatch):
     unfinished = export_checkpoint(_config(tmp_path / "b", root), dest=tmp_path / "unfinished")
     assert "global top-B of 10% of each context" in (unfinished / "README.md").read_text()
     # tokens seen: the items' own lengths, 3 steps of them; it was 3 x seq_len, a length no item has
-    seen = json.loads((unfinished / "config.json").read_text())["training"]["tokens_seen"]
+    seen = json.loads((unfinished / "retention.json").read_text())["training"]["tokens_seen"]
     assert seen == sum(r["tokens"] for r in part["history"]) and part["history"][0]["tokens"] != 256  # seq_len
     resumed = train(_config(tmp_path / "b", root), resume="latest")["history"]
     for a, b in zip(h, resumed):

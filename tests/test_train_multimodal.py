@@ -56,7 +56,7 @@ def test_packed_conversations_equal_separate_ones():
     from retention import attach_gates
     from retention.attach import unwrap
     from retention.train.multimodal_data import concat_encoded, conversation_length, pack_lengths
-    from retention.train.loop import mrope_positions
+    from retention.train.distill import mrope_positions
 
     proc = tiny_qwen3_vl_processor()
     model = tiny_qwen3_vl_for(proc)
@@ -104,20 +104,20 @@ train: {{output_dir: {tmp_path / 'run'}, steps: 6, lr: 0.05, warmup_steps: 1, lo
 tracker: none}}
 """)
     seen = {}
-    real_capacity = __import__("retention.train.loop", fromlist=["capacity_loss"]).capacity_loss
+    import retention.train.distill as distill
+
+    real_capacity = distill.capacity_loss
 
     def spy(log_betas, budget, form, cu_seqlens, **k):
         seen["T"] = log_betas[0].shape[-1]
         seen["docs"] = len(cu_seqlens) - 1
         return real_capacity(log_betas, budget, form, cu_seqlens, **k)
 
-    import retention.train.loop as loop
-
-    loop.capacity_loss, old = spy, loop.capacity_loss
+    distill.capacity_loss, old = spy, distill.capacity_loss
     try:
         summary = train(load_config(cfg_file), model_and_processor=(model, proc))
     finally:
-        loop.capacity_loss = old
+        distill.capacity_loss = old
     h = summary["history"]
     assert len(h) == 6 and h[-1]["capacity"] < h[0]["capacity"]
     assert seen["T"] > 100, "gate scores cover the whole packed row, image tokens included"
@@ -206,16 +206,16 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
                                                  split="train", images=2, size=112)]
     assert all(a in predicted for a in answers)  # the answers are distilled
 
-    import retention.train.loop as loop
+    import retention.train.distill as distill
 
     built = {}
-    real_build = loop.build_multimodal
+    real_build = distill.build_multimodal
 
     def spy(cfg, processor, cache=None):
         built["rows"] = real_build(cfg, processor, cache=cache)
         return built["rows"]
 
-    monkeypatch.setattr(loop, "build_multimodal", spy)  # the training loop takes the multimodal path for this source
+    monkeypatch.setattr(distill, "build_multimodal", spy)  # the training loop takes the multimodal path for this source
     (tmp_path / "im.yaml").write_text(f"""
 model: {{name: tiny-qwen3-vl}}
 gates: {{variant: global, gate_hidden: 8, bias_init: 3.0}}

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attach import text_config_of, unwrap
+from ..budget import default_slack, entries_for_tokens, streams_of
 from ..padding import new_token_valid as _new_token_valid
 from ..policies.base import EntryView, EvictionPolicy
 from ..policies.global_gates import GlobalGatesPolicy
@@ -167,7 +168,7 @@ class RetentionCache(Cache):
                 raise ValueError(f"RetentionCache {name} must be an integer >= {least}, got {value!r}")
         self.page_size, self.protected_window, self.min_per_head = page_size, protected_window, min_per_head
         self.streams_per_seq = self.num_layers * self.num_kv_heads
-        self.slack = self.streams_per_seq * page_size if slack is None else slack
+        self.slack = default_slack(self.streams_per_seq, page_size) if slack is None else slack
         self.initial_pages = initial_pages
         self.budget = self._check_budget(budget)
         self.store: PagedKVStore | None = None
@@ -194,7 +195,7 @@ class RetentionCache(Cache):
             raise CacheBudgetError(f"tokens must be a whole number of tokens >= 1 in every layer and KV head, got "
                                    f"{tokens!r}")
         cfg = text_config_of(model)
-        return int(tokens) * cfg.num_hidden_layers * cfg.num_key_value_heads
+        return entries_for_tokens(tokens, streams_of(cfg.num_hidden_layers, cfg.num_key_value_heads))
 
     def set_budget(self, budget: int | Sequence[int] | None) -> None:
         """Change the budget (checked as in the constructor); the next eviction or :meth:`compress`

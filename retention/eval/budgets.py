@@ -37,10 +37,12 @@ class Budget:
 
     def entries(self, context_tokens: int, streams: int) -> int:
         """Entries for a context of ``context_tokens`` tokens in a model with ``streams`` = L * H_kv."""
+        from retention.budget import entries_for_fraction, entries_for_tokens
+
         if self.kind == "fraction":
-            return max(1, round(self.value * context_tokens * streams))
+            return entries_for_fraction(self.value, context_tokens, streams)
         if self.kind == "tokens":
-            return max(1, int(self.value)) * streams
+            return entries_for_tokens(max(1, int(self.value)), streams)
         return int(self.value)
 
 

@@ -208,6 +208,17 @@ def _publish_args(p: argparse.ArgumentParser) -> None:
                         "(a result set renamed as it grows)")
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an item set, a whole number >= 0 (argparse names the option and shows this message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an item set: give a whole number >= 0 (--seed 4)")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``eval`` and its commands to a parent parser's subcommands (``retention eval ...``)."""
     add_commands(subparsers.add_parser("eval", help="run an evaluation sweep or render its report"))
@@ -220,9 +231,10 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
-    run.add_argument("--seed", type=int, default=None,
-                     help="item seed (overrides the config's): the same sweep on another item set; item ids carry "
-                          "their seed, so a second seed into the same --output adds to the rows, as a pool does")
+    run.add_argument("--seed", type=_seed, default=None, metavar="N",
+                     help="item set (overrides the config's seed): the same sweep on other items; fills {seed} in the "
+                          "output folder (runs/eval/goal-set{seed}). Without {seed} the output stays: item ids carry "
+                          "their seed, so a second seed into the same output adds to its rows, as a pool does")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     _publish_args(run)
     run.set_defaults(func=_run)

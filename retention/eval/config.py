@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class EvalConfig:
     # gate checkpoint (folder or Hub repo) for global_gates / trimkv: null = the gates shipped for an
     # embedded model (checkpoints/), untrained otherwise; "untrained" forces untrained gates
     gates: str | None = None
+    # the results folder; "{seed}" in it is filled with the item seed (one folder per item set: --seed N)
     output: str = "runs/eval/sweep"
     tasks: list[Any] = field(default_factory=lambda: ["niah_single"])
     lengths: list[int] = field(default_factory=lambda: [1024])
@@ -94,14 +96,33 @@ def _gates_problem(gates: Any) -> str | None:
             + (f" (quote a folder named by a number: gates: \"{gates}\")" if number else ""))
 
 
+def fill_seed(output: str, seed: int) -> str:
+    """``output`` with its ``{seed}`` placeholder filled (``runs/eval/goal-set{seed}`` -> ``runs/eval/goal-set4``), so
+    one config serves every item set, each in a folder of its own; a path without it is returned as it is."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(output) if name is not None}
+    except ValueError as e:  # a lone "{" or "}"
+        raise EvalConfigError(f"output: {output!r}: {e}; the one placeholder is {{seed}} (write {{{{ and }}}} for a "
+                              "literal brace)") from None
+    if names - {"seed"}:
+        _fail("output", f"{output!r} names {sorted(names - {'seed'})}; the one placeholder is {{seed}} (the item seed)")
+    try:
+        return output.format(seed=seed)
+    except (ValueError, TypeError) as e:  # a bad format spec: {seed:x.y}
+        raise EvalConfigError(f"output: {output!r}: {e}; write {{seed}}") from None
+
+
 def validate(cfg: EvalConfig) -> EvalConfig:
     """Check every key; raise :class:`EvalConfigError` naming the first bad one."""
     for key, allowed in (("protocol", PROTOCOLS), ("prefill", PREFILLS), ("split", SPLITS), ("source", SOURCES)):
         if getattr(cfg, key) not in allowed:
             _fail(key, f"{getattr(cfg, key)!r} is not allowed; choose one of {list(allowed)}")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:  # YAML's `seed: true` is no set
+        _fail("seed", f"must be an integer >= 0 (the item set), got {cfg.seed!r}")
     if not isinstance(cfg.output, str) or not cfg.output:
         _fail("output", f"must be a folder path (the sweep writes results.jsonl there), got {cfg.output!r}")
-    cfg.output = str(Path(cfg.output).expanduser())  # "~/sweeps/a" is the user's home, not a folder named "~"
+    # "~/sweeps/a" is the user's home, not a folder named "~"
+    cfg.output = str(Path(fill_seed(cfg.output, cfg.seed)).expanduser())
     if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
         _fail("output", f"{cfg.output} is a file; the sweep writes results.jsonl and its report into a folder: give a "
                         "folder path (an existing sweep's folder resumes it)")
@@ -118,8 +139,6 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         v = getattr(cfg, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             _fail(key, f"must be an integer >= 1, got {v!r}")
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):  # YAML's `seed: true` is no item set
-        _fail("seed", f"must be an integer, got {cfg.seed!r}")
     if problem := template_variables_problem(cfg.chat_template_kwargs):
         _fail("chat_template_kwargs", problem)
     if not isinstance(cfg.lengths, list) or not cfg.lengths or any(

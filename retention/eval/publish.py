@@ -9,6 +9,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from retention.gates import is_gate_folder
+from retention.hub import card_results, model_card
+from retention.metadata import META_FILE, read_metadata, write_metadata
+
 from .budgets import parse_budget
 from .report import gap_plot, markdown_table, pair_table, summary_plot, summary_table, task_table
 from .runner import read_results
@@ -53,8 +57,8 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
                          "(the README's results block holds the card's main results)")
     if card_section is not None and not card_section.strip():
         raise ValueError("--card-section needs a title (the section's heading in the model card)")
-    if card is not None and not (Path(card) / "config.json").is_file():
-        raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no config.json); "
+    if card is not None and not is_gate_folder(card):
+        raise FileNotFoundError(f"--card {card} is not a gate checkpoint (no {META_FILE}); "
                                 "export one with train.py --export")
     if readme is not None:
         if not Path(readme).is_file():
@@ -62,10 +66,8 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
         body = Path(readme).read_text()
         if README_START not in body or README_END not in body:
             raise ValueError(f"{readme} has no {README_START} ... {README_END} markers to put the results between")
-    if replaces is not None and card is not None and (Path(card) / "config.json").is_file():
-        import json
-
-        titles = [x["title"] for x in json.loads((Path(card) / "config.json").read_text()).get("results_sections", [])]
+    if replaces is not None and card is not None and is_gate_folder(card):
+        titles = [x["title"] for x in card_results(card)[1]]
         if replaces not in titles:
             raise ValueError(f"--replaces {replaces!r}: {card} has no such section; its sections are "
                              + (", ".join(repr(t) for t in titles) or "none"))
@@ -157,10 +159,8 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     the card folder). ``replaces``: the title of an earlier section the new one takes the place of (a result set
     renamed as it grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
     ``pairs``: the paired gaps of :func:`pair_table` go in too."""
-    import json
     import shutil
 
-    from retention.hub import model_card
     from retention.io import atomic_write_bytes
 
     check_publish_targets(card, readme, card_section=card_section, replaces=replaces)
@@ -178,17 +178,18 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     written = []
     if card is not None:
         card = Path(card)
-        cfg_file = card / "config.json"
-        config = json.loads(cfg_file.read_text())
+        # the metadata file holds no results: they live in the card itself (an older config.json held them too)
+        config = read_metadata(card)
+        main, shown = card_results(card)
         if card_section is None:
-            config["results_markdown"] = text + "\n\n![quality vs KV budget](results.png)"
+            main = text + "\n\n![quality vs KV budget](results.png)"
         else:
             new, sections, placed, dropped = {"title": card_section, "markdown": text}, [], False, []
             if gaps is not None:
                 new["figure"] = ("results-" + (re.sub(r"[^a-z0-9]+", "-", card_section.lower()).strip("-")[:60]
                                                or "section") + ".png")
                 new["markdown"] += f"\n\n![gap to the full cache, with paired intervals]({new['figure']})"
-            for x in config.get("results_sections", []):  # in the place of what it replaces, else after the others
+            for x in shown:  # in the place of what it replaces, else after the others
                 if x["title"] not in (card_section, replaces):
                     sections.append(x)
                     continue
@@ -197,12 +198,12 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
                 if not placed:
                     sections.append(new)
                     placed = True
-            config["results_sections"] = sections if placed else sections + [new]
+            shown = sections if placed else sections + [new]
             if gaps is not None:
                 shutil.copyfile(gaps, card / new["figure"])
                 written.append(card / new["figure"])
-        atomic_write_bytes(cfg_file, json.dumps(config, indent=2, sort_keys=True, default=str).encode())
-        atomic_write_bytes(card / "README.md", model_card(config).encode())
+        cfg_file = write_metadata(card, config)  # retention.json (an older checkpoint's config.json goes)
+        atomic_write_bytes(card / "README.md", model_card(config, main, shown).encode())
         written += [cfg_file, card / "README.md"]
         for f in dropped if card_section is not None else []:
             f.unlink(missing_ok=True)  # after the card stops showing it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -45,7 +46,7 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     rows = []
-    for line in p.read_text().splitlines():
+    for line in p.read_text(errors="replace").splitlines():  # a line damaged on disk is no row either
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -72,7 +73,13 @@ def load_result_file(path: str | Path) -> list[dict[str, Any]]:
                                 "results.jsonl (or a published copy of one)")
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: give the results.jsonl of a sweep (or its published copy)")
-    text = p.read_text()
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{p}, line {line}: not UTF-8 text; a results file holds one "
+                         f"JSON row per line (resuming its sweep moves such lines to {p.name}.bad)") from None
     lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines, 1):
@@ -83,7 +90,8 @@ def load_result_file(path: str | Path) -> list[dict[str, Any]]:
             # be torn; any other line that is not JSON means the file is something else
             if i == len(lines) and not text.endswith("\n") and line.lstrip().startswith("{"):
                 continue  # torn by an interrupted write
-            raise ValueError(f"{p}, line {i}: not JSON; a results file holds one JSON row per line") from None
+            raise ValueError(f"{p}, line {i}: not JSON; a results file holds one JSON row per line (resuming its "
+                             f"sweep moves such lines to {p.name}.bad)") from None
         missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{p}, line {i}: a row without {', '.join(missing)}; is this the results.jsonl of an "
@@ -105,6 +113,41 @@ def _drop_torn_tail(path: Path) -> None:
     if data and not data.endswith(b"\n"):
         with open(path, "r+b") as fh:
             fh.truncate(data.rfind(b"\n") + 1)
+
+
+def _is_row(line: bytes) -> bool:
+    """Whether a line of a results file is a row that ``report`` and ``pool`` read (:func:`load_result_file`)."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(row, dict) and all(k in row for k in ROW_FIELDS)
+
+
+def _set_aside_bad_lines(path: Path) -> list[int]:
+    """Move the lines of ``path`` that are no row (damaged on disk, or edited by hand) to ``<name>.bad`` beside it
+    (appended, so nothing is lost) and rewrite ``path`` without them, atomically, with a warning naming the lines: a
+    resumed sweep scores their items again, and ``report`` and ``pool``, which refuse such a file, read it again.
+    Call it while holding the output folder. Returns the line numbers moved."""
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().splitlines(keepends=True)
+    bad = [n for n, line in enumerate(lines, 1) if not _is_row(line)]
+    if not bad:
+        return []
+    from retention.io import atomic_write_bytes
+
+    aside = path.with_name(path.name + ".bad")
+    with open(aside, "ab") as fh:  # first, so a crash before the rewrite loses nothing
+        fh.write(b"".join(lines[n - 1].rstrip(b"\r\n") + b"\n" for n in bad))
+        fh.flush()
+        os.fsync(fh.fileno())
+    drop = set(bad)
+    atomic_write_bytes(path, b"".join(line for n, line in enumerate(lines, 1) if n not in drop))
+    shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+    print(f"[eval] warning: {path}, line{'s' if len(bad) > 1 else ''} {shown}: not a row (damaged or edited); moved "
+          f"to {aside}, and their items are scored again", file=sys.stderr)
+    return bad
 
 
 def sweep_settings(cfg: EvalConfig) -> dict[str, Any]:
@@ -268,6 +311,7 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
     # the folder only now: a sweep refused above leaves no empty output folder behind
     out_dir.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(results)
+    _set_aside_bad_lines(results)
     shas = {(task, length, item.id): item_sha(item) for task, length, item in items}
     specs = {m.label: method_spec(m) for m in cfg.method_list()}
     done = {row_key(r) for r in _set_aside_stale(results, gate_ids, settings, shas, specs)}

@@ -1,5 +1,5 @@
-"""Training: config, data, the eviction-aware objective and the loop behind ``train.py``
-(also ``python -m retention.train``)."""
+"""Training: config, data, the two objectives (distill.py and evict.py, behind objectives.py) and the loop
+behind ``train.py`` (also ``python -m retention.train``)."""
 
 import argparse
 

@@ -8,18 +8,20 @@ curve. :class:`StopRequests` turns Ctrl-C / SIGTERM into "stop after this step w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retention.io import atomic_directory, save_state
+from retention.io import atomic_directory, exclusive_use, save_state
 
 from .config import Config
 from .data import PackedStream
@@ -148,6 +150,40 @@ def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
     print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} "
           "(use --resume to continue a run)")
     return dest
+
+
+def remove_stale_temp(output_dir: Path, shards: bool = False) -> list[Path]:
+    """Delete what a killed run left half-written in ``output_dir/checkpoints``: ``.tmp-step-*`` folders (a checkpoint
+    being written; ~20 MB each) and ``.old-step-*`` (one being replaced); with ``shards`` also DeepSpeed's
+    ``.step-N.deepspeed`` shard folders, which other ranks write only once the run is under way. Call it only while
+    holding the folder (:func:`hold_run_folders`): then nothing else writes there. Returns what was removed."""
+    folder = output_dir / "checkpoints"
+    patterns = [".tmp-step-*", ".old-step-*", *([f".step-*.{DEEPSPEED_STATE}"] if shards else [])]
+    stale = [p for pattern in patterns for p in folder.glob(pattern) if p.is_dir() and not p.is_symlink()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+@contextlib.contextmanager
+def hold_run_folders(cfg: Config) -> Iterator[None]:
+    """Hold a training run's folders: ``train.output_dir`` and the export folder (another run exporting there
+    would replace its gates; :class:`~retention.io.FolderBusyError` before the model loads). Stale temporary
+    checkpoint folders (:func:`remove_stale_temp`) are removed at the start and the end, under the lock."""
+    out_dir, export = Path(cfg.train.output_dir), cfg.export_dir()
+    with contextlib.ExitStack() as held:
+        held.enter_context(exclusive_use(out_dir, "a training run"))
+        if export.expanduser().resolve() != out_dir.expanduser().resolve():
+            held.enter_context(exclusive_use(export, "the gates of a training run (its export.dir)",
+                                             fix="export this one elsewhere (--set export.dir=DIR)"))
+        stale = remove_stale_temp(out_dir, shards=True)
+        if stale:
+            print(f"[retention] removed {len(stale)} half-written checkpoint folder(s) an interrupted run left in "
+                  f"{out_dir / 'checkpoints'}")
+        try:
+            yield
+        finally:
+            remove_stale_temp(out_dir)
 
 
 class StopRequests:

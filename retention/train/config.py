@@ -540,13 +540,11 @@ def _apply_override(data: dict, assignment: str) -> str:
     return key
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read, override and validate a config; nothing heavy is imported or loaded here."""
-    text, source = "", "defaults"
-    if path is not None:
-        p = resolve_config_path(path)
-        text, source = p.read_text(), str(p)
+def _read(path: Path) -> tuple[dict, dict[str, int]]:
+    """One YAML file: its mapping and the line of each dotted key."""
+    source = str(path)
     try:
+        text = path.read_text()
         data = yaml.safe_load(text) or {}
         lines = _lines(text, source) if text else {}
     except yaml.YAMLError as e:
@@ -554,6 +552,65 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if not isinstance(data, dict):
         raise ConfigError(f"{source} must be a mapping of sections (model:, data:, train:, ...), got a "
                           f"{type(data).__name__}: see configs/smollm2.yaml")
+    return data, lines
+
+
+def _merge(base: dict, child: dict) -> dict:
+    """``child`` over ``base``: mappings merge key by key; lists and scalars replace."""
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_bases(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict[str, Any]]:
+    """The config at ``path`` merged over the chain of ``base:`` files it names (each relative to the folder of
+    the file naming it). Lines: an int for a key of ``path`` itself, ``"FILE, line N"`` for a base file's key."""
+    data, lines = _read(path)
+    base = data.pop("base", None)
+    lines.pop("base", None)
+    if base is None:
+        return data, lines
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"base in {path} must be the path of another config file (relative to {path.parent}), "
+                          f"got {base!r}")
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigError(f"base {base!r} named in {path} not found: no file {base_path}; base paths are relative to "
+                          "the folder of the config that names them")
+    here = (*chain, path.resolve())
+    if base_path.resolve() in here:
+        cycle = " -> ".join(str(p) for p in (*here, base_path.resolve()))
+        raise ConfigError(f"base {base!r} named in {path} makes a cycle of bases ({cycle}): remove one base: key")
+    base_data, base_lines = _resolve_bases(base_path, here)
+    # a key the child sets to a list or a value replaces the base's, so the base's lines under it go too
+    replaced = [k for k in lines if not isinstance(_at(data, k), dict)]
+    merged_lines: dict[str, Any] = {
+        k: v if isinstance(v, str) else f"{base_path}, line {v}" for k, v in base_lines.items()
+        if not any(k.startswith(r + ".") for r in replaced)}
+    merged_lines.update(lines)
+    return _merge(base_data, data), merged_lines
+
+
+def _at(data: Any, dotted: str) -> Any:
+    """The value at a dotted key of nested mappings and lists (``data.sources.0.path``)."""
+    for part in dotted.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read, override and validate a config; nothing heavy is imported or loaded here. A config may name a
+    ``base:`` file (relative to its own folder) that it is merged over: mappings merge key by key, lists and
+    values replace, and bases chain."""
+    data, lines, source = {}, {}, "defaults"
+    if path is not None:
+        p = resolve_config_path(path)
+        source = str(p)
+        data, lines = _resolve_bases(p)
     for assignment in overrides:
         key = _apply_override(data, assignment)
         lines[key] = f"--set {assignment}"  # type: ignore[assignment]

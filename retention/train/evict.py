@@ -34,15 +34,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from retention.attach import RetentionAttachment, unwrap
+from retention.budget import entries_for_fraction
 from retention.compat import cache_kwargs, output_cache
+from retention.losses import distillation_kl
 from retention.policies import lookahead_log_score
+
+from .objectives import Objective, StepLoss
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from retention.tasks.base import Item
 
-    from .config import DataConfig, SourceConfig
+    from .config import Config, DataConfig, SourceConfig
 
 _SINK_U = 1.0e4  # rank of an always-kept sink: above any entry the gates can score
 HARD_TAU = 1.0e-4  # the held-out KL's temperature: the policy's own top-B (see tests/test_train_evict.py)
@@ -191,7 +195,8 @@ def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tens
     the loss teaches the order within a layer and not how much each layer gets. ``scope: head`` does the
     same per KV head: only the order within each head is taught, the whole split stays the gates' (at 10%
     of SmolLM2's 4k context the oracle's order at the gates' split keeps 90.6% top-1 fidelity against the
-    gates' 87.8%, the gates' order at the oracle's split 87.5%: ``eval/results/experiments/smollm2-fidelity-split.md``).
+    gates' 87.8%, the gates' order at the oracle's split 87.5%:
+    ``experiments/fidelity-oracle/smollm2-fidelity-split.md``).
     """
     u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
     mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
@@ -259,32 +264,18 @@ class EvictionDistiller(nn.Module):
                 h.remove()
         P = head.shape[1]
         if future_mass:
-            for m in att.modules:
-                m._retention_state.record_past_mass = True
-                m._retention_state.past_mass_queries = mass_queries
-            try:
-                with torch.no_grad(), att.use_mode("bias"):
-                    h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
-                masses = [m._retention_state.past_mass for m in att.modules]
-            finally:
-                for m in att.modules:
-                    m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
-                    m._retention_state.past_mass_queries = None
+            with torch.no_grad(), att.recording_past_mass(mass_queries) as masses:
+                h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         else:
             with torch.no_grad(), att.teacher():
                 h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
-        budget = round(fraction * P * cfg.num_layers * cfg.num_kv_heads)  # as retention.eval.budgets.Budget.entries
+        # a share of this item's context (layers and heads apart, as this count always took them; no floor of 1)
+        budget = entries_for_fraction(fraction, P, cfg.num_layers, cfg.num_kv_heads, at_least=0)
         biases, stats = soft_keep_bias(log_betas, budget, att.sink, tau)
-        for m, b in zip(att.modules, biases):
-            m._retention_state.key_bias = b
-        try:
-            with att.use_mode("bias"):
-                h_student = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
-        finally:
-            for m in att.modules:
-                m._retention_state.key_bias = None
+        with att.key_biases(biases):
+            h_student = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         stats["budget"] = float(budget)
         if future_mass:
             stats["future_mass"] = masses
@@ -319,3 +310,108 @@ class ExampleStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+
+
+def evict_budget_text(cfg: Config) -> str:
+    """Objective ``evict``: its budgets are shares of each item's context (``loss.evict_fractions``).
+
+    The list is a draw (a share listed twice is drawn twice as often) whose first entry is the held-out budget,
+    so the text names the distinct shares and the held-out one rather than echoing the list.
+    """
+    fr = cfg.loss.evict_fractions
+    shares = sorted(set(fr))
+    if len(shares) == 1:
+        return f"global top-B of {fr[0]:.0%} of each context"
+    listed = ", ".join(f"{f:.0%}" for f in shares)
+    return f"global top-B of {listed} of each context (drawn per item; held out at {fr[0]:.0%})"
+
+
+class EvictObjective(Objective):
+    """KL over each item's continuation read over a relaxed global top-B of its context (module docstring), plus
+    optionally ``loss.rank_weight`` times :func:`future_rank_loss`; no capacity term (the top-B holds the budget)."""
+
+    rows_word = "items"
+
+    @classmethod
+    def describe_budget(cls, cfg: Config, streams: int) -> str:
+        return evict_budget_text(cfg)
+
+    @classmethod
+    def card_facts(cls, cfg: Config) -> dict[str, str]:
+        loss = cfg.loss
+        said = (f"eviction-aware distillation (retention/train/evict.py): each item's continuation read over a relaxed "
+                f"global top-B of its prefilled context, tau {loss.evict_tau:g}, budgets "
+                f"{', '.join(f'{f:g}' for f in loss.evict_fractions)} of the context; held-out KL over the hard top-B "
+                f"at {loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
+        if loss.rank_weight:
+            # layer / head: the gates' split, described below
+            scope = "global " if loss.rank_scope == "global" else ""
+            said += (f"; plus {loss.rank_weight:g} x a ranking loss against the future-attention oracle's {scope}top-B "
+                     f"(retention.train.evict.future_rank_loss, tau {loss.rank_tau:g}"
+                     + (", ranked by the attention of the distilled positions only"
+                        if loss.rank_queries == "targets" else "")
+                     + (f", within each {loss.rank_scope} at the gates' own split of the budget"
+                        if loss.rank_scope != "global" else "")
+                     + ")")
+        return {"objective": said}
+
+    def load_data(self, processor: Any) -> tuple[list, list, ExampleStream]:
+        from retention.models import cache_dir
+
+        cfg, acc = self.cfg, self.accelerator
+        tokenizer = getattr(processor, "tokenizer", processor)
+        train_rows, eval_rows = load_examples(cfg.data, tokenizer, cache=cache_dir() / "data")
+        stream = ExampleStream(train_rows, cfg.loss.evict_fractions, cfg.data.seed, acc.process_index,
+                               acc.num_processes)
+        return train_rows, eval_rows, stream
+
+    def module(self) -> EvictionDistiller:
+        return EvictionDistiller(self.model, self.attachment)
+
+    def step_counts(self, batches: list) -> dict[str, float]:
+        """The distilled positions of the step's items, weighted by their sources."""
+        kl = 0.0
+        for example, _ in batches:
+            kl += sum(example.targets) * example.weight
+        return {"kl": kl, "capacity": 0.0, "ce": 0.0}
+
+    def losses(self, batch: tuple[EvictionExample, float], weighted: bool = True,
+               counts: dict[str, float] | None = None) -> StepLoss:
+        """Held-out (``weighted=False``): over the hard top-B itself, what inference keeps, whatever ``evict_tau``."""
+        example, fraction = batch
+        cfg, dev = self.cfg, self.accelerator.device
+        head, tail = torch.tensor([example.head], device=dev), torch.tensor([example.tail], device=dev)
+        tau = cfg.loss.evict_tau if weighted else HARD_TAU
+        ranking = bool(cfg.loss.rank_weight)
+        mask = torch.tensor([example.targets], device=dev)
+        # rank_queries targets: the oracle ranks the context by the attention of the distilled positions only
+        queries = mask[0].float() if ranking and cfg.loss.rank_queries == "targets" else None
+        h_s, h_t, log_betas, stats = self.distiller(head, tail, fraction, tau, future_mass=ranking,
+                                                    mass_queries=queries)
+        weights = mask.float() * (example.weight if weighted else 1.0)
+        kl_sum, kl_n = distillation_kl(h_s, h_t, self.lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
+                                       reduction="sum", weights=weights)
+        kl = (self.global_mean(kl_sum, counts["kl"], cfg.train.grad_accum) if counts
+              else self.global_mean(kl_sum, kl_n))
+        # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
+        cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"],
+                     "capacity_terms": 1}
+        loss = kl
+        if ranking:  # the gates' keep decisions against the future-attention oracle's top-B (global or per layer)
+            rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]),
+                                                self.attachment.sink, cfg.loss.rank_tau, scope=cfg.loss.rank_scope)
+            rank = self.global_mean(rank, 1)  # a collective: every item computes it, so ranks stay in step
+            # a source's rank_weight scales its items' share (0: the KL alone); held-out loss is the plain sum
+            loss = kl + cfg.loss.rank_weight * (example.rank_weight if weighted else 1.0) * rank
+            cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
+        return StepLoss(loss, kl, torch.zeros((), device=dev), cap_stats, log_betas)
+
+    def held_out_batch(self, rows: list, start: int) -> tuple[EvictionExample, float]:
+        return rows[start], self.cfg.loss.evict_fractions[0]  # each held-out item at the first listed fraction
+
+    def row_tokens(self, rows: list) -> float:
+        return sum(len(e.head) + len(e.tail) for e in rows) / len(rows)
+
+    def data_text(self, train_rows: list, eval_rows: list) -> str:
+        return (f"objective evict: {len(train_rows)} train / {len(eval_rows)} held-out items, "
+                f"budget {self.budget_text}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import importlib.metadata
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
@@ -81,43 +82,85 @@ def _sharegpt_dialogues() -> Iterator[list[dict[str, str]]]:
 
 def chat_turns(turns: Any, where: str) -> list[dict[str, Any]]:
     """A conversation as ``{role, content}`` turns: chat-template messages as they are, ShareGPT's
-    ``{from, value}`` turns mapped (``human`` -> ``user``, ``gpt`` -> ``assistant``); DataError otherwise."""
+    ``{from, value}`` turns mapped (``human`` -> ``user``, ``gpt`` -> ``assistant``); DataError otherwise, and for a
+    turn the chat template cannot render (:func:`turn_problem`)."""
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         raise DataError(f"{where}: a conversation must be a list of turns ({{role, content}} or ShareGPT's {{from, "
                         f"value}}), got {type(turns).__name__}")
     out = []
-    for t in turns:
+    for k, t in enumerate(turns, 1):
         if "role" in t and "content" in t:
-            out.append(t)
+            turn = t
         elif "from" in t and "value" in t:
-            out.append({"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]})
+            turn = {"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]}
         else:
             raise DataError(f"{where}: a turn needs role and content (or ShareGPT's from and value), "
                             f"got keys {sorted(t)}")
+        problem = turn_problem(turn)
+        if problem:
+            raise DataError(f"{where}, turn {k}: {problem}; fix or drop this record")
+        out.append(turn)
     return out
+
+
+def turn_problem(turn: dict[str, Any]) -> str | None:
+    """What keeps a chat template from rendering ``turn`` (a null or numeric content was a jinja2 UndefinedError once
+    the model had loaded), or None: a role is a non-empty string, a content a string or a list of parts
+    (``{"type": "text", "text": str}``, ``{"type": "image", ...}``)."""
+    role, content = turn["role"], turn["content"]
+    if not isinstance(role, str) or not role:
+        return f"the role must be a name such as user, assistant or system, got {role!r:.40}"
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return (f"the {role} turn's content must be text or a list of parts, got {type(content).__name__} "
+                f"{content!r:.40}")
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            return f"the {role} turn's content parts must be {{\"type\": ...}} objects, got {part!r:.40}"
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            return f"the {role} turn's text part must hold a string under \"text\", got {part!r:.60}"
+    return None
 
 
 LOCAL_SUFFIXES = {"text": (".txt", ".md", ".rst", ".json", ".jsonl"), "chat": (".json", ".jsonl"),
                   "multimodal": (".json", ".jsonl")}
 
 
-def _json_records(f: str) -> Iterator[Any]:
-    """A file's records: JSON lines, or one JSON document (a list of records, ``{id: record}`` or one record)."""
+def _utf8(f: str, data: bytes, line: int = 1, offset: int = 0) -> str:
+    """``data`` (from byte ``offset`` of ``f``, starting on line ``line``) as text; DataError naming the file, the line
+    and the byte when it is not UTF-8 (a UnicodeDecodeError without either once the model had loaded)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = line + data.count(b"\n", 0, e.start)
+        raise DataError(f"{f}, line {at} (byte offset {offset + e.start}): not UTF-8 text ({e.reason} "
+                        f"{data[e.start:e.end]!r}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 "
+                        f"{Path(f).name} > fixed{Path(f).suffix}), or fix that line") from None
+
+
+def _json_records(f: str) -> Iterator[tuple[str, Any]]:
+    """A file's records with where each is (``file, line N`` / ``file, record N``): JSON lines, or one JSON document
+    (a list of records, ``{id: record}`` or one record)."""
     if f.endswith(".json"):
+        data = Path(f).read_bytes()
         try:
-            data = json.loads(Path(f).read_text(encoding="utf-8"))
+            doc = json.loads(_utf8(f, data))
         except json.JSONDecodeError:
-            data = None  # JSON lines under a .json name
-        if data is not None:
-            if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
-                data = list(data.values())  # {id: record}, the MMDU layout
-            yield from data if isinstance(data, list) else [data]
+            doc = None  # JSON lines under a .json name
+        if doc is not None:
+            if isinstance(doc, dict) and doc and all(isinstance(v, dict) for v in doc.values()):
+                doc = list(doc.values())  # {id: record}, the MMDU layout
+            records = doc if isinstance(doc, list) else [doc]
+            yield from ((f"{f}, record {n}", r) for n, r in enumerate(records, 1))
             return
-    with open(f, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    with open(f, "rb") as fh:
+        offset = 0
+        for n, raw in enumerate(fh, 1):
+            line, offset = _utf8(f, raw, n, offset), offset + len(raw)
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    yield f"{f}, line {n}", json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{f}, line {n}: not JSON ({e}); give JSON lines (one record a line) or one JSON "
                                     "document (a list of records)") from None
@@ -153,13 +196,15 @@ def source_fingerprint(source: SourceConfig) -> list[Any] | None:
     return [[f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
 
 
-def _local_records(path: str, kind: str, field: str | None) -> Iterator[Any]:
+def _local_records(path: str, kind: str, field: str | None) -> Iterator[tuple[str, Any]]:
+    """A local source's records, each with where it is (``file, line N``); plain text files are read whole (a byte
+    that is not UTF-8 becomes U+FFFD there, as a text's stray byte harms nothing)."""
     for f in _local_files(path, kind):
         if not f.endswith((".jsonl", ".json")):
-            yield Path(f).read_text(encoding="utf-8", errors="replace")
+            yield f, Path(f).read_text(encoding="utf-8", errors="replace")
             continue
-        for rec in _json_records(f):
-            yield _record_content(rec, kind, field, f)
+        for where, rec in _json_records(f):
+            yield where, _record_content(rec, kind, field, where)
 
 
 def _record_content(rec: Any, kind: str, field: str | None, where: str) -> Any:
@@ -178,6 +223,9 @@ def _record_content(rec: Any, kind: str, field: str | None, where: str) -> Any:
         return rec  # LLaVA / MMDU layout (conversations + images), converted as a whole
     if not isinstance(rec, dict) or key not in rec:
         _missing_field(where, rec, key, kind)
+    if kind == "text" and not isinstance(rec[key], str):  # a null or a number: a tokenizer TypeError, late
+        raise DataError(f"{where}: the {key!r} field must be text, got {type(rec[key]).__name__} {rec[key]!r:.40}; "
+                        "fix or drop this record")
     return rec[key]
 
 
@@ -188,10 +236,11 @@ def _missing_field(f: str, rec: Any, key: str, kind: str) -> NoReturn:
 
 
 def check_local_source(source: SourceConfig) -> None:
-    """Read a local source's or a builtin corpus's first record (DataError naming the problem: a wrong kind or split,
-    a missing package): before the model loads, not after. A path
-    that can only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub
-    id."""
+    """Before the model loads, not after: read a builtin corpus's first record (DataError naming the problem: a wrong
+    kind or split, a missing package), and every record a local source gives the run (up to ``max_docs``): a file
+    that is not UTF-8 or not JSON, a record without the source's field or with a turn no chat template renders
+    (:func:`turn_problem`), each named with its file and line, and a source with no records at all. A path that can
+    only be local (``./x``, ``/x``, ``~/x``, ``x.jsonl``...) and does not exist is an error too, not a Hub id."""
     if source.kind == "synthetic":
         return
     if source.path in BUILTIN_CORPORA:  # its kind, split and package
@@ -199,10 +248,31 @@ def check_local_source(source: SourceConfig) -> None:
         return
     path = Path(source.path).expanduser()
     if path.exists():
-        next(iter(_local_records(str(path), source.kind, source.field)), None)
+        # one pass of parsing, cheap beside the tokenization that reads the same records after the model loads
+        records = itertools.islice(_local_records(str(path), source.kind, source.field), source.max_docs)
+        if not sum(_has_content(rec, source.kind, where) for where, rec in records):
+            raise DataError(f"data source {source.path!r} holds no records (its files are empty): fill it, or leave "
+                            "it out of data.sources")
     elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
         raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing "
                         f"file or folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
+
+
+def _has_content(record: Any, kind: str, where: str) -> bool:
+    """Whether a local record gives the run anything (a text that is not blank, a conversation with turns); a
+    multimodal record is converted as the data pipeline will, and its turns checked (DataError naming ``where``)."""
+    if kind == "multimodal":
+        from .multimodal_data import to_messages
+
+        try:
+            record = to_messages(record)
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+        except (KeyError, TypeError, AttributeError) as e:  # a turn without its text, a null text...
+            raise DataError(f"{where}: cannot read this multimodal record ({type(e).__name__}: {e}); fix or drop "
+                            "it") from None
+        chat_turns(record, where)
+    return bool(record.strip()) if isinstance(record, str) else bool(record)
 
 
 def check_hub_source(source: SourceConfig) -> None:
@@ -269,7 +339,7 @@ def iter_source(source: SourceConfig) -> Iterator[Any]:
             raise DataError(f"the sharegpt corpus has one split, train, not {source.split!r}")
         it = _sharegpt_dialogues()
     elif Path(source.path).expanduser().exists():
-        it = _local_records(str(Path(source.path).expanduser()), source.kind, source.field)
+        it = (rec for _, rec in _local_records(str(Path(source.path).expanduser()), source.kind, source.field))
     else:
         it = _hub_records(source)
     for n, doc in enumerate(it):

@@ -1,8 +1,10 @@
 """Capacity sum as Triton kernels, with the reduction over streams fused into the forward.
 
 Same math as :mod:`.reference`: ``S[b, n, t] = sum_{i <= t, same document} exp((t - i) * log_beta[b, n, i])``.
-Work is split by segments (documents of packed rows, or rows; see the attention kernel's ``segments``),
-so causal and document skipping are index arithmetic.
+Work is split by segments (documents of packed rows, or rows; see the attention kernel's ``segments``,
+built on the host once per input and cached, so no launch waits for the GPU): the grid's last axis is the
+segment, its first the block, and programs past their segment's end return at once; causal and document
+skipping are index arithmetic.
 
 Forward: one program per (segment, block of positions t, chunk of streams) loops over its streams and
 the key blocks at or before its positions. With ``reduce=True`` the per-stream sums never reach
@@ -20,30 +22,34 @@ import torch
 import triton
 import triton.language as tl
 
-from ..retention_attention.triton_kernel import _INTERPRET, _log2_beta, segments, work_list
+from ..retention_attention.triton_kernel import _INTERPRET, _log2_beta, segments
 
 BLOCK = 16 if _INTERPRET else 64  # positions (and keys) per tile
 _TARGET_PROGRAMS = 1024  # enough forward programs to fill a large GPU several times
 
 
 @triton.jit
-def _item(WORK, SEG_B, SEG_T0, SEG_LEN):
-    pid = tl.program_id(0)
-    seg = tl.load(WORK + 2 * pid)
-    blk = tl.load(WORK + 2 * pid + 1)
+def _item(SEG_B, SEG_T0, SEG_LEN, BLOCK: tl.constexpr, LATE_FIRST: tl.constexpr):
+    """This program's (batch row, first position, segment length, block index, whether the block exists);
+    ``LATE_FIRST``: block indices run backwards, so the most expensive (last) blocks start first."""
+    seg = tl.program_id(2)
     b = tl.load(SEG_B + seg).to(tl.int64)
     t0 = tl.load(SEG_T0 + seg).to(tl.int64)
     slen = tl.load(SEG_LEN + seg)
-    return b, t0, slen, blk
+    n_blocks = tl.cdiv(slen, BLOCK)
+    blk = n_blocks - 1 - tl.program_id(0) if LATE_FIRST else tl.program_id(0)
+    return b, t0, slen, blk, tl.program_id(0) < n_blocks
 
 
 @triton.jit
 def _cap_fwd(
-    LB, OUT, WORK, SEG_B, SEG_T0, SEG_LEN, N, n_per, slbb, slbn, slbt, sob, son, sot,
+    LB, OUT, SEG_B, SEG_T0, SEG_LEN, N, n_per, slbb, slbn, slbt, sob, son, sot,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     chunk = tl.program_id(1)  # streams chunk * n_per ... + n_per
-    b, t0, slen, tblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
+    b, t0, slen, tblk, exists = _item(SEG_B, SEG_T0, SEG_LEN, BLOCK_T, True)
+    if not exists:
+        return
     rt = tblk * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = rt < slen
     acc = tl.zeros([BLOCK_T], tl.float32)
@@ -64,11 +70,13 @@ def _cap_fwd(
 
 @triton.jit
 def _cap_bwd(
-    LB, DS, DLB, WORK, SEG_B, SEG_T0, SEG_LEN, T, slbb, slbn, slbt, sdb, sdn, sdt,
+    LB, DS, DLB, SEG_B, SEG_T0, SEG_LEN, T, slbb, slbn, slbt, sdb, sdn, sdt,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     n = tl.program_id(1)
-    b, t0, slen, iblk = _item(WORK, SEG_B, SEG_T0, SEG_LEN)
+    b, t0, slen, iblk, exists = _item(SEG_B, SEG_T0, SEG_LEN, BLOCK_I, False)
+    if not exists:
+        return
     ri = iblk * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = ri < slen
     lb = _log2_beta(tl.load(LB + b * slbb + n * slbn + (t0 + ri) * slbt, mask=mask_i, other=0.0))
@@ -94,8 +102,8 @@ class CapacitySumTriton(torch.autograd.Function):
                 streams_per_program: int | None) -> torch.Tensor:
         B, N, T = log_beta.shape
         seg = segments(B, T, T, cu_seqlens, log_beta.device)
-        work = work_list(seg.qlen, BLOCK, "late")
-        W = work.shape[0]
+        S, n_blocks = seg.b.numel(), triton.cdiv(seg.max_q, BLOCK)
+        W = S * n_blocks  # programs per chunk (some return at once where segments are shorter)
         if reduce:
             chunks_wanted = max(1, min(N, triton.cdiv(_TARGET_PROGRAMS, max(1, W))))
             n_per = streams_per_program or triton.cdiv(max(1, N), chunks_wanted)
@@ -105,27 +113,29 @@ class CapacitySumTriton(torch.autograd.Function):
             n_per, chunks = 1, N
             out = torch.empty(B, N, T, dtype=torch.float32, device=log_beta.device)
         if W and N:
-            _cap_fwd[(W, chunks)](
-                log_beta, out, work, seg.b, seg.t0, seg.qlen, N, n_per, *_strides(log_beta), *_strides(out),
+            _cap_fwd[(n_blocks, chunks, S)](
+                log_beta, out, seg.b, seg.t0, seg.qlen, N, n_per, *_strides(log_beta), *_strides(out),
                 BLOCK_T=BLOCK, BLOCK_I=BLOCK, num_warps=1 if _INTERPRET else 4,
             )
         else:
             out.zero_()
-        ctx.save_for_backward(log_beta, seg.b, seg.t0, seg.qlen)
+        ctx.save_for_backward(log_beta)
+        ctx.seg = seg
         ctx.reduce = reduce
         return out.sum(1) if reduce else out
 
     @staticmethod
     def backward(ctx: Any, dS: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        log_beta, sb, st0, slen = ctx.saved_tensors
+        (log_beta,) = ctx.saved_tensors
+        seg = ctx.seg
         B, N, T = log_beta.shape
         dlb = torch.zeros(B, N, T, dtype=torch.float32, device=log_beta.device)
-        work = work_list(slen, BLOCK, "early")
-        if work.shape[0] and N:
+        S, n_blocks = seg.b.numel(), triton.cdiv(seg.max_q, BLOCK)
+        if S * n_blocks and N:
             # reduce: the same dS_t for every stream, read with a zero stream stride
             dS3 = dS[:, None].expand(B, N, T) if ctx.reduce else dS
-            _cap_bwd[(work.shape[0], N)](
-                log_beta, dS3, dlb, work, sb, st0, slen, T, *_strides(log_beta), *_strides(dS3),
+            _cap_bwd[(n_blocks, N, S)](
+                log_beta, dS3, dlb, seg.b, seg.t0, seg.qlen, T, *_strides(log_beta), *_strides(dS3),
                 BLOCK_T=BLOCK, BLOCK_I=BLOCK, num_warps=1 if _INTERPRET else 4,
             )
         return dlb.to(log_beta.dtype), None, None, None

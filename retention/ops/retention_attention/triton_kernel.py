@@ -1,26 +1,30 @@
 """Retention-gated attention as FlashAttention-2-style Triton kernels (forward and backward).
 
-Same math and shapes as :mod:`.reference` (the oracle the tests compare against):
+Same math as :mod:`.reference` (the oracle the tests compare against):
 
     score[t, i] = q_t . k_i * scale + (t - i) * log_beta_i      (i <= t, same document)
 
 Tokens are handled as *segments*: a segment is one document of a packed row (``cu_seqlens``, cut at
 row ends) or one batch row. Queries of a segment are the last ``q_len`` of its ``k_len`` keys
-(``q_len < k_len`` is a decode step with a cache). Each program works on one block of one segment,
-taken from a flat work list, so blocks outside the document are never visited and causal skipping is
-index arithmetic. Key/query block pairs strictly below the diagonal run without masks; only the
-diagonal pairs pay for them.
+(``q_len < k_len`` is a decode step with a cache). The launch grid is ``(blocks of the longest
+segment, heads, segments)``; a program past its segment's end returns at once, and block indices run
+backwards so the most expensive blocks (the last queries, the first keys) start first. Blocks outside
+the document are never visited and causal skipping is index arithmetic. Key/query block pairs strictly
+below the diagonal run without any masks; only the diagonal pairs (and a ragged tail) pay for them.
 
 Kernels (all accumulate in fp32; the decay bias is computed in fp32, scores in the log2 domain):
   _fwd_kernel    online softmax over key blocks; writes ``out`` and the log-sum-exp (natural log).
   _delta_kernel  backward preprocess: ``delta_t = sum_d dout_t * out_t``.
   _dkdv_kernel   one program per (segment, KV head, key block) owns dK, dV and d log_beta of its keys
                  and loops over the query heads of its GQA group and the query blocks at or after its
-                 keys: no atomics.
+                 keys: no atomics. Computed transposed (keys x queries), so no tile is transposed in
+                 registers.
   _dq_kernel     one program per (segment, query head, query block) loops over its key blocks.
 
-Inputs may be strided views (e.g. ``(B, H, T, D)`` tensors transposed to ``(B, T, H, D)``) as long
-as the head dimension is contiguous; nothing is copied for them.
+Tile sizes, warps and pipeline stages are autotuned on the GPU per head dim, GQA group, dtype and
+length bucket (the candidates are ``FWD_TILES``, ``DKDV_TILES``, ``DQ_TILES``); the interpreter runs
+one small tile. Inputs may be strided views (e.g. ``(B, H, T, D)`` tensors transposed to
+``(B, T, H, D)``) as long as the head dimension is contiguous; nothing is copied for them.
 """
 
 from __future__ import annotations
@@ -43,29 +47,46 @@ _LN2 = 0.6931471805599453
 # launch configuration
 # ----------------------------------------------------------------------------------------------
 
-# The outer block of each kernel (queries for forward / dQ, keys for dK dV) is fixed because the
-# host builds the work list with it; the inner block and the launch parameters are autotuned on GPU.
-OUTER_BLOCK = 16 if _INTERPRET else 64
+# (outer block, inner block, warps, stages): forward and dQ tile queries x keys, dK dV keys x queries.
+# The first entry of each list is the one fp32 inputs use (exact fp32 dot products in big tiles take
+# minutes to compile and overflow shared memory; fp32 is a correctness path, not a speed target).
+FWD_TILES = [(64, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+DKDV_TILES = [(64, 32, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)]
+DQ_TILES = [(64, 32, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)]
+INTERPRET_TILE = (16, 16)
 
 
-def _configs(inner: str, sizes: tuple[int, ...], stages: tuple[int, ...] = (2,)) -> list:
+def _configs(outer: str, inner: str, tiles: list[tuple[int, int, int, int]]) -> list:
     if _INTERPRET:  # the interpreter cannot autotune over several configs
-        return [triton.Config({inner: 16}, num_warps=1, num_stages=1)]
-    return [
-        triton.Config({inner: size}, num_warps=warps, num_stages=st)
-        for size in sizes
-        for warps in (4, 8)
-        for st in stages
-    ]
+        return [triton.Config({outer: INTERPRET_TILE[0], inner: INTERPRET_TILE[1]}, num_warps=1, num_stages=1)]
+    return [triton.Config({outer: o, inner: i}, num_warps=w, num_stages=st) for o, i, w, st in tiles]
+
+
+def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """fp32 inputs take the first (small) tile only; 16-bit inputs with d > 64 drop 128 x 128 tiles (their
+    shared memory need passes the GPU's)."""
+    args = {**named_args, **kwargs}
+    if args["Q"].dtype == torch.float32:
+        return configs[:1]
+    big = [c for c in configs[1:] if not (args["D"] > 64 and min(c.kwargs.values()) >= 128)]
+    return big or configs[:1]
 
 
 def _autotune(configs: list):
-    """``triton.autotune`` keyed on head dim and GQA group (and, implicitly, the dtypes); results are
-    kept on disk where this Triton supports it, so a restarted job does not tune again."""
+    """``triton.autotune`` keyed on head dim, GQA group, length bucket (and, implicitly, the dtypes);
+    results are kept on disk where this Triton supports it, so a restarted job does not tune again."""
     import inspect
 
-    extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs=configs, key=["D", "G"], **extra)
+    params = inspect.signature(triton.autotune).parameters
+    extra = {"cache_results": True} if "cache_results" in params else {}
+    if not _INTERPRET:
+        extra["prune_configs_by"] = {"early_config_prune": _prune}
+    return triton.autotune(configs=configs, key=["D", "G", "T_KEY"], **extra)
+
+
+def _length_bucket(n: int) -> int:
+    """The autotune key for a length: its power of two (the best tile changes with length, little within 2x)."""
+    return triton.next_power_of_2(max(int(n), 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,44 +103,58 @@ def _log2_beta(lb):
 
 
 @triton.jit
-def _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN):
-    """The work item of this program: (batch row, first row position, q_len, k_len, block index)."""
-    pid = tl.program_id(0)
-    seg = tl.load(WORK + 2 * pid)
-    blk = tl.load(WORK + 2 * pid + 1)
+def _segment(SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN):
+    """The segment of this program (grid axis 2): (batch row, first row position, q_len, k_len)."""
+    seg = tl.program_id(2)
     b = tl.load(SEG_B + seg).to(tl.int64)  # int64 offsets: B * T * H * D may pass 2**31
     t0 = tl.load(SEG_T0 + seg).to(tl.int64)
     qlen = tl.load(SEG_QLEN + seg)
     klen = tl.load(SEG_KLEN + seg)
-    return b, t0, qlen, klen, blk
+    return b, t0, qlen, klen
 
 
 @triton.jit
-def _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """Keys and values of the block at ``n0`` and its decayed scores in the log2 domain,
-    ``s = q k^T * scale * log2(e) + (i - j) * log2(beta_j)``; ``dist = i - j``; ``mask_n``: keys in range."""
-    rn = n0 + tl.arange(0, BLOCK_N)
-    mask_n = rn < klen
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    rn64 = rn.to(tl.int64)  # row offsets inside one head may pass 2**31 for very long segments
-    k = tl.load(K_blk + rn64[:, None] * skt + rd[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V_blk + rn64[:, None] * svt + rd[None, :], mask=kv_mask, other=0.0)
-    lb = _log2_beta(tl.load(LB_blk + rn64 * slbt, mask=mask_n, other=0.0))
-    dist = rq[:, None] - rn[None, :].to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
-    return k, v, s, dist, mask_n
+def _load_rows(ptr, rows, stride, rd, mask_rows, mask_d, EVEN_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """A ``(len(rows), BLOCK_D)`` tile of rows ``rows`` (row stride ``stride``, head dim contiguous);
+    masks only where the tile may leave the rows (``EVEN_ROWS`` false) or the head dim (``EVEN_D`` false)."""
+    ptrs = ptr + rows.to(tl.int64)[:, None] * stride + rd[None, :]
+    if EVEN_ROWS:
+        if EVEN_D:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    return tl.load(ptrs, mask=mask_rows[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _load_cols(ptr, cols, stride, rd, mask_cols, mask_d, EVEN_COLS: tl.constexpr, EVEN_D: tl.constexpr):
+    """The transposed tile ``(BLOCK_D, len(cols))`` of rows ``cols``: loaded so, it feeds ``tl.dot`` as the
+    right operand with no transpose in registers."""
+    ptrs = ptr + cols.to(tl.int64)[None, :] * stride + rd[:, None]
+    if EVEN_COLS:
+        if EVEN_D:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=mask_d[:, None], other=0.0)
+    return tl.load(ptrs, mask=mask_cols[None, :] & mask_d[:, None], other=0.0)
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n_lo, n_hi, klen, qk_scale,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Online-softmax update over key blocks [n_lo, n_hi); ``MASK`` only for blocks on the diagonal."""
+    """Online-softmax update over key blocks [n_lo, n_hi). Off the diagonal (``MASK`` false) every key is
+    in range and visible to every query, so nothing is masked; ``s`` is in the log2 domain."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        k, v, s, dist, mask_n = _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
-                                           BLOCK_N, PREC)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mask_n = rn < klen
+        kT = _load_cols(K_blk, rn, skt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        v = _load_rows(V_blk, rn, svt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        if MASK:
+            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt, mask=mask_n, other=0.0))
+        else:
+            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt))
+        dist = rq[:, None] - rn.to(tl.float32)[None, :]
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale + dist * lb[None, :]
         if MASK:
             s = tl.where((dist >= 0) & mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,24 +166,27 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@_autotune(_configs("BLOCK_N", (32, 64), stages=(2, 3)))
+@_autotune(_configs("BLOCK_M", "BLOCK_N", FWD_TILES))
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, LB, O, LSE, WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
+    Q, K, V, LB, O, LSE, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, slbb, slbh, slbt,
-    Tq, Hq, G, qk_scale,
+    Tq, Hq, G, qk_scale, T_KEY,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     h = tl.program_id(1)
     hk = h // G
-    b, t0, qlen, klen, mblk = _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    b, t0, qlen, klen = _segment(SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    n_blocks = tl.cdiv(qlen, BLOCK_M)
+    if tl.program_id(0) >= n_blocks:
+        return
+    mblk = n_blocks - 1 - tl.program_id(0)  # the last query blocks see the most keys: they start first
     off = klen - qlen  # query j sits at key position j + off
     rm = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     mask_m = rm < qlen
     mask_d = rd < D
-    q_mask = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + b * sqb + (t0 + rm)[:, None] * sqt + h * sqh + rd[None, :], mask=q_mask, other=0.0)
+    q = _load_rows(Q + b * sqb + t0 * sqt + h * sqh, rm, sqt, rd, mask_m, mask_d, False, D == BLOCK_D)
     rq = (rm + off).to(tl.float32)
     K_blk = K + b * skb + t0 * skt + hk * skh
     V_blk = V + b * svb + t0 * svt + hk * svh
@@ -160,11 +198,12 @@ def _fwd_kernel(
     lo = ((first + 1) // BLOCK_N) * BLOCK_N  # key blocks before lo are visible to every query here
     hi = tl.minimum(klen, first + BLOCK_M)  # keys from hi on are in every query's future
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d,
-                               0, lo, klen, qk_scale, BLOCK_N, False, PREC)
+                               0, lo, klen, qk_scale, BLOCK_N, False, D == BLOCK_D, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d,
-                               lo, hi, klen, qk_scale, BLOCK_N, True, PREC)
+                               lo, hi, klen, qk_scale, BLOCK_N, True, D == BLOCK_D, PREC)
     # every real query sees at least its own key, so l_i >= 1 there; rows past q_len are not stored
     out = acc / l_i[:, None]
+    q_mask = mask_m[:, None] & mask_d[None, :]
     tl.store(O + (b * Tq + t0 + rm)[:, None] * (Hq * D) + h * D + rd[None, :], out.to(O.dtype.element_ty), mask=q_mask)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(LSE + (b * Hq + h) * Tq + t0 + rm, lse, mask=mask_m)
@@ -189,59 +228,68 @@ def _delta_kernel(O, DO, DELTA, sdb, sdt, sdh, n_tok, Tq, Hq, D: tl.constexpr, B
 @triton.jit
 def _dkdv_inner(
     dk, dv, dlb, k, v, lb, rk, Q_blk, DO_blk, LSE_blk, DELTA_blk, sqt, sdt, rd, mask_d, m_lo, m_hi, qlen, off, qk_scale,
-    BLOCK_M: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Accumulate dK, dV, d log_beta of one key block over query blocks [m_lo, m_hi) of one head."""
+    """Accumulate dK, dV, d log_beta of one key block over query blocks [m_lo, m_hi) of one head, keys x
+    queries: ``sT[j, i]`` is query i's score of key j. Off the diagonal (``MASK`` false) the query blocks
+    are whole and see every key of the block: no masks."""
     for m0 in range(m_lo, m_hi, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         mask_m = rm < qlen
-        q_mask = mask_m[:, None] & mask_d[None, :]
-        rm64 = rm.to(tl.int64)
-        q = tl.load(Q_blk + rm64[:, None] * sqt + rd[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO_blk + rm64[:, None] * sdt + rd[None, :], mask=q_mask, other=0.0)
-        # LSE +inf on rows past q_len makes their probabilities exactly 0
-        lse = tl.load(LSE_blk + rm, mask=mask_m, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(DELTA_blk + rm, mask=mask_m, other=0.0)
-        dist = (rm + off).to(tl.float32)[:, None] - rk[None, :]
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + dist * lb[None, :]
-        p = tl.exp2(s - lse[:, None])
+        qT = _load_cols(Q_blk, rm, sqt, rd, mask_m, mask_d, not MASK, EVEN_D)
+        do = _load_rows(DO_blk, rm, sdt, rd, mask_m, mask_d, not MASK, EVEN_D)
         if MASK:
-            p = tl.where(dist >= 0, p, 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])  # d loss / d score (natural units)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-        dlb += tl.sum(ds * dist, 0)
+            # LSE +inf on rows past q_len makes their probabilities exactly 0
+            lse = tl.load(LSE_blk + rm, mask=mask_m, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA_blk + rm, mask=mask_m, other=0.0)
+        else:
+            lse = tl.load(LSE_blk + rm) * 1.4426950408889634
+            delta = tl.load(DELTA_blk + rm)
+        distT = (rm + off).to(tl.float32)[None, :] - rk[:, None]
+        sT = tl.dot(k, qT, input_precision=PREC) * qk_scale + distT * lb[:, None]
+        pT = tl.exp2(sT - lse[None, :])
+        if MASK:
+            pT = tl.where(distT >= 0, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])  # d loss / d score (natural units)
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
+        dlb += tl.sum(dsT * distT, 1)
     return dk, dv, dlb
 
 
-@_autotune(_configs("BLOCK_M", (16, 32, 64)))
+@_autotune(_configs("BLOCK_N", "BLOCK_M", DKDV_TILES))
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, LB, DO, LSE, DELTA, DK, DV, DLB, WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
+    Q, K, V, LB, DO, LSE, DELTA, DK, DV, DLB, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, slbb, slbh, slbt, sdb, sdt, sdh,
-    Tq, Tk, Hq, Hkv, G, qk_scale, scale,
+    Tq, Tk, Hq, Hkv, G, qk_scale, scale, T_KEY,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     hk = tl.program_id(1)
-    b, t0, qlen, klen, nblk = _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    b, t0, qlen, klen = _segment(SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    n_blocks = tl.cdiv(klen, BLOCK_N)
+    if tl.program_id(0) >= n_blocks:
+        return
+    nblk = tl.program_id(0)  # the first key blocks are seen by the most queries: they start first
     off = klen - qlen
     rn = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     mask_n = rn < klen
     mask_d = rd < D
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + b * skb + (t0 + rn)[:, None] * skt + hk * skh + rd[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + (t0 + rn)[:, None] * svt + hk * svh + rd[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(K + b * skb + t0 * skt + hk * skh, rn, skt, rd, mask_n, mask_d, False, D == BLOCK_D)
+    v = _load_rows(V + b * svb + t0 * svt + hk * svh, rn, svt, rd, mask_n, mask_d, False, D == BLOCK_D)
     lb = _log2_beta(tl.load(LB + b * slbb + hk * slbh + (t0 + rn) * slbt, mask=mask_n, other=0.0))
     rk = rn.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dlb = tl.zeros([BLOCK_N], tl.float32)
-    # query blocks before m_lo only see earlier keys; from m_full on, every query sees every key here
+    # query blocks before m_lo only see earlier keys; from m_full on, every query sees every key here;
+    # whole query blocks run unmasked up to m_even, the ragged last one (if any) masked
     m_lo = (tl.maximum(nblk * BLOCK_N - off, 0) // BLOCK_M) * BLOCK_M
     m_full = tl.maximum(tl.cdiv(tl.maximum(nblk * BLOCK_N + BLOCK_N - 1 - off, 0), BLOCK_M) * BLOCK_M, m_lo)
     m_mid = tl.minimum(m_full, qlen)
+    m_even = tl.maximum((qlen // BLOCK_M) * BLOCK_M, m_mid)
     for g in range(0, G):
         h = hk * G + g
         Q_blk = Q + b * sqb + t0 * sqt + h * sqh
@@ -249,10 +297,13 @@ def _dkdv_kernel(
         LSE_blk = LSE + (b * Hq + h) * Tq + t0
         DELTA_blk = DELTA + (b * Hq + h) * Tq + t0
         dk, dv, dlb = _dkdv_inner(dk, dv, dlb, k, v, lb, rk, Q_blk, DO_blk, LSE_blk, DELTA_blk, sqt, sdt, rd, mask_d,
-                                  m_lo, m_mid, qlen, off, qk_scale, BLOCK_M, True, PREC)
+                                  m_lo, m_mid, qlen, off, qk_scale, BLOCK_M, True, D == BLOCK_D, PREC)
         dk, dv, dlb = _dkdv_inner(dk, dv, dlb, k, v, lb, rk, Q_blk, DO_blk, LSE_blk, DELTA_blk, sqt, sdt, rd, mask_d,
-                                  m_full, qlen, qlen, off, qk_scale, BLOCK_M, False, PREC)
+                                  m_mid, m_even, qlen, off, qk_scale, BLOCK_M, False, D == BLOCK_D, PREC)
+        dk, dv, dlb = _dkdv_inner(dk, dv, dlb, k, v, lb, rk, Q_blk, DO_blk, LSE_blk, DELTA_blk, sqt, sdt, rd, mask_d,
+                                  m_even, qlen, qlen, off, qk_scale, BLOCK_M, True, D == BLOCK_D, PREC)
     row = (b * Tk + t0 + rn)[:, None] * (Hkv * D) + hk * D + rd[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
     tl.store(DK + row, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + row, dv.to(DV.dtype.element_ty), mask=kv_mask)
     tl.store(DLB + (b * Hkv + hk) * Tk + t0 + rn, dlb, mask=mask_n)
@@ -261,39 +312,50 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n_lo, n_hi, klen, qk_scale,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        k, v, s, dist, mask_n = _key_block(q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n0, klen, qk_scale,
-                                           BLOCK_N, PREC)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mask_n = rn < klen
+        kT = _load_cols(K_blk, rn, skt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        vT = _load_cols(V_blk, rn, svt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        if MASK:
+            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt, mask=mask_n, other=0.0))
+        else:
+            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt))
+        dist = rq[:, None] - rn.to(tl.float32)[None, :]
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale + dist * lb[None, :]
         p = tl.exp2(s - lse[:, None])
         if MASK:
             p = tl.where((dist >= 0) & mask_n[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dp = tl.dot(do, vT, input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC)
     return dq
 
 
-@_autotune(_configs("BLOCK_N", (16, 32, 64)))
+@_autotune(_configs("BLOCK_M", "BLOCK_N", DQ_TILES))
 @triton.jit
 def _dq_kernel(
-    Q, K, V, LB, DO, LSE, DELTA, DQ, WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
+    Q, K, V, LB, DO, LSE, DELTA, DQ, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, slbb, slbh, slbt, sdb, sdt, sdh,
-    Tq, Hq, G, qk_scale, scale,
+    Tq, Hq, G, qk_scale, scale, T_KEY,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     h = tl.program_id(1)
     hk = h // G
-    b, t0, qlen, klen, mblk = _segment(WORK, SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    b, t0, qlen, klen = _segment(SEG_B, SEG_T0, SEG_QLEN, SEG_KLEN)
+    n_blocks = tl.cdiv(qlen, BLOCK_M)
+    if tl.program_id(0) >= n_blocks:
+        return
+    mblk = n_blocks - 1 - tl.program_id(0)
     off = klen - qlen
     rm = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     mask_m = rm < qlen
     mask_d = rd < D
-    q_mask = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + b * sqb + (t0 + rm)[:, None] * sqt + h * sqh + rd[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdb + (t0 + rm)[:, None] * sdt + h * sdh + rd[None, :], mask=q_mask, other=0.0)
+    q = _load_rows(Q + b * sqb + t0 * sqt + h * sqh, rm, sqt, rd, mask_m, mask_d, False, D == BLOCK_D)
+    do = _load_rows(DO + b * sdb + t0 * sdt + h * sdh, rm, sdt, rd, mask_m, mask_d, False, D == BLOCK_D)
     lse = tl.load(LSE + (b * Hq + h) * Tq + t0 + rm, mask=mask_m, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + (b * Hq + h) * Tq + t0 + rm, mask=mask_m, other=0.0)
     rq = (rm + off).to(tl.float32)
@@ -305,9 +367,10 @@ def _dq_kernel(
     lo = ((first + 1) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(klen, first + BLOCK_M)
     dq = _dq_inner(dq, q, do, lse, delta, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d,
-                   0, lo, klen, qk_scale, BLOCK_N, False, PREC)
+                   0, lo, klen, qk_scale, BLOCK_N, False, D == BLOCK_D, PREC)
     dq = _dq_inner(dq, q, do, lse, delta, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d,
-                   lo, hi, klen, qk_scale, BLOCK_N, True, PREC)
+                   lo, hi, klen, qk_scale, BLOCK_N, True, D == BLOCK_D, PREC)
+    q_mask = mask_m[:, None] & mask_d[None, :]
     tl.store(DQ + (b * Tq + t0 + rm)[:, None] * (Hq * D) + h * D + rd[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
@@ -318,45 +381,61 @@ def _dq_kernel(
 
 
 class Segments(NamedTuple):
-    """Per-segment int32 tensors ``(S,)``: batch row, first position in the row, query and key counts."""
+    """Per-segment int32 tensors ``(S,)``: batch row, first position in the row, query and key counts; and the
+    longest segment's query and key counts (host ints, for the launch grid)."""
 
     b: torch.Tensor
     t0: torch.Tensor
     qlen: torch.Tensor
     klen: torch.Tensor
+    max_q: int = 0
+    max_k: int = 0
+
+
+# Segments of the last few inputs: every layer of a forward gets the same shapes (and the same cu_seqlens
+# tensor), so only the first layer builds them; for packed documents that spares a host sync per layer.
+_SEGMENT_CACHE: dict = {}
+_SEGMENT_CACHE_SIZE = 8
 
 
 def segments(B: int, Tq: int, Tk: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Segments:
     """Documents of ``cu_seqlens`` (over the flattened ``B * Tk`` tokens, cut at row ends as the
-    reference does) or, without it, one segment per batch row with ``Tq`` queries over ``Tk`` keys."""
+    reference does) or, without it, one segment per batch row with ``Tq`` queries over ``Tk`` keys.
+
+    Built on the host (``cu_seqlens`` is read once) and cached for the same ``cu_seqlens`` tensor (unchanged
+    since) or the same shapes, so the layers of one forward launch with no host sync."""
     if cu_seqlens is None:
-        b = torch.arange(B, device=device)
-        t0 = torch.zeros_like(b)
-        qlen, klen = torch.full_like(b, Tq), torch.full_like(b, Tk)
+        key = (B, Tq, Tk, str(device))
     else:
         if Tq != Tk:
             raise ValueError(f"cu_seqlens (packed documents) needs as many queries as keys; got {Tq} and {Tk}")
-        cu = checked_cu_seqlens(cu_seqlens, B * Tk, device)
+        key = (B, Tq, Tk, str(device), id(cu_seqlens), cu_seqlens.data_ptr(), cu_seqlens._version,
+               str(cu_seqlens.device))
+    hit = _SEGMENT_CACHE.get(key)
+    if hit is not None and (cu_seqlens is None or hit[0]() is cu_seqlens):
+        return hit[1]
+    if cu_seqlens is None:
+        b = torch.arange(B)
+        t0 = torch.zeros_like(b)
+        qlen, klen = torch.full_like(b, Tq), torch.full_like(b, Tk)
+    else:
+        cu = checked_cu_seqlens(cu_seqlens.detach().cpu(), B * Tk, torch.device("cpu"))
         # row ends are document ends too (step 1 for Tk = 0: an empty batch has no segments, not a zero step)
-        bounds = torch.unique(torch.cat([cu, torch.arange(0, B * Tk + 1, max(Tk, 1), device=device)]))
+        bounds = torch.unique(torch.cat([cu, torch.arange(0, B * Tk + 1, max(Tk, 1))]))
         start = bounds[:-1]
         b, t0 = start // Tk, start % Tk
         qlen = klen = bounds[1:] - start
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return Segments(i32(b), i32(t0), i32(qlen), i32(klen))
+    host = torch.stack([b, t0, qlen, klen]).to(torch.int32)
+    dev = host.to(device, non_blocking=True) if torch.device(device).type == "cuda" else host.to(device)
+    seg = Segments(dev[0], dev[1], dev[2], dev[3], int(qlen.max()) if qlen.numel() else 0,
+                   int(klen.max()) if klen.numel() else 0)
+    import weakref
 
-
-def work_list(lengths: torch.Tensor, block: int, longest_first: str) -> torch.Tensor:
-    """``(W, 2)`` int32 (segment, block index) pairs covering every segment's ``lengths`` in ``block``
-    steps, ordered so the most expensive programs start first: ``longest_first="late"`` when a block's
-    cost grows with its index (queries: more keys before them), ``"early"`` when it shrinks (keys)."""
-    lengths = lengths.to(torch.int64)
-    nb = (lengths + block - 1) // block
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), nb)
-    blk = torch.arange(seg.numel(), device=lengths.device) - (torch.cumsum(nb, 0) - nb)[seg]
-    cost = blk if longest_first == "late" else nb[seg] - blk
-    order = torch.argsort(-cost, stable=True)
-    return torch.stack([seg[order], blk[order]], 1).to(torch.int32).contiguous()
+    ref = weakref.ref(cu_seqlens) if cu_seqlens is not None else (lambda: None)
+    if len(_SEGMENT_CACHE) >= _SEGMENT_CACHE_SIZE:
+        _SEGMENT_CACHE.pop(next(iter(_SEGMENT_CACHE)))
+    _SEGMENT_CACHE[key] = (ref, seg)
+    return seg
 
 
 def _head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -407,14 +486,14 @@ class RetentionAttentionTriton(torch.autograd.Function):
         out = torch.empty(B, Tq, Hq, D, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
         if q.numel():
-            work = work_list(seg.qlen, OUTER_BLOCK, "late")
-            _fwd_kernel[(work.shape[0], Hq)](
-                q, k, v, log_beta, out, lse, work, *seg,
+            _fwd_kernel[lambda meta: (triton.cdiv(seg.max_q, meta["BLOCK_M"]), Hq, seg.b.numel())](
+                q, k, v, log_beta, out, lse, *seg[:4],
                 *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(log_beta),
-                Tq, Hq, Hq // Hkv, scale * _LOG2E,
-                D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=OUTER_BLOCK, PREC=_precision(q.dtype),
+                Tq, Hq, Hq // Hkv, scale * _LOG2E, _length_bucket(seg.max_k),
+                D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PREC=_precision(q.dtype),
             )
-        ctx.save_for_backward(q, k, v, log_beta, out, lse, *seg)
+        ctx.save_for_backward(q, k, v, log_beta, out, lse)
+        ctx.seg = seg
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -423,8 +502,8 @@ class RetentionAttentionTriton(torch.autograd.Function):
     def backward(
         ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, log_beta, out, lse, *seg = ctx.saved_tensors
-        seg = Segments(*seg)
+        q, k, v, log_beta, out, lse = ctx.saved_tensors
+        seg = ctx.seg
         scale = ctx.scale
         B, Tq, Hq, D = q.shape
         Tk, Hkv = k.shape[1], k.shape[2]
@@ -443,17 +522,14 @@ class RetentionAttentionTriton(torch.autograd.Function):
                 out, do, delta, *_strides3(do), B * Tq, Tq, Hq, D=D, BLOCK_T=block_t, BLOCK_D=BD
             )
             strides = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(log_beta), *_strides3(do))
-            work_k = work_list(seg.klen, OUTER_BLOCK, "early")
-            _dkdv_kernel[(work_k.shape[0], Hkv)](
-                q, k, v, log_beta, do, lse, delta, dk, dv, dlb, work_k, *seg, *strides,
-                Tq, Tk, Hq, Hkv, G, scale * _LOG2E, scale,
-                D=D, BLOCK_D=BD, BLOCK_N=OUTER_BLOCK, PREC=prec,
+            n_seg, t_key = seg.b.numel(), _length_bucket(seg.max_k)
+            _dkdv_kernel[lambda meta: (triton.cdiv(seg.max_k, meta["BLOCK_N"]), Hkv, n_seg)](
+                q, k, v, log_beta, do, lse, delta, dk, dv, dlb, *seg[:4], *strides,
+                Tq, Tk, Hq, Hkv, G, scale * _LOG2E, scale, t_key, D=D, BLOCK_D=BD, PREC=prec,
             )
-            work_q = work_list(seg.qlen, OUTER_BLOCK, "late")
-            _dq_kernel[(work_q.shape[0], Hq)](
-                q, k, v, log_beta, do, lse, delta, dq, work_q, *seg, *strides,
-                Tq, Hq, G, scale * _LOG2E, scale,
-                D=D, BLOCK_D=BD, BLOCK_M=OUTER_BLOCK, PREC=prec,
+            _dq_kernel[lambda meta: (triton.cdiv(seg.max_q, meta["BLOCK_M"]), Hq, n_seg)](
+                q, k, v, log_beta, do, lse, delta, dq, *seg[:4], *strides,
+                Tq, Hq, G, scale * _LOG2E, scale, t_key, D=D, BLOCK_D=BD, PREC=prec,
             )
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
