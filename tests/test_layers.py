@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1] / "retention"
 # matching prefix.
 LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"base": ("retention.compat", "retention.io", "retention.images", "retention.templates",
-              "retention.architecture", "retention.padding", "retention.locate")},
+              "retention.architecture", "retention.padding", "retention.locate", "retention.metadata",
+              "retention.budget")},
     {"ops": ("retention.ops",)},
     # the cache's page storage: policies read entries through its PaddedView, the cache builds on it
     {"kv storage": ("retention.cache.pool", "retention.cache.paged", "retention.cache.select")},
@@ -34,7 +35,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"train": ("retention.train",), "eval": ("retention.eval",)},
     {"cli": ("retention.cli", "retention.__main__"), "chat_cli": ("retention.chat_cli",),
      "average": ("retention.average",)},
-    {"package": ("retention",)},
+    {"package": ("retention",)},  # the package's own __init__ only, not its modules
 ]
 
 
@@ -123,12 +124,13 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def place(name: str) -> tuple[int, str]:
-    """``(layer index, group)`` of a module: the group whose prefix matches it longest."""
+    """``(layer index, group)`` of a module: the group whose prefix matches it longest (``retention`` matches the
+    package's ``__init__`` alone)."""
     best = None
     for i, layer in enumerate(LAYERS):
         for group, prefixes in layer.items():
             for prefix in prefixes:
-                if name == prefix or name.startswith(prefix + "."):
+                if name == prefix or (prefix != "retention" and name.startswith(prefix + ".")):
                     if best is None or len(prefix) > best[0]:
                         best = (len(prefix), i, group)
     if best is None:
@@ -216,6 +218,11 @@ def test_an_import_up_or_across_the_layers_is_named(edge, why):
     a, b = edge
     bad = layer_violations({a: {b}, b: set()})
     assert len(bad) == 1 and bad[0].startswith(f"{a} -> {b} (") and why in bad[0]
+
+
+def test_a_module_in_no_layer_is_named():
+    with pytest.raises(KeyError, match="retention.newcomer is in no layer"):
+        place("retention.newcomer")
 
 
 def test_imports_down_the_layers_pass():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ import torch
 
 from .config import DataConfig, SourceConfig
 from .data import synthetic_items, synthetic_reply, template_key
-from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint
+from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint, to_messages  # noqa: F401
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -64,38 +63,6 @@ def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[b
 
 
 # where a conversation's images go: LLaVA's and M4-Instruct's marker, and MMDU's
-IMAGE_MARKERS = re.compile(r"<image>|<ImageHere>")
-
-
-def to_messages(record: Any) -> list[dict[str, Any]]:
-    """A multimodal conversation as ``messages`` with content lists, from either that layout or the
-    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers, MMDU's
-    ``<ImageHere>``, and an ``image`` / ``images`` list consumed in order: as many images as markers)."""
-    if isinstance(record, list):
-        return record
-    if "messages" in record:
-        return record["messages"]
-    if "conversations" not in record:
-        raise DataError(f"a multimodal record needs 'messages' or 'conversations', got keys {sorted(record)}")
-    images = record.get("images", record.get("image")) or []
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    messages = []
-    for turn in record["conversations"]:
-        pieces = IMAGE_MARKERS.split(turn["value"])
-        content: list[dict[str, Any]] = []
-        for k, text in enumerate(pieces):
-            if k > 0:
-                if not images:
-                    raise DataError("a record has more <image> markers than images")
-                content.append({"type": "image", "image": images.pop(0)})
-            if text.strip():
-                content.append({"type": "text", "text": text.strip()})
-        messages.append({"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": content})
-    if images:  # an image no marker places would be dropped without a word
-        raise DataError(f"a record has {len(images)} more image(s) than <image> markers")
-    return messages
-
-
 def encode_multimodal(processor: ProcessorMixin, messages: list[dict[str, Any]], seq_len: int,
                       root: Path | None = None) -> dict | None:
     """One conversation through the model's processor: ids, mask and vision inputs; None if longer than seq_len."""
