@@ -23,101 +23,23 @@ import contextlib
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+# model config access lives in architecture (the gates need it too); these names stay importable from here
+from .architecture import (SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_supported,  # noqa: F401
+                           sliding_window_of, text_config, text_config_of, unwrap)
 from .gates import GateConfig, RetentionGates
 from .ops.retention_attention import retention_attention
+from .padding import new_token_valid
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
-
-# model_type of the top-level config -> model_type of its text decoder
-SUPPORTED_MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_vl": "qwen3_vl_text",
-}
 MODES = ("teacher", "student", "score", "bias")
-
-
-class UnsupportedModelError(ValueError):
-    """The base model's architecture has no retention-gate support."""
 
 
 class GatesMismatchError(ValueError):
     """Gates built for a base model of other shapes (layers, KV heads, hidden size) than the one given."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under PEFT / DDP / DeepSpeed wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP, DeepSpeed
-            model = model.module
-        elif hasattr(model, "get_base_model"):  # PEFT
-            model = model.get_base_model()
-    return model
-
-
-def sliding_window_of(text_config: Any) -> int | None:
-    """The attention window (tokens) of the decoder's sliding-window layers; ``None`` when every layer is full.
-
-    Qwen2/Qwen3 mark such layers in ``layer_types``; Mistral slides every layer when ``sliding_window`` is set.
-    """
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window
-
-
-def text_config(config: Any) -> Any:
-    """The text decoder's config within a model's top-level config (the config itself for text-only models)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def check_supported(config: Any, owner: str | None = None) -> None:
-    """Raise :class:`UnsupportedModelError` unless retention gates can drive this model (its top-level config).
-
-    Checked from the config alone, so loaders can refuse before the weights are read. ``owner`` names the model
-    when its config has no ``_name_or_path`` (a model built from a config: its class name).
-    """
-    model_type = getattr(config, "model_type", None)
-    name = getattr(config, "_name_or_path", "") or owner or "this model"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"retention gates do not support model_type {model_type!r} ({name}); "
-            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
-    text = text_config(config)
-    window = sliding_window_of(text)
-    if window is not None:
-        # the gated attention and the retention cache attend over every kept entry: a window would be ignored,
-        # so the student and the cache would silently stop matching the model
-        off = "sliding_window=None"
-        if getattr(text, "layer_types", None) is not None:
-            off += f', layer_types=["full_attention"] * {len(text.layer_types)}'
-        raise UnsupportedModelError(
-            f"{name} has sliding-window attention layers ({window} tokens); retention gates and the retention "
-            "cache attend over every kept entry and do not support a window. If your contexts stay within "
-            f"{window} tokens the window changes nothing: load the model with every layer full, "
-            f"load_model(..., {off}) or the same keywords to from_pretrained (for train.py and the eval "
-            "configs, save_pretrained the model so loaded and name that folder)"
-        )
-
-
-def text_config_of(model: nn.Module) -> PreTrainedConfig:
-    """Config of the text decoder (the model's own config for text-only models)."""
-    base = unwrap(model)
-    config = getattr(base, "config", None)
-    check_supported(config, owner=type(base).__name__)
-    return text_config(config)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -269,11 +191,9 @@ def retention_attention_function(
                                                       query_weights=state.past_mass_queries)
             return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
-    # once per forward (a device sync); flex_attention's mask is a BlockMask, which _new_token_valid reads too
+    # once per forward (a device sync); flex_attention's mask is a BlockMask, which new_token_valid reads too
     if state.layer == 0 and attention_mask is not None:
-        from .cache.hf import _new_token_valid
-
-        valid = _new_token_valid(attention_mask, key.shape[0], key.shape[2])
+        valid = new_token_valid(attention_mask, key.shape[0], key.shape[2])
         if valid is not None and not bool(valid.all()):
             raise ValueError(
                 "student mode does not support padded batches (the gated attention would attend to the padding): "
@@ -530,14 +450,31 @@ def _gate_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if mode in ("teacher", "bias"):
         return
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    state.log_beta = state.attachment.gates(state.layer, x)
-    if mode == "score":
-        # a retention cache (anything with this method) takes each new token's log_beta with its K/V
-        # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        state.cache = cache if hasattr(cache, "retention_pre_attention") else None
-        if state.cache is not None:
-            state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
+    if mode != "score":
+        state.log_beta = state.attachment.gates(state.layer, x)
+        return
+    # a retention cache (anything with this method) takes each new token's log_beta with its K/V
+    # transformers >= 5.24 passes the cache as `cache` (`past_key_values` before)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    state.cache = cache if hasattr(cache, "retention_pre_attention") else None
+    if gates_needed(state.cache):
+        state.log_beta = state.attachment.gates(state.layer, x)
+    else:  # a training-free policy ranks without beta: the store keeps log_beta 0 (beta 1) for its entries
+        B, T = x.shape[0], x.shape[1]
+        state.log_beta = torch.zeros(B, state.attachment.gates.config.num_kv_heads, T, dtype=torch.float32,
+                                     device=x.device)
+    if state.cache is not None:
+        state.cache.retention_pre_attention(state.layer, state.log_beta, kwargs.get("attention_mask"))
+
+
+def gates_needed(cache: Any) -> bool:
+    """Whether the gate MLP must score a score-mode forward into ``cache``: not for a retention cache whose policy is
+    training-free (``uses_gates`` False, e.g. SnapKV, H2O, StreamingLLM), which never reads the scores, unless that
+    policy asks for them (``keeps_gate_scores``: a cache another, gated policy ranks later)."""
+    policy = getattr(cache, "policy", None)
+    if policy is None:
+        return True
+    return bool(getattr(policy, "uses_gates", True) or getattr(policy, "keeps_gate_scores", False))
 
 
 def model_stem(name: str | None) -> str:

@@ -122,7 +122,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .models import load_model
     from .policies import GlobalGatesPolicy, get_policy
 
-    gate_options = {"sink": args.sink, "recent": args.recent, "pool": args.pool}
+    gate_options = {"sink": args.sink, "recent": args.recent}
     try:  # the policy checks its options before the model loads
         if args.policy == "global_gates":
             policy = GlobalGatesPolicy(**{k: v for k, v in gate_options.items() if v is not None})  # else its defaults
@@ -136,7 +136,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .cli import check_gates_source, model_placement
+    from .commands import check_gates_source, model_placement
 
     device, dtype = model_placement(args)  # a device this machine lacks fails before the model loads
     if args.cuda_graphs and torch.device(device).type != "cuda":
@@ -287,7 +287,7 @@ def _typed_lines() -> Iterator[str]:
 
 def register(subparsers: Any) -> None:
     """Add ``retention chat`` to the CLI."""
-    from .cli import add_placement_args, non_negative_int, positive_int
+    from .commands import add_placement_args, non_negative_int, positive_int
     from .policies import POLICIES
 
     p = subparsers.add_parser("chat", help="interactive chat over a bounded retention cache (reads stdin)")
@@ -303,8 +303,6 @@ def register(subparsers: Any) -> None:
                    "(attention sinks; default 4); 0: the gates alone decide")
     p.add_argument("--recent", type=int, default=None, help="global_gates: newest tokens always kept in every head "
                    "(a local window; default 0)")
-    p.add_argument("--pool", type=int, default=None, help="global_gates: odd width, rank each entry by the best gate "
-                   "score among its neighbours in the head (keeps whole spans such as multi-digit numbers); default 1")
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="prefill chunk in tokens (default: %(default)s): a long turn competes for the budget chunk "
                    "by chunk")

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .architecture import text_config_of
+from .locate import checkpoint_folder, is_gate_folder
 from .metadata import META_FILE, metadata_file, write_metadata
 
 VARIANTS = ("global", "seed", "trimkv")
@@ -78,8 +80,6 @@ class GateConfig:
     @classmethod
     def for_model(cls, model: nn.Module, **options: Any) -> "GateConfig":
         """Read the layer count, KV heads and hidden size off a (supported) HF model."""
-        from .attach import text_config_of  # local import: attach imports this module
-
         cfg = text_config_of(model)
         name = getattr(getattr(model, "config", cfg), "_name_or_path", None) or None
         options.setdefault("base_model", name)
@@ -224,8 +224,6 @@ class RetentionGates(nn.Module):
         from safetensors.torch import load_file
 
         if not Path(path).expanduser().is_dir():
-            from .hub import checkpoint_folder
-
             path = checkpoint_folder(path, revision)  # HubError naming the fix when it is none of these
         path = Path(path).expanduser()
         cfg_file, weights = metadata_file(path), path / "gates.safetensors"
@@ -296,15 +294,6 @@ def check_finite_before_writing(gates: RetentionGates, path: str | Path) -> None
     if bad := nonfinite_tensors(gates.state_dict()):
         raise ValueError(f"the gates to write to {path} hold NaN or inf ({', '.join(bad)}): nothing written; a "
                          "training run that diverged should export a checkpoint from before the loss went NaN")
-
-
-def is_gate_folder(path: str | Path) -> bool:
-    """Whether ``path`` holds gates written by this toolkit (a ``retention.json``, or an older checkpoint's
-    ``config.json``, with a ``gate_config``)."""
-    try:
-        return "gate_config" in json.loads(metadata_file(path).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def gate_folders_under(path: str | Path, depth: int = 2) -> list[str]:

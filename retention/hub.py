@@ -19,18 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from .gates import (GATES_SHA256, RetentionGates, check_finite_before_writing, check_gate_folder_target,
-                    is_gate_folder)
+from .gates import GATES_SHA256, RetentionGates, check_finite_before_writing, check_gate_folder_target
 from .io import atomic_directory, save_state
+from .locate import (CHECKPOINT_FILES, DOWNLOAD_FILES, HubError, checkpoint_folder,  # noqa: F401  (home: locate)
+                     is_gate_folder, local_checkpoint)
 from .metadata import LEGACY_META_FILE, META_FILE, RESULT_KEYS, metadata_file, metadata_text, read_metadata
-
-CHECKPOINT_FILES = ("gates.safetensors", META_FILE, "README.md")
-# what a checkpoint download fetches: an older checkpoint's metadata too
-DOWNLOAD_FILES = (*CHECKPOINT_FILES, LEGACY_META_FILE)
-
-
-class HubError(RuntimeError):
-    """A Hub operation failed; the message says why and what to do."""
 
 
 _CARD_INTRO = {  # what the gates are, by GateConfig.variant
@@ -160,49 +153,6 @@ def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
         (tmp / META_FILE).write_text(metadata_text(config))
         (tmp / "README.md").write_text(model_card(config))
     return path
-
-
-def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
-    """The folder ``path_or_repo_id`` names on this machine: itself when it exists (``~`` expanded; the folder of a
-    checkpoint file such as its ``gates.safetensors``), else a shipped checkpoint of that name
-    (:func:`retention.models.shipped_checkpoint`: the installed package's copy, from any folder); ``None`` when
-    neither exists."""
-    p = Path(path_or_repo_id).expanduser()
-    if p.is_file() and p.name in DOWNLOAD_FILES and is_gate_folder(p.parent):
-        return p.parent  # a file of a checkpoint (its gates.safetensors, say) names the checkpoint
-    if p.exists():
-        return p
-    from .models import shipped_checkpoint
-
-    return shipped_checkpoint(p)
-
-
-def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
-    """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else a shipped checkpoint of that
-    name (:func:`retention.models.shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded
-    once, then read from the local Hub cache). HubError naming the fix otherwise."""
-    local = local_checkpoint(path_or_repo_id)
-    if local is not None:
-        return local
-    from .models import looks_like_a_path
-
-    if looks_like_a_path(str(path_or_repo_id)):  # no Hub id has this form: say what is missing
-        raise HubError(
-            f"gate checkpoint {str(path_or_repo_id)!r}: there is no such folder (looked for "
-            f"{Path(path_or_repo_id).expanduser().resolve()}); give "
-            f"the folder a training run exported (gates.safetensors, {META_FILE}), a shipped checkpoint's name "
-            "(smollm2-135m-global) or a Hub repo id (owner/name)"
-        )
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(DOWNLOAD_FILES)))
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise HubError(
-            f"gate checkpoint {str(path_or_repo_id)!r} is neither a local folder nor reachable on the Hub ({e}); "
-            "check the path or repo id, your network, and HF_TOKEN for private repos"
-        ) from None
 
 
 def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None,

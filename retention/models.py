@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attach import check_supported, text_config
+from .architecture import check_supported, is_multimodal, text_config, text_mrope_positions  # noqa: F401
 from .io import atomic_directory
+from .locate import CHECKPOINT_DIRS, looks_like_a_path, shipped_checkpoint  # noqa: F401  (their home is locate)
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
 
@@ -44,9 +45,6 @@ EMBEDDED_MODELS = {
         gates="smollm2-135m-global",
     ),
 }
-# Trained gates shipped with the toolkit (a few MB each): `checkpoints/` of a checkout, which a wheel installs as
-# the data package `retention/checkpoints/` (pyproject.toml's package-dir); the first that exists wins.
-CHECKPOINT_DIRS = (Path(__file__).resolve().parent / "checkpoints", Path(__file__).resolve().parents[1] / "checkpoints")
 
 
 def device_problem(device: str) -> str | None:
@@ -219,16 +217,6 @@ def shipped_gates(model_or_name: Any) -> Path | None:
     return None
 
 
-def shipped_checkpoint(name_or_path: str | Path) -> Path | None:
-    """A shipped gate checkpoint named by its folder (``smollm2-135m-global``, or the checkout's
-    ``checkpoints/smollm2-135m-global`` from any working directory); ``None`` when it names none."""
-    parts = Path(name_or_path).parts
-    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "checkpoints"):
-        return None
-    found = (d / parts[-1] for d in CHECKPOINT_DIRS if (d / parts[-1] / "gates.safetensors").is_file())
-    return next(found, None)
-
-
 def resolve_model_path(name_or_path: str) -> str:
     """Embedded name -> cached local folder; ``~/...`` -> the home folder's path; anything else (Hub id or local
     path) is returned as is."""
@@ -238,23 +226,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path.startswith("~"):
         return str(Path(name_or_path).expanduser())
     return name_or_path
-
-
-def looks_like_a_path(name: str) -> bool:
-    """A name that can only be a local path: a Hub id is ``name`` or ``owner/name``, never ``/x``, ``./x``,
-    ``a/b/c``."""
-    return name.startswith(("/", ".", "~", "\\")) or name.count("/") > 1 or "\\" in name
-
-
-def is_multimodal(config: Any) -> bool:
-    return getattr(config, "vision_config", None) is not None
-
-
-def text_mrope_positions(text: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-    """Qwen3-VL ``position_ids`` ``(4, B, n)`` of text tokens at true indices ``text`` ``(B, n)``: the first row the
-    index itself (the masks read it), then M-RoPE's three axes, each at the index plus ``delta`` (the model's
-    ``rope_deltas``, ``(B, 1)`` or an int: how far the images so far moved the text positions)."""
-    return torch.cat([text[None], (text + delta)[None].expand(3, *text.shape)], dim=0)
 
 
 # from_pretrained keywords that say where and how to fetch files (not config attributes): the config, the weights

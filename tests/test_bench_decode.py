@@ -212,7 +212,6 @@ def test_a_repeated_context_is_timed_and_printed_once(monkeypatch, capsys):
     ("retention.cli", ["demo", "--device", "cpu"]),
     ("retention.cli", ["chat", "--device", "cpu"]),
     ("benchmarks.decode", ["--contexts", "64", "--budget", "8", "--device", "cpu"]),
-    ("retention.eval.norm_probe", ["1"]),
 ])
 def test_gates_of_another_model_are_refused_before_the_model_loads(module, args, tmp_path, monkeypatch, capsys):
     """The gates' shapes were checked against the loaded model only: the weights (minutes for a large model) loaded

@@ -108,8 +108,7 @@ def _kept(cache: RetentionCache, row: int, shift: int) -> list[list[int]]:
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - {"full", "random"}))
 def test_every_policy_keeps_for_a_padded_batch_what_it_keeps_for_each_sequence_alone(name):
     """A sequence's evictions do not depend on what it is batched with: LAVa's layer entropies, CAKE's layer
-    preferences and PyramidKV's context length are each sequence's own (they were pooled over the batch), and the
-    SnapKV share of ``gates_snapkv`` neither lets padding take picks nor breaks ties by slot."""
+    preferences and PyramidKV's context length are each sequence's own (they were pooled over the batch)."""
     model = _with_gates("qwen3")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 100, (n,), generator=g) for n in (70, 140, 90, 110)]

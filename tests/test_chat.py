@@ -218,15 +218,15 @@ def test_a_device_or_dtype_this_machine_cannot_use_fails_before_the_model_loads(
 
 
 def test_chat_command_refuses_a_bad_window_before_loading_the_model(capsys, monkeypatch):
-    """`retention chat --recent -1` / `--pool 4`: exit 2 with the flag named, and no model is loaded first."""
+    """`retention chat --recent -1` / `--sink -2`: exit 2 with the flag named, and no model is loaded first."""
     import retention.models
     from retention.cli import main
 
     monkeypatch.setattr(retention.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     assert main(["chat", "--recent", "-1"]) == 2
     assert "recent must be >= 0" in capsys.readouterr().err
-    assert main(["chat", "--pool", "4"]) == 2
-    assert "pool must be odd" in capsys.readouterr().err
+    assert main(["chat", "--sink", "-2"]) == 2
+    assert "sink must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["chat", "demo"])

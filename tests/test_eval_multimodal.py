@@ -9,7 +9,7 @@ import torch
 
 from retention.eval.config import EvalConfigError, load_eval_config
 from retention.eval.loaders import load_mmdu
-from retention.eval.methods import make_method
+from retention.eval.method_specs import make_method
 from retention.eval.multimodal import kept_image_entries, run_chat_item_budgets
 from retention.eval.budgets import parse_budget
 from retention.eval.runner import read_results, run_sweep
@@ -170,8 +170,8 @@ def test_image_memory_items_are_reproducible_and_their_photos_differ(tmp_path, m
     """Generated from the seed: the same items (and photo files, by name and bytes) in a fresh cache folder; each photo
     of an item carries another number, the answer is one of them, and the text before the question fits ``length``."""
     from retention.eval.models import tiny_tokenizer
-    from retention.eval.tasks import generate
-    from retention.eval.tasks.base import count_tokens, render_chat
+    from retention.tasks import generate
+    from retention.tasks.base import count_tokens, render_chat
 
     tok = tiny_tokenizer()
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "a"))
@@ -267,8 +267,8 @@ def test_image_memory_photo_pool_is_fixed_and_photos_option_replaces_it(tmp_path
     import types
 
     from retention.eval.models import tiny_tokenizer
-    from retention.eval.tasks import generate
-    from retention.eval.tasks.image_memory import photo_sources
+    from retention.tasks import generate
+    from retention.tasks.image_memory import photo_sources
 
     tok = tiny_tokenizer()
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "cache"))

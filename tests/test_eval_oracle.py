@@ -7,10 +7,10 @@ import torch
 
 from retention.eval.budgets import parse_budget
 from retention.eval.config import EvalConfigError, load_eval_config
-from retention.eval.methods import make_method
+from retention.eval.method_specs import make_method
 from retention.eval.models import load_eval_model
 from retention.eval.protocol import reference_logits, run_item_budgets
-from retention.eval.tasks import generate
+from retention.tasks import generate
 from retention.compat import cache_kwargs
 
 

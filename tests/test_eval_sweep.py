@@ -318,7 +318,7 @@ def test_smollm2_full_cache_solves_easy_needles():
     from retention.eval.methods import FullCache
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import run_item
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     model, tok = load_eval_model("smollm2-135m")
     items = generate("niah_single", tok, 1024, 5, seed=0)
@@ -396,10 +396,10 @@ def test_the_embedded_model_defaults_to_its_shipped_gates():
 def test_one_shared_prefill_equals_one_prefill_per_budget(policy):
     """Several budgets compress copies of one prefilled cache: the same rows as separate runs."""
     from retention.eval.budgets import parse_budget
-    from retention.eval.methods import make_method
+    from retention.eval.method_specs import make_method
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import run_item, run_item_budgets
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -425,10 +425,10 @@ def test_one_prefill_shared_by_all_methods_equals_their_own_prefills(policy):
     import torch
 
     from retention.eval.budgets import parse_budget
-    from retention.eval.methods import make_method
+    from retention.eval.method_specs import make_method
     from retention.eval.models import load_eval_model
     from retention.eval.protocol import SharedPrefill, context_and_prompt, run_item_budgets
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
     from retention import GateConfig, RetentionGates, attach_gates
 
     model, tok = load_eval_model("tiny-llama-random")
@@ -863,7 +863,7 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     variables scores them again, and the tokenizer handed to the sweep stays as it was."""
     from chat_templates import THINKING_SWITCH_TEMPLATE
 
-    import retention.eval.protocol
+    import retention.tasks.prompt
     from retention.eval.models import load_eval_model
     from retention.templates import with_template_variables
 
@@ -877,8 +877,8 @@ def test_chat_template_kwargs_reach_every_prompt_of_a_sweep(tmp_path, monkeypatc
     assert tok.chat_template == THINKING_SWITCH_TEMPLATE
 
     prompts = []
-    render = retention.eval.protocol.render_chat
-    monkeypatch.setattr(retention.eval.protocol, "render_chat",
+    render = retention.tasks.prompt.render_chat
+    monkeypatch.setattr(retention.tasks.prompt, "render_chat",
                         lambda *a, **k: prompts.append(render(*a, **k)) or prompts[-1])
 
     def sweep(extra: str) -> list[dict]:
@@ -960,8 +960,8 @@ def test_run_seed_flag_fills_the_output_and_refuses_a_bad_seed(tmp_path, capsys,
 def test_eval_list_names_everything_a_config_can_use(capsys):
     from retention.eval.cli import main
     from retention.eval.loaders import HUB_TASKS
-    from retention.eval.methods import available_methods
-    from retention.eval.tasks import TASKS
+    from retention.eval.method_specs import available_methods
+    from retention.tasks import TASKS
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out
@@ -1009,7 +1009,7 @@ def test_rescore_scores_stored_replies_again_under_the_current_metrics(tmp_path,
     i = next(i for i, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 4)
     j = next(j for j, r in enumerate(rows) if r["task"] == "niah_single" and r["seed"] == 3)
     from retention.eval.models import tiny_tokenizer
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     tok = tiny_tokenizer()
     needle = {it.id: it.answers[0] for seed in (3, 4) for it in generate("niah_single", tok, 96, 2, seed=seed)}

@@ -3,9 +3,9 @@ tokenizer, and is reproducible from (split, seed); training and evaluation pools
 
 import pytest
 
-from retention.eval.haystack import documents, sentences, split_of
-from retention.eval.tasks import TASKS, generate
-from retention.eval.tasks.base import count_tokens, render_chat
+from retention.tasks.haystack import documents, sentences, split_of
+from retention.tasks import TASKS, generate
+from retention.tasks.base import count_tokens, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_task_options_are_checked_before_any_item(task, params, message):
     """A misspelt option was a TypeError, too many keys or facts rng.sample's "Sample larger than population",
     values=0 items with no answer (refused only when scored, after the model ran), queries=1 the question "the
     special magic numbers for  and walnut"; check_params needs no tokenizer, so a config can call it first."""
-    from retention.eval.tasks import check_params
+    from retention.tasks import check_params
 
     with pytest.raises(ValueError, match=message):
         check_params(task, params)

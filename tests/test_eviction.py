@@ -265,77 +265,6 @@ def test_a_policy_may_be_named(model):
         RetentionCache(model, policy=SnapKVPolicy, budget=60)
 
 
-@pytest.mark.parametrize("scope", ["head", "global"])
-@pytest.mark.parametrize("wv, wk", [(1.5, 0.0), (0.0, 2.0), (1.0, 3.0)])
-@pytest.mark.parametrize("seed, pads", [(0, 0), (1, 0), (2, 3)])
-def test_norm_weighted_gates_equal_brute_force(model, scope, wv, wk, seed, pads):
-    """``value_weight`` / ``key_weight``: score ``(T - i) log beta + wv log ||v||_{W_O} - wk log ||k||``, the value
-    norm the root mean square of ``v W_O^h`` over the KV head's query heads, each computed here by hand from
-    ``o_proj``. ``head``: every head keeps as many entries as the plain gates give it, the weighted score picks
-    which; ``global``: the weighted score's top-B over the whole model. Left padding (``pads`` tokens, given the
-    highest log beta) is dropped and lends no head a share."""
-    B, T, budget, D = 2, 9, 20, 16
-    g = torch.Generator().manual_seed(seed)
-    lb = -torch.rand(B, L, H, T, generator=g) * 0.5
-    lb[..., :pads] = 0.0
-    values = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
-    keys = torch.randn(B, L, H, T, D, generator=g) * torch.rand(B, L, H, T, 1, generator=g) * 3
-    policy = GlobalGatesPolicy(sink=0, value_weight=wv, key_weight=wk, norm_scope=scope)
-    assert policy.needs_kv
-    cache = _filled_cache(model, lb, pads, keys, values, budget=budget, policy=policy, slack=0)
-    cache.evict(torch.arange(B), torch.full((B,), budget))
-    cache.store.check()
-    reference = _filled_cache(model, lb, pads, keys, values, budget=budget, policy=GlobalGatesPolicy(sink=0), slack=0)
-    reference.evict(torch.arange(B), torch.full((B,), budget))
-    G = model.config.num_attention_heads // H
-    changed = False
-    for b in range(B):
-        base, weighted = {}, {}
-        for layer in range(L):
-            w_o = model.model.layers[layer].self_attn.o_proj.weight  # (hidden, Hq * D)
-            for h in range(H):
-                for i in range(pads, T):
-                    v = values[b, layer, h, i]
-                    outs = [v @ w_o[:, (h * G + q) * D:(h * G + q + 1) * D].T for q in range(G)]
-                    v_norm = math.sqrt(sum(float(o.square().sum()) for o in outs) / G)
-                    k_norm = float(keys[b, layer, h, i].norm())
-                    base[layer, h, i] = (T - i) * float(lb[b, layer, h, i])
-                    weighted[layer, h, i] = base[layer, h, i] + wv * math.log(v_norm) - wk * math.log(k_norm)
-        if scope == "global":
-            want = set(sorted(weighted, key=weighted.get, reverse=True)[:budget])
-        else:
-            plain = sorted(base, key=base.get, reverse=True)[:budget]
-            want = set()
-            for layer in range(L):
-                for h in range(H):
-                    k = sum(1 for e in plain if e[:2] == (layer, h))
-                    mine = [e for e in weighted if e[:2] == (layer, h)]
-                    want |= set(sorted(mine, key=weighted.get, reverse=True)[:k])
-        got, plain_kept = _kept(cache, b, keys, values), _kept(reference, b, keys, values)
-        assert got == want
-        if scope == "head":  # the plain gates' split: as many entries per head as the gates alone keep
-            assert sorted(e[:2] for e in got) == sorted(e[:2] for e in plain_kept)
-        changed |= got != plain_kept
-    assert changed, "the norms changed nothing"
-
-
-def test_norm_weight_options_are_checked(model):
-    with pytest.raises(ValueError, match="value_weight must be >= 0"):
-        GlobalGatesPolicy(value_weight=-1.0)
-    with pytest.raises(ValueError, match="key_weight must be >= 0"):
-        GlobalGatesPolicy(key_weight=-0.5)
-    with pytest.raises(ValueError, match="norm_scope must be 'head'"):
-        GlobalGatesPolicy(value_weight=1.0, norm_scope="layer")
-    assert not GlobalGatesPolicy().needs_kv  # the plain gates gather no keys or values at eviction
-    assert GlobalGatesPolicy(key_weight=1.0).needs_kv
-    policy = GlobalGatesPolicy(value_weight=1.0)
-    policy.bind(model)
-    entries = EntryView(torch.zeros(1, 4), torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]),
-                        torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="needs the entries' keys and values"):
-        policy.score(entries)
-
-
 class _Oracle:
     """An independent replay of a :class:`RetentionCache` under :class:`GlobalGatesPolicy` during ``generate``: every
     entry (sequence, layer, head, position, log beta, key, value) in plain Python lists, evicted by the documented
@@ -475,7 +404,7 @@ def test_generation_equals_a_brute_force_replay(model, batch, lens, budget, slac
     assert report["pages_in_use"] == sum(-(-int(n) // page_size) for n in per_head.flatten())
 
 
-@pytest.mark.parametrize("name, options", [("adakv", {"window": 4}), ("gates_snapkv", {"share": 0.5})])
+@pytest.mark.parametrize("name, options", [("adakv", {"window": 4})])
 def test_budget_dependent_policies_score_each_row_at_its_own_budget(name, options):
     """AdaKV's safeguard and the SnapKV share depend on the budget: a row of a batch with one budget per sequence
     keeps what it keeps alone at that budget (every row was scored at the first row's budget)."""

@@ -96,11 +96,10 @@ def test_max_pool_within_pools_each_entry_over_its_neighbours_inside_only():
 
 def test_snapkv_pools_the_prefix_only_and_keeps_its_top_entries():
     """SnapKV (FasterDecoding/SnapKV): sum of the window's attention over ``attn[..., -w:, :-w]``, mean over the GQA
-    group, max-pooled over those columns, top ``budget - w`` plus the window; PyramidKV and the SnapKV share of
-    ``gates_snapkv`` score the same way."""
+    group, max-pooled over those columns, top ``budget - w`` plus the window; PyramidKV scores the same way."""
     w, kernel, per_head = 8, 7, 20
     policy, seen, kept, _ = run("snapkv", per_head, window=w, kernel=kernel)
-    kin = [get_policy("pyramidkv", window=w, kernel=kernel), get_policy("gates_snapkv", window=w, kernel=kernel).snap]
+    kin = [get_policy("pyramidkv", window=w, kernel=kernel)]
     for layer in range(L):
         q, k, v = seen[layer]
         A = attention(q, k, w)

@@ -68,7 +68,7 @@ def test_pack_never_cuts_whole_documents():
 
 
 def test_synthetic_source_builds_retrieval_conversations_from_the_training_pool(tokenizer):
-    from retention.eval.haystack import sentences
+    from retention.tasks.haystack import sentences
 
     cfg = DataConfig(sources=[SourceConfig(kind="synthetic", path="niah_single", max_docs=3, length=160, seed=7,
                                            weight=4.0)],

@@ -396,7 +396,7 @@ def test_an_items_answer_is_distilled_as_the_training_conversations_write_it():
     a token the model does not write there."""
     from transformers import AutoTokenizer
 
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
     from retention.models import embedded_model_dir
     from retention.train.data import synthetic_reply
     from retention.train.evict import example_from_item

@@ -200,7 +200,7 @@ def test_image_memory_trains_as_multimodal_conversations(tmp_path, monkeypatch):
     tokens = sum(int((r["input_ids"] == proc.image_token_id).sum()) for r in rows)
     assert tokens == sum(int(r["image_grid_thw"].prod(-1).sum()) // 4 for r in rows) > 0
     predicted = " ".join(proc.tokenizer.decode(r["input_ids"][0, 1:][r["loss_mask"][0, :-1]]) for r in rows)
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     answers = [it.answers[0] for it in generate("image_memory", proc.tokenizer, 512 - 128 - 2 * 16, 3, seed=1000,
                                                  split="train", images=2, size=112)]

@@ -105,7 +105,7 @@ def vl_dialogue_rows_on(device: str, folder: Path, tokenizer_dir: str | Path | N
     GPU one."""
     from retention.eval.budgets import parse_budget
     from retention.eval.loaders import load_mmdu
-    from retention.eval.methods import make_method
+    from retention.eval.method_specs import make_method
     from retention.eval.multimodal import run_chat_item_budgets, shared_history
     from retention import attach_gates
 

@@ -26,7 +26,7 @@ import torch
 
 from ..attach import unwrap
 from ..compat import cache_kwargs
-from ..models import is_multimodal, text_mrope_positions
+from ..architecture import is_multimodal, text_mrope_positions
 from .hf import RetentionCache
 
 

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 
 from ..attach import text_config_of, unwrap
 from ..budget import default_slack
+from ..padding import new_token_valid
 from ..policies.base import EvictionPolicy
 from ..policies.global_gates import GlobalGatesPolicy
 from .cache_budget import BudgetMixin, CacheBudgetError, is_count
@@ -41,14 +42,13 @@ from .dispatch import AttentionMixin
 from .eviction import EvictionMixin
 from .layer import RetentionLayer
 from .paged import PagedKVStore
-from .padding import PaddingMixin, new_token_valid
+from .padding import PaddingMixin
 from .planned import PlannedStepMixin
 from .report import MemoryReport, ReportMixin, kept_where
 from .rows import RowsMixin
 
 # names other modules import from here
 __all__ = ["CacheBudgetError", "MemoryReport", "RetentionCache", "is_count", "kept_where"]
-_new_token_valid = new_token_valid  # retention.attach reads the padding mask with it
 
 
 class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, PlannedStepMixin, RowsMixin,

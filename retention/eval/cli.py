@@ -154,8 +154,8 @@ def _list(args: argparse.Namespace) -> int:
     import inspect
 
     from .loaders import HUB_TASKS
-    from .methods import available_methods
-    from .tasks import TASKS
+    from .method_specs import available_methods
+    from retention.tasks import TASKS
 
     def params(fn, skip=()) -> str:
         names = [n for n in inspect.signature(fn).parameters if n not in skip]
@@ -266,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m retention.eval", description="evaluation sweeps and reports")
     add_commands(parser)
     args = parser.parse_args(argv)
-    from retention.cli import user_errors
+    from retention.commands import user_errors
+
+    from .config import EvalConfigError
+    from .loaders import DatasetUnavailableError
 
     try:
         return args.func(args)
-    except user_errors() as e:  # a model that cannot load, gates that do not fit: the message names the fix
+    # a model that cannot load, gates that do not fit, a Hub set not readable here: the message names the fix
+    except (*user_errors(), DatasetUnavailableError, EvalConfigError) as e:
         print(f"python -m retention.eval {args.eval_command}: error: {e}", file=sys.stderr)
         return 2

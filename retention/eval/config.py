@@ -11,14 +11,15 @@ import yaml
 
 from retention.templates import template_variables_problem
 from retention.models import MODEL_DTYPES, device_problem
+from retention.tasks.haystack import SOURCES, SPLITS
+from retention.tasks import TASKS, check_params
 
 from .budgets import Budget, parse_budget
-from .haystack import SOURCES, SPLITS
-from .methods import Method, available_methods, make_method
+from .method_specs import available_methods, make_method
+from .methods import Method
 from .multimodal import IMAGE_TASKS
 from .protocol import PREFILLS, PROTOCOLS
 from .loaders import HUB_TASKS, check_hub_task
-from .tasks import TASKS, check_params
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "eval" / "configs"  # the checkout's eval/configs
 

@@ -1,4 +1,4 @@
-"""Standard long-context sets from the Hub as :class:`~retention.eval.tasks.Item` lists (for GPU users).
+"""Standard long-context sets from the Hub as :class:`~retention.tasks.Item` lists (for GPU users).
 
 =============  ==========================  ===========================================================
 set            Hub source                  fields used
@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .tasks import Item
+from retention.tasks import Item
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

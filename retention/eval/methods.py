@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from retention.gates import RetentionGates
     from retention.policies import EvictionPolicy
 
-    from .tasks.base import Item
+    from retention.tasks.base import Item
 
 
 def kv_streams(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -162,37 +162,6 @@ class PolicyCache(Method):
         return self._loaded
 
 
-def available_methods() -> list[str]:
-    """``full``, ``oracle`` (:mod:`retention.eval.oracle`, fidelity only) and every registered eviction policy."""
-    try:
-        from retention.policies import POLICIES
-    except ImportError:
-        return ["full"]
-    return sorted({"full", "oracle", *POLICIES})
-
-
-def make_method(spec: dict[str, Any]) -> Method:
-    """A method from a config entry ``{name, params?, label?}``; parameters are checked now."""
-    name = spec["name"]
-    params = dict(spec.get("params") or {})
-    label = spec.get("label") or ""
-    gates = spec.get("gates")
-    if name == "full":
-        if params or gates:
-            raise ValueError("method 'full' takes no params or gates")
-        return FullCache(name, params, label)
-    if name == "oracle":
-        from .oracle import ContinuationOracle
-
-        return ContinuationOracle(name, params, label, gates)
-    from retention.policies import get_policy
-
-    get_policy(name, **params)  # unknown names / parameters fail here, before any model loads
-    if gates is not None and not isinstance(gates, str):
-        raise ValueError(f"gates must be a checkpoint folder or Hub repo id, got {gates!r}")
-    return PolicyCache(name, params, label, gates)
-
-
 @torch.no_grad()
 def prefill(model: PreTrainedModel, cache: Cache, ids: list[int], chunk: int | None) -> torch.Tensor:
     """Feed ``ids`` into ``cache`` (in chunks of ``chunk`` tokens when given); last position's logits."""
@@ -202,3 +171,16 @@ def prefill(model: PreTrainedModel, cache: Cache, ids: list[int], chunk: int | N
     for s in range(0, x.shape[1], step):
         logits = model(input_ids=x[:, s : s + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
     return logits[0, -1]
+
+
+def snapshot_cache(cache: Any, model: torch.nn.Module) -> Any:
+    """A deep copy of a prefilled cache (any HF ``Cache``) that shares the model, its weights and the gate
+    attachment, so each method or probe can compress its own copy of one prefill."""
+    import copy
+
+    memo = {id(p): p for p in model.parameters()}
+    memo[id(model)] = model
+    attachment = getattr(model, "retention", None)
+    if attachment is not None:
+        memo[id(attachment)] = attachment
+    return copy.deepcopy(cache, memo)

@@ -4,7 +4,7 @@ a config in a second, for smoke runs and CI (its answers are noise; the plumbing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,27 +77,3 @@ def load_eval_model(spec: str, dtype: str | None = None, device: str | None = No
     model, proc = load_model(spec, dtype=dtype, device=device)
     # a vision-language model keeps its processor (images of multimodal items); text models give their tokenizer
     return model, proc if is_multimodal(model.config) else getattr(proc, "tokenizer", proc)
-
-
-def load_probe_model(spec: str, gates: str | None, error: Callable[[str], Any]) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a probe command, with ``gates`` (a folder or Hub id; ``None``: the model's shipped
-    gates) attached in ``score`` mode, as the eval's ``gates: null``. The gates are read and checked against the
-    model's config before its weights load; ``error(message)`` reports a model without shipped gates (a CLI's
-    ``ArgumentParser.error``)."""
-    from retention import attach_gates
-    from retention.attach import check_gates_match, check_gates_shape, text_config
-    from retention.cli import check_gates_source
-    from retention.models import shipped_gates
-
-    source = gates or shipped_gates(spec)
-    if source is None:
-        eval_model_config(spec)  # an unknown model says so (ModelNotAvailableError), not "no gates shipped"
-        error(f"no gates are shipped for {spec!r}; pass --gates with a checkpoint folder or Hub id")
-    checked = check_gates_source(str(source))  # a typo or a damaged checkpoint fails before the model loads
-    if checked is not None:  # and so do another model's gates, from the config (a spec may name a tiny model)
-        check_gates_shape(text_config(eval_model_config(spec)), checked.config)
-    model, tok = load_eval_model(spec)
-    if checked is not None:
-        check_gates_match(model, checked.config)
-    attach_gates(model, checked, mode="score")
-    return model, tok

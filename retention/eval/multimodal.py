@@ -13,34 +13,30 @@ tokens.
 * ``streaming``: each budget feeds the history on its own, evicting whenever the cache passes budget + slack. The
   budget must be known before the history's length is: ``{tokens: N}`` or ``{entries: N}``, not a fraction.
 
-Items: :class:`~retention.eval.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as
+Items: :class:`~retention.tasks.Item` with ``messages`` (``<image k>`` markers in their text, as
 :func:`retention.eval.loaders.load_mmdu` writes them) and ``meta["images"]``, the image files in marker order.
 """
 
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from retention.tasks.base import Item
+from retention.tasks.image_items import IMAGE_TASKS, dialogue_turns, image_files, is_multimodal_item  # noqa: F401
+
 from .budgets import Budget
-from .methods import FullCache, Method, kv_streams
+from .methods import FullCache, Method, kv_streams, snapshot_cache
 from .metrics import score_reply
-from .protocol import snapshot_cache
-from .tasks.base import Item
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, ProcessorMixin
 
     from retention.cache import RetentionCache
-
-_MARKER = re.compile(r"<image (\d+)>")
-IMAGE_TASKS = ("mmdu", "image_memory")  # tasks whose items show images: a vision-language model runs them here
 
 
 @contextmanager
@@ -52,16 +48,6 @@ def _chat_position_warning_off():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PastPositionsWarning)
         yield
-
-
-def is_multimodal_item(item: Item) -> bool:
-    return bool(item.meta.get("images"))
-
-
-def image_files(item: Item) -> list[Path]:
-    """The item's image files, relative paths resolved against ``meta["image_root"]`` (the data file's folder)."""
-    root = Path(item.meta.get("image_root") or ".")
-    return [p if (p := Path(s).expanduser()).is_absolute() else root / p for s in item.meta["images"]]
 
 
 def check_images(items: list[Item]) -> None:
@@ -78,18 +64,6 @@ def check_images(items: list[Item]) -> None:
                     f"{item.id}: image {path} not found; the item's image paths are relative to "
                     f"{item.meta.get('image_root') or 'the working folder'}: unpack the set's images there, or pass "
                     "params: {image_root: FOLDER} with the folder that holds them")
-
-
-def dialogue_turns(item: Item) -> tuple[list[tuple[str, str, list[int]]], list[int]]:
-    """``([(user text, reply, image numbers)], question's image numbers)``: each user turn's ``<image k>`` markers
-    name the images it shows (1-based, in ``meta["images"]``); the markers stay in the text as the images' names."""
-    msgs = [m for m in item.messages or [] if m["role"] != "system"]
-    if any(m["role"] != r for m, r in zip(msgs, ["user", "assistant"] * len(msgs))) or len(msgs) % 2:
-        raise ValueError(f"{item.id}: the history must alternate user and assistant turns, ending with a reply")
-    n = len(item.meta["images"])
-    shown = lambda text: [k for k in map(int, _MARKER.findall(text)) if 1 <= k <= n]  # noqa: E731
-    turns = [(u["content"], a["content"], shown(u["content"])) for u, a in zip(msgs[::2], msgs[1::2])]
-    return turns, shown(item.question)
 
 
 def _system(item: Item) -> str | None:

@@ -31,7 +31,7 @@ from retention.policies.base import EntryView
 from retention.policies.global_gates import GlobalGatesPolicy
 from retention.policies.window import WindowPolicy, window_attention
 
-from .methods import PolicyCache, prefill
+from .methods import PolicyCache, prefill, snapshot_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from retention.cache import PaddedView, RetentionCache
     from retention.policies.base import EvictionPolicy
 
-    from .tasks.base import Item
+    from retention.tasks.base import Item
 
 RANKS = ("oracle", "gates")
 # per KV head (even), one global top-B, or each head keeping what the other ranking's global top-B keeps there
@@ -53,6 +53,7 @@ class FutureAttention(WindowPolicy):
 
     name: str = "oracle"
     frozen: bool = False
+    keeps_gate_scores = True  # class attribute: the gates' global top-B may set the split of its cache (head_split)
 
     def layer_scores(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)``: attention of the last ``window`` queries, summed over them, mean over the group."""
@@ -143,8 +144,6 @@ class ContinuationOracle(PolicyCache):
     def head_split(self, cache: RetentionCache) -> torch.Tensor:
         """``(L, H)`` entries each KV head keeps when a copy of ``cache`` is cut to its budget by the
         other ranking's global top-B (the split this method's own ranking is held to)."""
-        from .protocol import snapshot_cache
-
         probe = snapshot_cache(cache, self._model)
         probe.policy = self._split_policy()
         probe.policy.bind(self._model)

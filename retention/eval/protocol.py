@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from retention.policies.base import EvictionPolicy
 from retention.compat import cache_kwargs
+from retention.policies.base import EvictionPolicy
+from retention.tasks.base import Item
+from retention.tasks.prompt import prompt_ids
 
 from .budgets import Budget
-from .methods import Method, kv_streams, prefill
+from .methods import Method, kv_streams, prefill, snapshot_cache
 from .metrics import kl_and_top1, score_reply
-from .tasks.base import Item, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,38 +32,6 @@ if TYPE_CHECKING:
 
 PROTOCOLS = ("query_agnostic", "query_aware")
 PREFILLS = ("one_shot", "streaming")
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: Item) -> tuple[list[int], list[int]]:
-    """``(context_ids, prompt_ids)``: the tokens before the question, and the whole prompt (chat
-    template, generation prompt and answer prefix); the first is a prefix of the second."""
-    if item.messages is not None:
-        history, question = item.messages, {"role": "user", "content": item.question}
-        before = render_chat(tokenizer, history)
-        full = render_chat(tokenizer, history + [question], add_generation_prompt=True)
-        if not full.startswith(before) and history and history[-1]["role"] == "assistant":
-            # a template that renders an answered turn otherwise once a turn follows (Qwen3's think blocks): the
-            # conversation as a chat feeds it, the history as rendered and then the new turn (RetentionChat's way)
-            from retention.chat import shown_reply, text_after_reply
-
-            after = text_after_reply(lambda m: render_chat(tokenizer, m, add_generation_prompt=True), history,
-                                     question, item.question)
-            shown = shown_reply(history[-1]["content"])
-            if after is not None and shown in before:
-                full = before[: before.rindex(shown) + len(shown)] + after
-    else:
-        full = render_chat(tokenizer, [{"role": "user", "content": item.context + "\n\n" + item.question}],
-                           add_generation_prompt=True)
-        before = full[: full.rindex(item.question)]
-    if not full.startswith(before):
-        raise ValueError(f"{item.id}: the chat template does not keep earlier turns as a prefix")
-    full += item.answer_prefix
-    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    ctx = tokenizer(before, add_special_tokens=False)["input_ids"]
-    n = 0  # longest shared prefix: tokenisation may merge across the seam
-    while n < min(len(ids), len(ctx)) and ids[n] == ctx[n]:
-        n += 1
-    return ids[:n], ids
 
 
 @torch.no_grad()
@@ -75,19 +44,6 @@ def reference_logits(model: PreTrainedModel, item: Item) -> torch.Tensor:
         return model(input_ids=x, use_cache=False, logits_to_keep=len(cont)).logits[0]
     with attachment.use_mode("teacher"):
         return model(input_ids=x, use_cache=False, logits_to_keep=len(cont)).logits[0]
-
-
-def snapshot_cache(cache: Any, model: torch.nn.Module) -> Any:
-    """A deep copy of a prefilled cache (any HF ``Cache``) that shares the model, its weights and the gate
-    attachment, so each method or probe can compress its own copy of one prefill."""
-    import copy
-
-    memo = {id(p): p for p in model.parameters()}
-    memo[id(model)] = model
-    attachment = getattr(model, "retention", None)
-    if attachment is not None:
-        memo[id(attachment)] = attachment
-    return copy.deepcopy(cache, memo)
 
 
 def context_and_prompt(tokenizer: PreTrainedTokenizerBase, item: Item,
@@ -107,6 +63,7 @@ class _QueryRecorder(EvictionPolicy):
     name = "recorder"
     needs_queries = True
     evicts = False
+    keeps_gate_scores = True  # the methods that copy this prefill include gated ones
 
     def __init__(self) -> None:
         self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

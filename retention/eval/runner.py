@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from retention.attach import unwrap
 from retention.models import is_multimodal
+from retention.tasks import Item, generate
+from retention.tasks.base import count_tokens, render_chat
 
 from .config import EvalConfig, TaskSpec
 from .loaders import HUB_TASKS, hub_task_items
@@ -27,8 +29,6 @@ from .models import max_positions
 from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
                          shares_history)
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
-from .tasks import Item, generate
-from .tasks.base import count_tokens, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -281,7 +281,7 @@ def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progres
 def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: bool) -> Path:
     out_dir = Path(cfg.output)
     results = out_dir / "results.jsonl"
-    from retention.cli import check_gates_source
+    from retention.commands import check_gates_source
 
     # a typo or a damaged checkpoint fails before the model loads
     found = [g for source in [cfg.gates, *(getattr(m, "gates", None) for m in cfg.method_list())]
@@ -373,7 +373,7 @@ def _tokens_after_context(cfg: EvalConfig, spec: Any) -> tuple[int, str]:
     if spec.name == "fidelity":
         import inspect
 
-        from .tasks import TASKS
+        from retention.tasks import TASKS
 
         n = spec.params.get("continuation", inspect.signature(TASKS["fidelity"]).parameters["continuation"].default)
         return n, f"its continuation of {n} tokens"

@@ -76,6 +76,9 @@ class EvictionPolicy(ABC):
     needs_kv: bool = False  # True: the cache gathers each entry's key and value into EntryView.keys / values
     evicts: bool = True  # False: the full cache (never evicts, whatever the budget)
     uses_gates: bool = False  # True: scores come from the attached retention gates (their beta)
+    # True: the gates score every new token although this policy reads none of it (a cache whose entries another,
+    # gated policy ranks later); False with uses_gates False: the gate MLP is skipped and log_beta stored as 0
+    keeps_gate_scores: bool = False
     head_budgets: torch.Tensor | None = None  # (L, H) entries per head, only with budget_scope="head"
 
     def bind(self, model: PreTrainedModel) -> None:

@@ -10,7 +10,6 @@ from .base import EvictionPolicy
 from .cake import CAKEPolicy
 from .defensivekv import DefensiveKVPolicy, LayerDefensiveKVPolicy
 from .full import FullCachePolicy
-from .gates_snapkv import GatesSnapKVPolicy
 from .global_gates import GlobalGatesPolicy
 from .h2o import H2OPolicy
 from .lava import LAVaPolicy
@@ -39,7 +38,6 @@ POLICIES: dict[str, Any] = {
     "layer_defensivekv": LayerDefensiveKVPolicy,
     "trimkv": TrimKVPolicy,
     "global_gates": GlobalGatesPolicy,
-    "gates_snapkv": GatesSnapKVPolicy,
 }
 _INTERNAL = {"name", "stats", "needs_queries", "evicts", "head_budgets"}  # not user parameters
 

@@ -51,22 +51,3 @@ def value_norms(values: torch.Tensor, w_o: torch.Tensor | None) -> torch.Tensor:
     if w_o is None:
         return values.float().norm(dim=-1)[:, :, None]
     return projected_values(values, w_o).norm(dim=-1)
-
-
-def value_metrics(model: nn.Module) -> torch.Tensor | None:
-    """``(L, H_kv, D, D)``: the mean over each KV head's query heads of ``W_O^h W_O^h^T``, so that
-    ``v^T M v`` is the mean squared norm of ``v``'s output through those heads; ``None`` for a model
-    whose attention has no ``o_proj`` (value norms are then ``||v||``)."""
-    try:
-        w_o = output_projections(model)  # per layer (Hq, D, hidden)
-    except AttributeError:
-        return None
-    from ..attach import text_config_of
-
-    H = text_config_of(model).num_key_value_heads
-    out = []
-    for w in w_o:
-        Hq, D, _ = w.shape
-        g = w.reshape(H, Hq // H, D, -1)
-        out.append(torch.einsum("hgde,hgfe->hdf", g, g) / (Hq // H))
-    return torch.stack(out)

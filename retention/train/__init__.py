@@ -73,7 +73,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -
             kept = f"; the gates are exported to {dest}" if dest is not None else ""
             parser.exit(2, f"error: {e}{kept}\n")
         return 0
-    from retention.cli import user_errors
+    from retention.commands import user_errors
 
     from .loop import train
     from .sources import DataError

@@ -401,7 +401,7 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
             raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to "
                               "text, chat and synthetic sources (packed rows); multimodal conversations all weigh 1, "
                               "so remove it")
-    from retention.eval.multimodal import IMAGE_TASKS
+    from retention.tasks.image_items import IMAGE_TASKS
 
     imaged = [i for i, s in enumerate(cfg.data.sources) if s.kind == "synthetic" and s.path in IMAGE_TASKS]
     if imaged:  # image tasks train as multimodal conversations: beside multimodal sources only, distilled
@@ -482,7 +482,7 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
 def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,
                      evicting: bool = False) -> None:
     """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
-    from retention.eval.tasks import TASKS, check_params  # light: generators only, no model
+    from retention.tasks import TASKS, check_params  # light: generators only, no model
 
     # fidelity is plain text (use a text source) except for objective evict, which needs its context/continuation split
     usable = sorted(t for t in TASKS if t != "fidelity" or evicting)

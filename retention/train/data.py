@@ -25,7 +25,7 @@ from .sources import DataError, iter_source, source_fingerprint
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from retention.eval.tasks.base import Item
+    from retention.tasks.base import Item
 
 # bump when what a source yields changes (2: sotu split into train / eval halves; synthetic sources; 4: a chat's
 # assistant header and the newline after its closer are no longer distilled, sotu's entry_points.txt is no address,
@@ -101,7 +101,7 @@ def synthetic_items(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, se
     """A synthetic source's items: its eval task's generator over the training haystacks (``split="train"``)
     with the source's seed and options; contexts of ``source.length`` tokens (default ``seq_len - 128``,
     room for the question and answer)."""
-    from retention.eval.tasks import generate
+    from retention.tasks import generate
 
     length = source.length if source.length is not None else seq_len - 128
     return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train",

@@ -44,7 +44,7 @@ from .objectives import Objective, StepLoss
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from retention.eval.tasks.base import Item
+    from retention.tasks.base import Item
 
     from .config import Config, DataConfig, SourceConfig
 
@@ -73,7 +73,7 @@ def example_from_item(tokenizer: PreTrainedTokenizerBase, item: Item) -> Evictio
     answer prefix) followed by the reference answer, and the positions that predict the answer's
     tokens are distilled. Fidelity items: the tail is the continuation, every position distilled.
     """
-    from retention.eval.protocol import prompt_ids
+    from retention.tasks.prompt import prompt_ids
 
     if item.metric == "fidelity":
         head, cont = list(item.meta["context_ids"]), list(item.meta["continuation_ids"])

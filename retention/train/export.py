@@ -18,7 +18,7 @@ from retention.metadata import metadata_file, read_metadata
 
 from .checkpoint import check_resume_fits, find_checkpoint
 from .config import Config
-from .objectives import objective_class
+from .objective_choice import objective_class
 
 
 def init_from_note(cfg: Config) -> str | None:

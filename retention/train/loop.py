@@ -37,7 +37,8 @@ from .checkpoint import (DEEPSPEED_STATE, StopRequests, deepspeed_processes, hol
                          run_settings, save_checkpoint, save_deepspeed_state, set_aside_old_checkpoints, set_rng_state)
 from .config import Config
 from .export import check_finite_gates, export_checkpoint, init_from_note, run_facts
-from .objectives import Objective, objective_class
+from .objective_choice import objective_class
+from .objectives import Objective
 from .precision import training_precision
 from .preflight import check_budget, check_positions, checks_before_loading, make_tracker
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ import torch
 
 from .config import DataConfig, SourceConfig
 from .data import synthetic_items, synthetic_reply, template_key
-from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint
+from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint, to_messages  # noqa: F401
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -61,39 +60,6 @@ def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[b
             i = j
         i += 1
     return inside[1:] + [False]
-
-
-# where a conversation's images go: LLaVA's and M4-Instruct's marker, and MMDU's
-IMAGE_MARKERS = re.compile(r"<image>|<ImageHere>")
-
-
-def to_messages(record: Any) -> list[dict[str, Any]]:
-    """A multimodal conversation as ``messages`` with content lists, from either that layout or the
-    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers, MMDU's
-    ``<ImageHere>``, and an ``image`` / ``images`` list consumed in order: as many images as markers)."""
-    if isinstance(record, list):
-        return record
-    if "messages" in record:
-        return record["messages"]
-    if "conversations" not in record:
-        raise DataError(f"a multimodal record needs 'messages' or 'conversations', got keys {sorted(record)}")
-    images = record.get("images", record.get("image")) or []
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    messages = []
-    for turn in record["conversations"]:
-        pieces = IMAGE_MARKERS.split(turn["value"])
-        content: list[dict[str, Any]] = []
-        for k, text in enumerate(pieces):
-            if k > 0:
-                if not images:
-                    raise DataError("a record has more <image> markers than images")
-                content.append({"type": "image", "image": images.pop(0)})
-            if text.strip():
-                content.append({"type": "text", "text": text.strip()})
-        messages.append({"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": content})
-    if images:  # an image no marker places would be dropped without a word
-        raise DataError(f"a record has {len(images)} more image(s) than <image> markers")
-    return messages
 
 
 # records whose images are opened and decoded before the model loads (a missing image failed after it had)
@@ -258,7 +224,7 @@ def concat_encoded(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def shows_images(source: SourceConfig) -> bool:
     """Whether a source's conversations hold images: ``multimodal`` records, or a synthetic image task
     (``image_memory``), which train as multimodal conversations."""
-    from retention.eval.multimodal import IMAGE_TASKS
+    from retention.tasks.image_items import IMAGE_TASKS
 
     return source.kind == "multimodal" or (source.kind == "synthetic" and source.path in IMAGE_TASKS)
 
@@ -270,12 +236,12 @@ def image_task_conversations(source: SourceConfig, processor: ProcessorMixin,
     128 tokens and the photos' own tokens)."""
     import dataclasses
 
-    from retention.eval.multimodal import dialogue_turns, image_files
+    from retention.tasks.image_items import dialogue_turns, image_files
 
     if source.length is None:  # the row less room for the question and answer, and the photos' own tokens
         import inspect
 
-        from retention.eval.tasks import TASKS
+        from retention.tasks import TASKS
 
         params = source.params or {}
         defaults = {k: p.default for k, p in inspect.signature(TASKS[source.path]).parameters.items()}

@@ -111,14 +111,3 @@ class Objective(ABC):
         n = acc.reduce(torch.tensor(float(count), device=acc.device), "sum")
         # counts may be weights < 1
         return total * (acc.num_processes * accumulated) / torch.where(n > 0, n, torch.ones_like(n))
-
-
-def objective_class(cfg: Config) -> type[Objective]:
-    """The class of the configured ``loss.objective``."""
-    if cfg.loss.objective == "evict":
-        from .evict import EvictObjective
-
-        return EvictObjective
-    from .distill import DistillObjective
-
-    return DistillObjective

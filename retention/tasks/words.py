@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from ..haystack import vocabulary
+from .haystack import vocabulary
 from .base import Item, count_tokens, item_id, rng_for
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..haystack import passage
+from .haystack import passage
 from .base import Item, fit_length, item_id, place, rng_for
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from ..haystack import Document, documents
+from .haystack import Document, documents
 from .base import Item, count_tokens, fit_length, item_id, rng_for
 
 if TYPE_CHECKING:

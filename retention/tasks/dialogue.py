@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from ..haystack import passage
+from .haystack import passage
 from .base import Item, count_tokens, item_id, render_chat, rng_for
 
 if TYPE_CHECKING:

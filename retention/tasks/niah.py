@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from ..haystack import passage
+from .haystack import passage
 from .base import KEYS, Item, fit_length, item_id, magic_number, place, rng_for
 
 if TYPE_CHECKING:

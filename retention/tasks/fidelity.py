@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..haystack import documents
+from .haystack import documents
 from .base import Item, item_id, rng_for
 
 if TYPE_CHECKING:
