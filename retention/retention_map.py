@@ -155,12 +155,11 @@ def plot_retention_map(rmap: RetentionMap, out: str | Path, title: str | None = 
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from . import attach_gates, load_model
-    from .attach import check_gates_match
+    from .attach import attach_gates, check_gates_match
     from .cache import RetentionCache
-    from .cli import check_gates_source, user_errors
+    from .commands import check_gates_source, user_errors
     from .hub import load_gates
-    from .models import shipped_gates
+    from .models import load_model, shipped_gates
 
     def fail(message: str) -> int:
         print(f"retention inspect: error: {message}", file=sys.stderr)

@@ -32,7 +32,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"hub": ("retention.hub",), "models": ("retention.models",)},
     {"chat": ("retention.chat",)},
     {"tasks": ("retention.tasks",), "commands": ("retention.commands",)},
-    {"train": ("retention.train",), "eval": ("retention.eval",)},
+    {"train": ("retention.train",), "eval": ("retention.eval",), "retention_map": ("retention.retention_map",),
+     "tiny_model": ("retention.tiny_model",)},
     {"cli": ("retention.cli", "retention.__main__"), "chat_cli": ("retention.chat_cli",),
      "average": ("retention.average",)},
     {"package": ("retention",)},  # the package's own __init__ only, not its modules

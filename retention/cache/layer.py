@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
-if TYPE_CHECKING:
-    from .hf import RetentionCache
+# typed as transformers' Cache: naming RetentionCache here would import hf, which imports this module
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 def _no_cache() -> None:
@@ -27,20 +25,20 @@ class RetentionLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:
         return self.cache.is_croppable
 
-    def __init__(self, cache: "RetentionCache", layer: int) -> None:
+    def __init__(self, cache: Cache, layer: int) -> None:
         super().__init__()
         # A weak link back: a strong one would make every cache a reference cycle, whose pages (hundreds of
         # MB at 4k tokens) wait for Python's cyclic GC; a sweep of many items then grew to 24 GB.
         self._cache, self.layer = weakref.ref(cache), layer
 
     @property
-    def cache(self) -> "RetentionCache":
+    def cache(self) -> Cache:
         cache = self._cache()
         if cache is None:
             raise RuntimeError("this cache layer outlived its RetentionCache: keep the cache, not only cache.layers")
         return cache
 
-    def relink(self, cache: "RetentionCache") -> None:
+    def relink(self, cache: Cache) -> None:
         """Link this layer to ``cache`` (a copied or unpickled cache's layers link to it, not to the original)."""
         self._cache = weakref.ref(cache)
 

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .hf import RetentionCache
+from transformers.cache_utils import Cache  # a RetentionCache (hf imports this module, so not named here)
 
 
 class ReportMixin:
@@ -46,7 +42,7 @@ class ReportMixin:
         })
 
 
-def kept_where(cache: "RetentionCache", marked: torch.Tensor) -> int:
+def kept_where(cache: Cache, marked: torch.Tensor) -> int:
     """How many entries ``cache`` keeps of the tokens ``marked`` (``(T,)`` bool over the sequence's token indices,
     e.g. ``ids[0] == image_token_id``), over every layer and KV head of sequence 0."""
     if cache.store is None:

@@ -30,6 +30,10 @@ class ConfigError(ValueError):
     """A bad configuration: the message names the key, what is allowed, and where it was set."""
 
 
+class DataError(ValueError):
+    """A data source cannot be read; the message names the source and the fix."""
+
+
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"  # embedded name, Hub id or local folder

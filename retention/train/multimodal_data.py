@@ -14,6 +14,7 @@ import torch
 
 from .config import DataConfig, SourceConfig
 from .data import synthetic_items, synthetic_reply, template_key
+from .images import IMAGE_CHECK_RECORDS, check_record_images, image_root_of, load_image  # noqa: F401
 from .sources import SHAREGPT_ROLES, DataError, iter_source, source_fingerprint, to_messages  # noqa: F401
 
 if TYPE_CHECKING:
@@ -24,23 +25,6 @@ def image_tokens(processor: ProcessorMixin, height: int, width: int) -> int:
     """Tokens an image of ``height`` x ``width`` pixels takes after the processor's resize and patch merging."""
     ip = processor.image_processor
     return ip.get_number_of_image_patches(height, width, {}) // getattr(ip, "merge_size", 2) ** 2
-
-
-def _load_image(ref: Any, root: Path | None):
-    from PIL import Image
-
-    from retention.images import as_rgb, open_rgb  # transparency as the chat and the eval read it
-
-    if isinstance(ref, Image.Image):
-        return as_rgb(ref)
-    if isinstance(ref, dict) and ref.get("bytes") is not None:  # HF datasets Image feature
-        import io
-
-        return open_rgb(io.BytesIO(ref["bytes"]))
-    path = Path(ref["path"] if isinstance(ref, dict) else ref)
-    if not path.is_absolute() and root is not None:
-        path = root / path
-    return open_rgb(path)
 
 
 def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[bool]:
@@ -62,59 +46,11 @@ def assistant_mask(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[b
     return inside[1:] + [False]
 
 
-# records whose images are opened and decoded before the model loads (a missing image failed after it had)
-IMAGE_CHECK_RECORDS = 4
-
-
-def image_root_of(source: SourceConfig) -> Path | None:
-    """The folder a source's relative image paths are resolved under: ``image_root``, else the data file's folder
-    (or the data folder itself); ``None`` for a Hub source without one."""
-    if source.image_root:
-        return Path(source.image_root).expanduser()
-    local = Path(source.path).expanduser()
-    return local.parent if local.is_file() else local if local.is_dir() else None
-
-
-def check_record_images(record: Any, source: SourceConfig, where: str) -> int:
-    """Open and decode every image of one multimodal record, as training will; DataError naming the record
-    (``where``), the image's path and ``image_root`` when one is missing or does not decode. Returns the count."""
-    from PIL import Image, UnidentifiedImageError
-
-    root = image_root_of(source)
-    root_text = (f"image_root {source.image_root!r}" if source.image_root else
-                 f"no image_root set, so relative paths are read under {root}" if root is not None else
-                 "no image_root set, so relative paths are read from the working folder")
-    n = 0
-    for m in to_messages(record):
-        for c in m["content"] if isinstance(m["content"], list) else []:
-            if not isinstance(c, dict) or c.get("type") != "image" or isinstance(c.get("image"), Image.Image):
-                continue
-            ref = c.get("image")
-            shown = ref if not (isinstance(ref, dict) and ref.get("bytes") is not None) else "<bytes>"
-            path = None
-            if shown != "<bytes>":
-                path = Path(ref["path"] if isinstance(ref, dict) else ref).expanduser()
-                if not path.is_absolute() and root is not None:
-                    path = root / path
-                if not path.is_file():
-                    raise DataError(f"{where}: image {shown!r} not found: no file {path} ({root_text}); unpack the "
-                                    "dataset's images there (docs/training.md, Qwen3-VL) or set this source's "
-                                    "image_root to the folder that holds them")
-            try:
-                _load_image(ref, root)
-            except (UnidentifiedImageError, OSError, ValueError) as e:
-                raise DataError(f"{where}: image {shown!r} ({path or 'inline bytes'}) does not decode as an image "
-                                f"({type(e).__name__}: {e}; {root_text}); replace the file or drop the "
-                                "record") from None
-            n += 1
-    return n
-
-
 def encode_multimodal(processor: ProcessorMixin, messages: list[dict[str, Any]], seq_len: int,
                       root: Path | None = None) -> dict | None:
     """One conversation through the model's processor: ids, mask and vision inputs; None if longer than seq_len."""
     images = [
-        _load_image(c.get("image"), root)
+        load_image(c.get("image"), root)
         for m in messages if isinstance(m["content"], list)
         for c in m["content"] if c.get("type") == "image"
     ]

