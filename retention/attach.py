@@ -68,11 +68,6 @@ class _LayerState:
     history: torch.Tensor | None = None  # (B, H_kv, T_past + T) when decoding with a cache
     cache: Any = None  # score mode: the retention cache of the current forward (retention.cache)
     key_bias: torch.Tensor | None = None  # bias mode: (B, H_kv, T_past) added to the logits of past keys
-    # bias mode: when set, the next forward stores the attention its new queries pay each past key in
-    # ``past_mass`` (B, H_kv, T_past) (summed over the queries, mean over the KV head's query heads)
-    record_past_mass: bool = False
-    past_mass: torch.Tensor | None = None
-    past_mass_queries: torch.Tensor | None = None  # (T_new,) weights of the new queries in that sum; None: all 1
 
 
 # the boundaries found in the last position_ids: every layer of a forward gets the same tensor, and finding them
@@ -119,16 +114,12 @@ def sink_mask(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, sink: in
 
 
 def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-                       scale: float | None = None, past_mass: bool = False,
-                       query_weights: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                       scale: float | None = None) -> torch.Tensor:
     """New queries over past + new keys, with ``bias`` added to the logits of the past keys.
 
     ``query`` ``(B, Hq, Tq, D)``; ``key/value`` ``(B, H, P + Tq, D)`` (the last ``Tq`` are the new tokens,
     seen causally); ``bias`` ``(B, H, P)`` float (``-inf``: evicted; ``None``: no bias). A KV head's bias
-    applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout); with
-    ``past_mass`` also ``(B, H, P)``: the attention the new queries pay each past key, summed over the
-    queries and averaged over the KV head's query heads (the future-attention oracle's score);
-    ``query_weights`` ``(Tq,)`` weighs each new query in that sum (for example 1 on the answer's tokens only).
+    applies to its ``Hq / H`` query heads. Returns ``(B, Tq, Hq, D)`` (transformers' output layout).
     """
     B, Hq, Tq, D = query.shape
     H, Tk = key.shape[1], key.shape[2]
@@ -147,16 +138,7 @@ def key_bias_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         logits = torch.cat([logits[..., :P] + bias[:, :, None, :].float(), logits[..., P:]], dim=-1)
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhqk,bhkd->bhqd", probs, value.float())
-    out = out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
-    if past_mass:
-        past = probs[..., :P]
-        if query_weights is not None:
-            if query_weights.shape != (Tq,):
-                raise ValueError(f"query_weights has shape {tuple(query_weights.shape)}, expected ({Tq},): "
-                                 "one per new query")
-            past = past * query_weights.to(past).repeat(G)[:, None]  # rows are g * Tq + j
-        return out, past.sum(2) / G
-    return out
+    return out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)
 
 
 def retention_attention_function(
@@ -186,10 +168,6 @@ def retention_attention_function(
             return state.base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return cache.retention_attend(state.layer, query, scaling), None
     if state.attachment.mode == "bias":
-        if state.record_past_mass:
-            out, state.past_mass = key_bias_attention(query, key, value, state.key_bias, scaling, past_mass=True,
-                                                      query_weights=state.past_mass_queries)
-            return out, None
         return key_bias_attention(query, key, value, state.key_bias, scaling), None
     # once per forward (a device sync); flex_attention's mask is a BlockMask, which new_token_valid reads too
     if state.layer == 0 and attention_mask is not None:
@@ -334,24 +312,6 @@ class RetentionAttachment:
             for m in self.modules:
                 m._retention_state.key_bias = None
 
-    @contextlib.contextmanager
-    def recording_past_mass(self, queries: torch.Tensor | None = None) -> Iterator[list[torch.Tensor]]:
-        """Context in bias mode (no bias set: plain attention in float32) that records, per layer, the attention
-        ``(B, H_kv, T_past)`` the new queries pay each past key (summed over queries weighted by ``queries``
-        ``(T_new,)``, None: all 1; mean over the KV head's query heads). The yielded list fills on a clean exit."""
-        masses: list[torch.Tensor] = []
-        for m in self.modules:
-            m._retention_state.record_past_mass = True
-            m._retention_state.past_mass_queries = queries
-        try:
-            with self.use_mode("bias"):
-                yield masses
-            masses.extend(m._retention_state.past_mass for m in self.modules)
-        finally:
-            for m in self.modules:
-                m._retention_state.record_past_mass, m._retention_state.past_mass = False, None
-                m._retention_state.past_mass_queries = None
-
     def reset(self) -> None:
         """Forget gate scores kept for decoding with a cache."""
         self._check_attached()
@@ -360,9 +320,6 @@ class RetentionAttachment:
             m._retention_state.history = None
             m._retention_state.cache = None
             m._retention_state.key_bias = None
-            m._retention_state.record_past_mass = False
-            m._retention_state.past_mass = None
-            m._retention_state.past_mass_queries = None
 
     def detach(self) -> nn.Module:
         """Remove hooks, gates and the attention override, and let the parameters attaching froze require grad

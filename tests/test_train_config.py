@@ -128,7 +128,14 @@ def test_every_shipped_config_loads():
     # the studies' recipes are diffs over the shipped chain (base: ../../configs/...): a moved base breaks them
     recipes = sorted(root.glob("experiments/*/train*.yaml"))  # train.yaml, or train-<variant>.yaml beside others
     assert len(recipes) >= 11, recipes
-    for path in configs + recipes:
+    # the ranking-loss recipes set loss.rank_*, removed after commit acc192c (experiments/rank-loss/README.md): their
+    # base chain still resolves, and the removed key is all they fail on
+    removed = [p for p in recipes if p.parent.name == "rank-loss"]
+    assert len(removed) >= 5, removed
+    for path in removed:
+        with pytest.raises(ConfigError, match=r"unknown key '(loss|data\.sources\.\d+)\.rank_"):
+            load_config(path)
+    for path in configs + [p for p in recipes if p not in removed]:
         cfg = load_config(path)
         assert cfg.train.steps > 0 and cfg.data.seq_len > 0, path
         # a tracker named outright stops the run when it is not installed: shipped recipes run wherever they land

@@ -16,8 +16,7 @@ from retention.gates import GateConfig, RetentionGates
 from retention.policies import GlobalGatesPolicy
 from tiny_models import tiny_llama
 from retention.train.config import ConfigError, load_config
-from retention.train.evict import (EvictionDistiller, EvictionExample, ExampleStream, eviction_u, future_rank_loss,
-                                   soft_keep_bias)
+from retention.train.evict import EvictionDistiller, EvictionExample, ExampleStream, eviction_u, soft_keep_bias
 
 
 def _gated(seed: int = 0, sink: int = 2):
@@ -92,105 +91,6 @@ def test_small_tau_reads_the_tail_as_the_evicted_inference_cache_does(fraction):
     torch.testing.assert_close(teacher, full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(student, inference, rtol=1e-4, atol=1e-4)
     assert (student - teacher).abs().max() > 1e-3, "the eviction must change the tail's logits"
-
-
-def test_future_mass_is_the_attention_the_tail_pays_and_leaves_the_teacher_as_it_was():
-    """The ranking loss's target: brute force from eager attention maps of context + tail, no gates."""
-    model, att = _gated()
-    torch.manual_seed(5)
-    head, tail = torch.randint(0, 128, (1, 30)), torch.randint(0, 128, (1, 6))
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plain = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25)
-        h_s, h_t, _, stats = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25, future_mass=True)
-        w = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.5])  # rank_queries targets: only some queries count
-        _, _, _, weighted = EvictionDistiller(model, att)(head, tail, 0.3, tau=0.25, future_mass=True, mass_queries=w)
-        attached, model.config._attn_implementation = model.config._attn_implementation, "eager"
-        try:
-            with att.teacher():
-                maps = model(input_ids=torch.cat([head, tail], 1), output_attentions=True, use_cache=False).attentions
-        finally:
-            model.config._attn_implementation = attached
-    # the cache goes under the name this transformers takes (5.24 deprecated `past_key_values`)
-    assert not [str(c.message) for c in caught if "past_key_values" in str(c.message)]
-    H = model.config.num_key_value_heads
-    for layer, m in enumerate(maps):
-        G = m.shape[1] // H
-        want = m[0, :, -6:, :30].sum(1).reshape(H, G, 30).mean(1)  # (H, P): summed over the tail, mean over the group
-        torch.testing.assert_close(stats["future_mass"][layer][0], want, atol=1e-5, rtol=1e-4)
-        want_w = (m[0, :, -6:, :30] * w[None, :, None]).sum(1).reshape(H, G, 30).mean(1)
-        torch.testing.assert_close(weighted["future_mass"][layer][0], want_w, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(h_t, plain[1], atol=1e-5, rtol=1e-4)  # the recording pass is the same teacher
-    torch.testing.assert_close(h_s, plain[0], atol=1e-5, rtol=1e-4)
-    assert all(m._retention_state.past_mass is None and not m._retention_state.record_past_mass
-               and m._retention_state.past_mass_queries is None for m in att.modules)
-
-
-def test_future_rank_loss_against_brute_force_and_its_gradient_finds_the_oracle_set():
-    torch.manual_seed(0)
-    L, H, T, sink, budget = 3, 2, 50, 2, 40
-    log_betas = [-(torch.rand(1, H, T) * 0.5 + 1e-3) for _ in range(L)]
-    mass = [torch.rand(1, H, T) for _ in range(L)]
-    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25)
-    # brute force: rank every non-sink entry by hand, as GlobalGatesPolicy does at step T
-    k = budget - sink * L * H
-    rows = [(l, h, i) for l in range(L) for h in range(H) for i in range(sink, T)]
-    u = {r: -torch.log((T - r[2]) * -log_betas[r[0]][0, r[1], r[2]]).item() for r in rows}
-    by_u = sorted(rows, key=lambda r: -u[r])
-    oracle = set(sorted(rows, key=lambda r: -mass[r[0]][0, r[1], r[2]].item())[:k])
-    assert stats["rank_recall"] == pytest.approx(len(oracle & set(by_u[:k])) / k)
-    thr = 0.5 * (u[by_u[k - 1]] + u[by_u[k]])
-    z = torch.tensor([(u[r] - thr) / 0.25 for r in rows])
-    y = torch.tensor([float(r in oracle) for r in rows])
-    want = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum") / k
-    assert float(loss) == pytest.approx(float(want), rel=1e-4)
-    us = eviction_u(log_betas, sink)
-    assert all((x[..., :sink] > 1e3).all() for x in us), "sinks rank above everything"
-    # descending the loss on the scores themselves learns the oracle's set
-    params = [lb.clone().neg().log().requires_grad_(True) for lb in log_betas]  # log(-log beta)
-    opt = torch.optim.Adam(params, lr=0.1)
-    for _ in range(150):
-        loss, stats = future_rank_loss([-p.exp() for p in params], mass, budget, sink, tau=0.25)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert stats["rank_recall"] == 1.0
-    # a budget that holds only the sinks leaves nothing to rank
-    assert future_rank_loss(log_betas, mass, sink * L * H, sink, 0.25)[1]["rank_recall"] == 1.0
-
-
-@pytest.mark.parametrize("scope", ["layer", "head"])
-def test_scoped_rank_loss_keeps_the_gates_split(scope):
-    """scope layer / head: per layer / KV head, the oracle keeps as many entries as the gates do there (brute force)."""
-    torch.manual_seed(1)
-    L, H, T, sink, budget = 3, 2, 40, 2, 50
-    log_betas = [-(torch.rand(1, H, T) * (0.2 + l)) - 1e-3 for l in range(L)]  # layers of different decay
-    mass = [torch.rand(1, H, T) for _ in range(L)]
-    loss, stats = future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope=scope)
-    k = budget - sink * L * H
-    rows = [(l, h, i) for l in range(L) for h in range(H) for i in range(sink, T)]
-    u = {r: -torch.log((T - r[2]) * -log_betas[r[0]][0, r[1], r[2]]).item() for r in rows}
-    kept = set(sorted(rows, key=lambda r: -u[r])[:k])
-    oracle = set()
-    groups = [(l, h) for l in range(L) for h in range(H)] if scope == "head" else [(l, None) for l in range(L)]
-    for l, h in groups:
-        mine = [r for r in rows if r[0] == l and h in (None, r[1])]
-        n_g = sum(r in kept for r in mine)
-        oracle |= set(sorted(mine, key=lambda r: -mass[l][0, r[1], r[2]].item())[:n_g])
-    assert len(oracle) == k and {l for l, _, _ in kept} == {0, 1, 2}
-    assert stats["rank_recall"] == pytest.approx(len(oracle & kept) / k)
-    by_u = sorted(rows, key=lambda r: -u[r])
-    thr = 0.5 * (u[by_u[k - 1]] + u[by_u[k]])
-    z = torch.tensor([(u[r] - thr) / 0.25 for r in rows])
-    y = torch.tensor([float(r in oracle) for r in rows])
-    want = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum") / k
-    assert float(loss) == pytest.approx(float(want), rel=1e-4)
-    other = "layer" if scope == "head" else "head"
-    for rival in (future_rank_loss(log_betas, mass, budget, sink, tau=0.25)[0],  # the oracle splits its own way
-                  future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope=other)[0]):
-        assert float(rival) != pytest.approx(float(loss))
-    with pytest.raises(ValueError, match="scope 'kv'"):
-        future_rank_loss(log_betas, mass, budget, sink, tau=0.25, scope="kv")
 
 
 def test_example_stream_resumes_and_covers_each_epoch():
@@ -319,75 +219,40 @@ def test_an_evict_run_widens_its_starting_gates_and_starts_from_their_scores(tmp
         train(_config(tmp_path / "wide", root, f"gates.init_from={start}", "gates.widen_to=4", "train.steps=2"))
 
 
-def test_an_evict_run_with_the_ranking_loss_logs_and_exports_the_oracle_recall(tmp_path, monkeypatch):
-    from retention.train.loop import train
-
-    root = _tiny_model_dir(tmp_path, monkeypatch)
-    out = train(_config(tmp_path, root, "loss.rank_weight=0.05", "loss.rank_queries=targets", "loss.rank_scope=layer",
-                        "train.steps=3"))
-    for r in out["history"]:
-        assert 0.0 <= r["rank_recall"] <= 1.0 and r["rank_loss"] > 0
-        assert r["loss"] == pytest.approx(r["kl"] + 0.05 * r["rank_loss"], rel=1e-4)
-    card = (tmp_path / "run" / "final" / "README.md").read_text()
-    assert "ranking loss against the future-attention oracle" in card and "distilled positions only" in card
-    assert "within each layer" in card
-    assert "held_out_oracle_recall" in out and 0.0 <= out["held_out_oracle_recall"] <= 1.0
-
-
-def test_a_sources_rank_weight_scales_its_items_ranking_loss(tmp_path, monkeypatch):
-    """rank_weight 0 on one source: its steps train on the KL alone; 2 on the other doubles its share."""
-    from retention.train.loop import train
-
-    root = _tiny_model_dir(tmp_path, monkeypatch)
-    sources = ("[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0},"
-               " {kind: synthetic, path: niah_multikey, max_docs: 2, length: 200, rank_weight: 2}]")
-    cfg = _config(tmp_path, root, "loss.rank_weight=0.05", "train.steps=6", sources=sources)
-    assert "ranking loss x0" in cfg.describe_data() and "ranking loss x2" in cfg.describe_data()
-    out = train(cfg)
-    kinds = set()
-    for r in out["history"]:
-        assert r["rank_loss"] > 0  # every item still computes it (a collective under DDP)
-        plain = r["loss"] == pytest.approx(r["kl"], rel=1e-6)
-        doubled = r["loss"] == pytest.approx(r["kl"] + 0.1 * r["rank_loss"], rel=1e-4)
-        assert plain != doubled, r
-        kinds.add(plain)
-    assert kinds == {True, False}  # one train item per source, both drawn in 6 steps
-
-
-def test_the_ranking_loss_needs_the_evict_objective(tmp_path):
-    with pytest.raises(ConfigError, match="loss.rank_weight = 0.1.*objective 'evict'"):
-        _config(tmp_path, tmp_path, "loss.objective=distill", "budget.tokens_per_head=8", "loss.rank_weight=0.1")
-    with pytest.raises(ConfigError, match="loss.rank_queries.*'all', 'targets'"):
-        _config(tmp_path, tmp_path, "loss.rank_weight=0.1", "loss.rank_queries=answer")
-    with pytest.raises(ConfigError, match="loss.rank_weight must be >= 0"):
-        _config(tmp_path, tmp_path, "loss.rank_weight=-1")
-    with pytest.raises(ConfigError, match="data.sources.0.rank_weight = 0.5.*loss.rank_weight, which is 0"):
+def test_the_removed_ranking_loss_is_an_unknown_key(tmp_path):
+    """loss.rank_* and a source's rank_weight were never shipped and are gone (experiments/rank-loss/README.md names
+    the commit that had them): a config that still sets one fails on the key, before anything loads."""
+    with pytest.raises(ConfigError, match="rank_weight"):
+        _config(tmp_path, tmp_path, "loss.rank_weight=0.1")
+    with pytest.raises(ConfigError, match="rank_scope"):
+        _config(tmp_path, tmp_path, "loss.rank_scope=layer")
+    with pytest.raises(ConfigError, match="rank_weight"):
         _config(tmp_path, tmp_path,
-                sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0.5}]")
-    with pytest.raises(ConfigError, match="every source has rank_weight 0"):
-        _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
                 sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: 0}]")
-    with pytest.raises(ConfigError, match="data.sources.0.rank_weight must be >= 0"):
-        _config(tmp_path, tmp_path, "loss.rank_weight=0.1",
-                sources="[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, rank_weight: -1}]")
 
 
 def test_loaded_examples_carry_their_sources_weights_fresh_and_cached(tmp_path):
-    """Both per-source multipliers reach every example, whether the items were built or read from the cache."""
+    """A source's weight reaches every example, whether the items were built or read from the cache (also a cache
+    written while examples still carried the removed rank_weight)."""
     from transformers import AutoTokenizer
 
     from retention.models import embedded_model_dir
     from retention.train.evict import load_examples
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    cfg = _config(tmp_path, tmp_path, "loss.rank_weight=0.1", sources=(
-        "[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 3, rank_weight: 0},"
+    cfg = _config(tmp_path, tmp_path, sources=(
+        "[{kind: synthetic, path: niah_single, max_docs: 2, length: 200, weight: 3},"
         " {kind: synthetic, path: fidelity, max_docs: 2, length: 200}]"))
     for _ in range(2):  # the second call reads the cache the first wrote
         train, held = load_examples(cfg.data, tok, tmp_path / "cache")
-        got = sorted({(ex.task, ex.weight, ex.rank_weight) for ex in train + held})
-        assert got == [("fidelity", 1.0, 1.0), ("niah_single", 3.0, 0.0)]
-    assert len(list((tmp_path / "cache").glob("evict-*.json"))) == 1
+        got = sorted({(ex.task, ex.weight) for ex in train + held})
+        assert got == [("fidelity", 1.0), ("niah_single", 3.0)]
+    cached = list((tmp_path / "cache").glob("evict-*.json"))
+    assert len(cached) == 1
+    old = [[{**e, "rank_weight": 1.0} for e in src] for src in json.loads(cached[0].read_text())]
+    cached[0].write_text(json.dumps(old))
+    train, held = load_examples(cfg.data, tok, tmp_path / "cache")
+    assert sorted({(ex.task, ex.weight) for ex in train + held}) == [("fidelity", 1.0), ("niah_single", 3.0)]
 
 
 def test_an_items_answer_is_distilled_as_the_training_conversations_write_it():

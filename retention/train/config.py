@@ -76,16 +76,6 @@ class LossConfig:
     objective: str = "distill"
     evict_tau: float = 0.5  # softness of the relaxed top-B, in log units of the eviction score
     evict_fractions: list[float] = field(default_factory=lambda: [0.1])  # budgets, fractions of each context
-    # objective evict: weight of the future-attention ranking loss (retention.train.evict.future_rank_loss: the gates'
-    # keep decisions against the attention oracle's global top-B); 0 trains on the KL alone
-    rank_weight: float = 0.0
-    rank_tau: float = 0.25  # softness of those keep decisions, in log units of the eviction score
-    # which tail queries' attention ranks the oracle: all (question and answer) or targets (the distilled
-    # positions only: a retrieval item's answer, a fidelity item's whole continuation)
-    rank_queries: str = "all"
-    # global: the oracle's own global top-B; layer: per layer, as many entries as the gates keep there (the
-    # loss then teaches the order within each layer and leaves the layers' shares to the KL)
-    rank_scope: str = "global"
 
 
 @dataclass
@@ -104,8 +94,6 @@ class SourceConfig:
     # multiplies the distillation weight of this source's positions: a synthetic item distils only its
     # answer turns (6% of the distilled positions of configs/smollm2-global-4k.yaml), so their signal can be raised
     weight: float = 1.0
-    # objective evict: multiplies loss.rank_weight on this source's items (0: its items train on the KL alone)
-    rank_weight: float = 1.0
 
 
 @dataclass
@@ -206,8 +194,6 @@ class Config:
                 n = f"{s.split}" + (f", {n}" if n else "")
             if s.weight != 1:
                 n += f", weight {s.weight:g}"
-            if s.rank_weight != 1 and self.loss.rank_weight:
-                n += f", ranking loss x{s.rank_weight:g}"
             parts.append(f"{s.kind} {s.path} ({n.strip()})")
         # objective evict reads one whole item a step (its context, then its continuation), not packed rows
         unit = "one item a step" if self.loss.objective == "evict" else f"{self.data.seq_len}-token rows"
@@ -222,8 +208,6 @@ CHOICES = {
     "gates.activation": ("silu", "gelu", "relu", "tanh"),
     "loss.capacity_form": ("global", "per_head"),
     "loss.objective": ("distill", "evict"),
-    "loss.rank_queries": ("all", "targets"),
-    "loss.rank_scope": ("global", "layer", "head"),
     "data.sources.kind": ("text", "chat", "multimodal", "synthetic"),
     "train.schedule": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
@@ -234,7 +218,7 @@ CHOICES = {
 # string keys whose value `no` YAML reads as false (`mixed_precision: no`, accelerate's spelling): false means this
 FALSE_MEANS = {"train.mixed_precision": "no"}
 POSITIVE = {
-    "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau", "loss.rank_tau",
+    "gates.gate_hidden", "gates.widen_to", "loss.kl_chunk", "loss.kl_temperature", "loss.evict_tau",
     "data.seq_len", "train.steps",
     "train.batch_size", "train.grad_accum", "train.lr", "train.log_every", "train.save_every",
     "train.eval_batches", "train.stop_after", "lora.r",
@@ -243,7 +227,7 @@ POSITIVE = {
     "data.sources.length", "data.sources.max_docs", "data.sources.weight",
 }
 NON_NEGATIVE = {
-    "data.sources.rank_weight", "gates.sink", "loss.capacity_weight", "loss.rank_weight", "loss.ce_weight",
+    "gates.sink", "loss.capacity_weight", "loss.ce_weight",
     "train.warmup_steps", "train.clip", "train.eval_every", "train.weight_decay", "data.eval_fraction",
 }
 
@@ -461,19 +445,6 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
         raise ConfigError(f"gates.widen_to = {cfg.gates.widen_to}{_where('gates.widen_to', lines, source)}: it widens "
                           "the gates of gates.init_from; set init_from, or set gates.gate_hidden to train new gates of "
                           "that width")
-    if cfg.loss.rank_weight and cfg.loss.objective != "evict":
-        raise ConfigError(f"loss.rank_weight = {cfg.loss.rank_weight}{_where('loss.rank_weight', lines, source)}: the "
-                          "ranking loss needs a context and a continuation (objective 'evict'); set loss.objective: "
-                          "evict or remove it")
-    for i, src in enumerate(cfg.data.sources):
-        if src.rank_weight != 1 and not cfg.loss.rank_weight:
-            raise ConfigError(f"data.sources.{i}.rank_weight = {src.rank_weight:g}"
-                              f"{_where(f'data.sources.{i}', lines, source)}: it multiplies loss.rank_weight, which is "
-                              "0 (no ranking loss); set loss.rank_weight or remove it")
-    if cfg.loss.rank_weight and cfg.data.sources and not any(src.rank_weight for src in cfg.data.sources):
-        raise ConfigError(f"data.sources: every source has rank_weight 0{_where('data.sources', lines, source)}, so "
-                          f"loss.rank_weight = {cfg.loss.rank_weight:g} trains nothing; give one source "
-                          "rank_weight > 0 or set loss.rank_weight: 0")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in [0, 1){_where('data.eval_fraction', lines, source)}")
     if not 0 <= cfg.lora.dropout < 1:  # peft refuses it only once the model has loaded

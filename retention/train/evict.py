@@ -63,7 +63,6 @@ class EvictionExample:
     targets: list[bool]
     task: str = ""
     weight: float = 1.0
-    rank_weight: float = 1.0  # its source's multiplier of loss.rank_weight
 
 
 def example_from_item(tokenizer: PreTrainedTokenizerBase, item: Item) -> EvictionExample:
@@ -114,7 +113,9 @@ def load_examples(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
 
     target = None if cache is None else cache / f"evict-{_cache_key(cfg, tokenizer)}.json"
     if target is not None and target.is_file():
-        per_source = [[EvictionExample(**e) for e in src] for src in json.loads(target.read_text())]
+        # the multipliers are reset from the sources below (a cache written with rank_weight, since removed, loads)
+        per_source = [[EvictionExample(**{k: v for k, v in e.items() if k != "rank_weight"}) for e in src]
+                      for src in json.loads(target.read_text())]
     else:
         per_source = [source_examples(src, tokenizer, cfg.seq_len) for src in cfg.sources]
         if target is not None:
@@ -123,7 +124,7 @@ def load_examples(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
             atomic_write_bytes(target, json.dumps([[asdict(e) for e in src] for src in per_source]).encode())
     for src, exs in zip(cfg.sources, per_source):  # the source's multipliers: they change no token
         for ex in exs:
-            ex.weight, ex.rank_weight = float(src.weight), float(src.rank_weight)
+            ex.weight = float(src.weight)
     train, held_per_source = [], []
     for exs in per_source:
         n_eval = held_out_count(len(exs), cfg.eval_fraction)
@@ -177,63 +178,12 @@ def soft_keep_bias(log_betas: list[torch.Tensor], budget: int, sink: int,
     return biases, {"soft_entries": soft, "threshold_u": float(threshold), "entries": float(flat.numel())}
 
 
-def future_rank_loss(log_betas: list[torch.Tensor], future_mass: list[torch.Tensor], budget: int, sink: int,
-                     tau: float, scope: str = "global") -> tuple[torch.Tensor, dict[str, float]]:
-    """Teach the gates the attention oracle's global top-B (:mod:`retention.eval.oracle`, ``scope: global``).
-
-    ``log_betas``: per layer ``(1, H, T)`` gate scores of the context; ``future_mass``: per layer
-    ``(1, H, T)`` attention the continuation pays each context entry (nothing evicted, no grad). The
-    oracle keeps the ``budget`` entries of most future attention (the ``sink`` tokens of every head
-    always, counted in the budget). Each other entry is a binary decision, kept or dropped, with the
-    gates' logit ``(u - u_B) / tau`` (:func:`eviction_u`; ``u_B`` the gates' own top-B threshold, no
-    gradient): the loss is the binary cross-entropy against the oracle's decision, summed and divided by
-    the entries the gates choose (so it reads per kept entry). Returns the loss and ``rank_recall``: the
-    share of the oracle's choices that the gates' hard top-B also keeps.
-
-    ``scope: layer`` leaves the split of the budget between layers to the gates: in each layer the oracle
-    keeps as many entries as the gates' hard top-B keeps there, its choice among that layer's entries, so
-    the loss teaches the order within a layer and not how much each layer gets. ``scope: head`` does the
-    same per KV head: only the order within each head is taught, the whole split stays the gates' (at 10%
-    of SmolLM2's 4k context the oracle's order at the gates' split keeps 90.6% top-1 fidelity against the
-    gates' 87.8%, the gates' order at the oracle's split 87.5%:
-    ``experiments/fidelity-oracle/smollm2-fidelity-split.md``).
-    """
-    u = torch.cat([x[..., sink:].flatten() for x in eviction_u(log_betas, sink)])
-    mass = torch.cat([m[..., sink:].flatten() for m in future_mass]).float()
-    k = int(budget) - sink * sum(x.shape[0] * x.shape[1] for x in log_betas)  # non-sink entries kept
-    if k <= 0 or k >= u.numel():  # the budget holds only the sinks, or everything: nothing to rank
-        return u.sum() * 0.0, {"rank_recall": 1.0}
-    top = torch.topk(u.detach(), k + 1)
-    threshold = 0.5 * (top.values[-2] + top.values[-1])
-    oracle = torch.zeros_like(u)
-    if scope == "global":
-        oracle[torch.topk(mass, k).indices] = 1.0
-    elif scope in ("layer", "head"):
-        # u is laid out layer by layer, each (1, H, T - sink) flattened: one group a layer, or a head
-        sizes = ([x[..., sink:].numel() for x in log_betas] if scope == "layer" else
-                 [x.shape[-1] - sink for x in log_betas for _ in range(x.shape[0] * x.shape[1])])
-        start = 0
-        for n in sizes:  # each group's oracle keeps the gates' count in that group
-            k_g = int((u[start:start + n].detach() > threshold).sum())
-            if k_g:
-                oracle[start + torch.topk(mass[start:start + n], k_g).indices] = 1.0
-            start += n
-    else:
-        raise ValueError(f"scope {scope!r}: use 'global' (one top-B over all layers), 'layer' or 'head' "
-                         "(the gates' split between layers or KV heads)")
-    loss = F.binary_cross_entropy_with_logits((u - threshold) / tau, oracle, reduction="sum") / k
-    return loss, {"rank_recall": float(oracle[top.indices[:k]].mean())}
-
-
 class EvictionDistiller(nn.Module):
     """One forward = teacher prefill of the head and pass over the tail, then the student's biased pass
     over the tail; a single module call so DDP sees the gates' gradients.
 
     Returns the tail's final hidden states ``(1, T_tail, D)`` of the student and the teacher, the
-    context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics. With ``future_mass`` the
-    teacher's tail pass also records the attention the tail pays each context entry (``key_bias_attention``
-    with no bias: the same attention in float32), per layer ``(1, H, T_head)`` in ``stats["future_mass"]``;
-    ``mass_queries`` ``(T_tail,)`` weighs the tail's queries in that sum (None: every query counts).
+    context's per-layer ``log_beta`` ``(1, H, T_head)`` and the bias statistics.
     """
 
     def __init__(self, model: nn.Module, attachment: RetentionAttachment) -> None:
@@ -242,8 +192,7 @@ class EvictionDistiller(nn.Module):
         self.attachment = attachment
 
     def forward(
-        self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float, future_mass: bool = False,
-        mass_queries: torch.Tensor | None = None,
+        self, head: torch.Tensor, tail: torch.Tensor, fraction: float, tau: float,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], dict[str, Any]]:
         att = self.attachment
         decoder = unwrap(self.model).model
@@ -263,12 +212,8 @@ class EvictionDistiller(nn.Module):
             for h in hooks:
                 h.remove()
         P = head.shape[1]
-        if future_mass:
-            with torch.no_grad(), att.recording_past_mass(mass_queries) as masses:
-                h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
-        else:
-            with torch.no_grad(), att.teacher():
-                h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
+        with torch.no_grad(), att.teacher():
+            h_teacher = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         cache.crop(-tail.shape[1])  # drop the tail again: the context alone for the student's pass
         log_betas = [att.gates(i, x) for i, x in enumerate(inputs)]
         # a share of this item's context (layers and heads apart, as this count always took them; no floor of 1)
@@ -277,8 +222,6 @@ class EvictionDistiller(nn.Module):
         with att.key_biases(biases):
             h_student = decoder(input_ids=tail, **cache_kwargs(cache), use_cache=True).last_hidden_state
         stats["budget"] = float(budget)
-        if future_mass:
-            stats["future_mass"] = masses
         return h_student, h_teacher, log_betas, stats
 
 
@@ -327,8 +270,8 @@ def evict_budget_text(cfg: Config) -> str:
 
 
 class EvictObjective(Objective):
-    """KL over each item's continuation read over a relaxed global top-B of its context (module docstring), plus
-    optionally ``loss.rank_weight`` times :func:`future_rank_loss`; no capacity term (the top-B holds the budget)."""
+    """KL over each item's continuation read over a relaxed global top-B of its context (module docstring); no
+    capacity term (the top-B holds the budget)."""
 
     rows_word = "items"
 
@@ -343,16 +286,6 @@ class EvictObjective(Objective):
                 f"global top-B of its prefilled context, tau {loss.evict_tau:g}, budgets "
                 f"{', '.join(f'{f:g}' for f in loss.evict_fractions)} of the context; held-out KL over the hard top-B "
                 f"at {loss.evict_fractions[0]:g} (not comparable with a distill stage's soft-decay KL)")
-        if loss.rank_weight:
-            # layer / head: the gates' split, described below
-            scope = "global " if loss.rank_scope == "global" else ""
-            said += (f"; plus {loss.rank_weight:g} x a ranking loss against the future-attention oracle's {scope}top-B "
-                     f"(retention.train.evict.future_rank_loss, tau {loss.rank_tau:g}"
-                     + (", ranked by the attention of the distilled positions only"
-                        if loss.rank_queries == "targets" else "")
-                     + (f", within each {loss.rank_scope} at the gates' own split of the budget"
-                        if loss.rank_scope != "global" else "")
-                     + ")")
         return {"objective": said}
 
     def load_data(self, processor: Any) -> tuple[list, list, ExampleStream]:
@@ -382,12 +315,8 @@ class EvictObjective(Objective):
         cfg, dev = self.cfg, self.accelerator.device
         head, tail = torch.tensor([example.head], device=dev), torch.tensor([example.tail], device=dev)
         tau = cfg.loss.evict_tau if weighted else HARD_TAU
-        ranking = bool(cfg.loss.rank_weight)
         mask = torch.tensor([example.targets], device=dev)
-        # rank_queries targets: the oracle ranks the context by the attention of the distilled positions only
-        queries = mask[0].float() if ranking and cfg.loss.rank_queries == "targets" else None
-        h_s, h_t, log_betas, stats = self.distiller(head, tail, fraction, tau, future_mass=ranking,
-                                                    mass_queries=queries)
+        h_s, h_t, log_betas, stats = self.distiller(head, tail, fraction, tau)
         weights = mask.float() * (example.weight if weighted else 1.0)
         kl_sum, kl_n = distillation_kl(h_s, h_t, self.lm_head, mask, cfg.loss.kl_temperature, cfg.loss.kl_chunk,
                                        reduction="sum", weights=weights)
@@ -396,15 +325,7 @@ class EvictObjective(Objective):
         # no capacity term: the top-B itself holds the budget; the record keeps the soft kept size
         cap_stats = {"soft_cache_entries": stats["soft_entries"], "budget_entries": stats["budget"],
                      "capacity_terms": 1}
-        loss = kl
-        if ranking:  # the gates' keep decisions against the future-attention oracle's top-B (global or per layer)
-            rank, rank_stats = future_rank_loss(log_betas, stats["future_mass"], int(stats["budget"]),
-                                                self.attachment.sink, cfg.loss.rank_tau, scope=cfg.loss.rank_scope)
-            rank = self.global_mean(rank, 1)  # a collective: every item computes it, so ranks stay in step
-            # a source's rank_weight scales its items' share (0: the KL alone); held-out loss is the plain sum
-            loss = kl + cfg.loss.rank_weight * (example.rank_weight if weighted else 1.0) * rank
-            cap_stats.update(rank_loss=float(rank.detach()), **rank_stats)
-        return StepLoss(loss, kl, torch.zeros((), device=dev), cap_stats, log_betas)
+        return StepLoss(kl, kl, torch.zeros((), device=dev), cap_stats, log_betas)
 
     def held_out_batch(self, rows: list, start: int) -> tuple[EvictionExample, float]:
         return rows[start], self.cfg.loss.evict_fractions[0]  # each held-out item at the first listed fraction

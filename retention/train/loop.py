@@ -230,8 +230,6 @@ def evaluate(objective: Objective, eval_rows: list) -> dict[str, float]:
             vals["capacity"].append(float(cap))
             vals["soft_cache_entries"].append(stats["soft_cache_entries"])
             vals["beta_mean"].append(float(np.mean(beta_stats(log_betas)["beta_mean"])))
-            if "rank_recall" in stats:  # objective evict with the ranking loss: the oracle's top-B kept
-                vals.setdefault("rank_recall", []).append(stats["rank_recall"])
     return {k: float(np.mean(v)) for k, v in vals.items()}
 
 
@@ -266,23 +264,18 @@ def _log_step(cfg: Config, accelerator: Accelerator, record: dict[str, Any], bst
         accelerator.log({**{k: v for k, v in record.items() if k != "step"}, **per_layer}, step=step)
     if accelerator.is_main_process and step % cfg.train.log_every == 0:
         per_layer = " ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(bstats["beta_mean"], bstats["beta_std"]))
-        ranked = (f"rank {record['rank_loss']:.4f} recall {record['rank_recall']:.3f} "
-                  if "rank_recall" in record else "")
         tqdm.write(f"step {step}: loss {record['loss']:.4f} kl {record['kl']:.4f} "
-                   f"capacity {record['capacity']:.4f} {ranked}"
+                   f"capacity {record['capacity']:.4f} "
                    f"soft cache {record['soft_cache_entries']:.0f} entries | beta per layer {per_layer}")
 
 
 def _log_held_out(accelerator: Accelerator, record: dict[str, Any], held: dict[str, float]) -> None:
     """A held-out pass's numbers into the step's record, the tracker and the log."""
     record["eval_kl"] = held["kl"]
-    if "rank_recall" in held:
-        record["eval_rank_recall"] = held["rank_recall"]
     if accelerator.trackers:
-        accelerator.log({k: record[k] for k in ("eval_kl", "eval_rank_recall") if k in record}, step=record["step"])
+        accelerator.log({"eval_kl": record["eval_kl"]}, step=record["step"])
     if accelerator.is_main_process:
-        recall = f", oracle top-B recall {held['rank_recall']:.3f}" if "rank_recall" in held else ""
-        tqdm.write(f"step {record['step']}: held-out KL {record['eval_kl']:.4f}{recall}")
+        tqdm.write(f"step {record['step']}: held-out KL {record['eval_kl']:.4f}")
 
 
 def _summary(step: int, history: list[dict[str, Any]], tokens_per_step: int, before: dict[str, float] | None,
@@ -299,10 +292,6 @@ def _summary(step: int, history: list[dict[str, Any]], tokens_per_step: int, bef
     if before is not None:
         summary["held_out_kl_before"] = before["kl"]
         summary["held_out_capacity_before"] = before["capacity"]
-    if "rank_recall" in after:  # the share of the oracle's top-B that the gates' hard top-B keeps
-        summary["held_out_oracle_recall"] = after["rank_recall"]
-        if before is not None and "rank_recall" in before:
-            summary["held_out_oracle_recall_before"] = before["rank_recall"]
     return summary
 
 
@@ -353,8 +342,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         before = evaluate(objective, eval_rows)  # the untrained gates on the held-out rows, for the before/after report
         if main:
             print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
-                  f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}"
-                  + (f", oracle top-B recall {before['rank_recall']:.3f}" if "rank_recall" in before else ""))
+                  f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}")
 
     tokens_per_step = round(cfg.train.batch_size * objective.row_tokens(train_rows) * cfg.train.grad_accum
                             * accelerator.num_processes)
@@ -486,8 +474,7 @@ def _export(cfg: Config, model: nn.Module, attachment: Any, objective: Objective
     if before is not None and after:
         print(f"[retention] held-out rows, before -> after training (budget {budget_text}):")
         for k, name in (("kl", "KL(teacher || student)"), ("capacity", "capacity loss"),
-                        ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta"),
-                        ("rank_recall", "oracle top-B recall")):
+                        ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta")):
             if k in before and k in after:
                 print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
     print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ")
