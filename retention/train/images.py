@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import DataError, SourceConfig
+from .schema import DataError, SourceConfig
 
 if TYPE_CHECKING:
     from PIL import Image

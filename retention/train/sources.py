@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from .config import DataError, SourceConfig  # noqa: F401  (DataError's home: config)
+from .schema import DataError, SourceConfig  # noqa: F401  (DataError is imported from here too)
 from .images import IMAGE_CHECK_RECORDS, check_record_images
 
 BUILTIN_CORPORA = {
