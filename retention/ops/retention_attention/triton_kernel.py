@@ -138,6 +138,24 @@ def _load_cols(ptr, cols, stride, rd, mask_cols, mask_d, EVEN_COLS: tl.constexpr
 
 
 @triton.jit
+def _key_block_scores(q, rq, K_blk, LB_blk, skt, slbt, rd, mask_d, n0, klen, qk_scale,
+                      BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """The key block at ``n0`` against the query tile ``q``: its positions ``rn`` and their mask, the transposed K
+    tile ``(BLOCK_D, BLOCK_N)``, the distances ``(BLOCK_M, BLOCK_N)`` and the biased scores ``s`` in the log2 domain
+    (unmasked; the forward and the dQ loop both read a block so, and mask as each needs)."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    mask_n = rn < klen
+    kT = _load_cols(K_blk, rn, skt, rd, mask_n, mask_d, not MASK, EVEN_D)
+    if MASK:
+        lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt, mask=mask_n, other=0.0))
+    else:
+        lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt))
+    dist = rq[:, None] - rn.to(tl.float32)[None, :]
+    s = tl.dot(q, kT, input_precision=PREC) * qk_scale + dist * lb[None, :]
+    return rn, mask_n, kT, dist, s
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, rq, K_blk, V_blk, LB_blk, skt, svt, slbt, rd, mask_d, n_lo, n_hi, klen, qk_scale,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
@@ -145,16 +163,9 @@ def _fwd_inner(
     """Online-softmax update over key blocks [n_lo, n_hi). Off the diagonal (``MASK`` false) every key is
     in range and visible to every query, so nothing is masked; ``s`` is in the log2 domain."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rn < klen
-        kT = _load_cols(K_blk, rn, skt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        rn, mask_n, kT, dist, s = _key_block_scores(q, rq, K_blk, LB_blk, skt, slbt, rd, mask_d, n0, klen, qk_scale,
+                                                    BLOCK_N, MASK, EVEN_D, PREC)
         v = _load_rows(V_blk, rn, svt, rd, mask_n, mask_d, not MASK, EVEN_D)
-        if MASK:
-            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt, mask=mask_n, other=0.0))
-        else:
-            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt))
-        dist = rq[:, None] - rn.to(tl.float32)[None, :]
-        s = tl.dot(q, kT, input_precision=PREC) * qk_scale + dist * lb[None, :]
         if MASK:
             s = tl.where((dist >= 0) & mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -315,16 +326,9 @@ def _dq_inner(
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
     for n0 in range(n_lo, n_hi, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rn < klen
-        kT = _load_cols(K_blk, rn, skt, rd, mask_n, mask_d, not MASK, EVEN_D)
+        rn, mask_n, kT, dist, s = _key_block_scores(q, rq, K_blk, LB_blk, skt, slbt, rd, mask_d, n0, klen, qk_scale,
+                                                    BLOCK_N, MASK, EVEN_D, PREC)
         vT = _load_cols(V_blk, rn, svt, rd, mask_n, mask_d, not MASK, EVEN_D)
-        if MASK:
-            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt, mask=mask_n, other=0.0))
-        else:
-            lb = _log2_beta(tl.load(LB_blk + rn.to(tl.int64) * slbt))
-        dist = rq[:, None] - rn.to(tl.float32)[None, :]
-        s = tl.dot(q, kT, input_precision=PREC) * qk_scale + dist * lb[None, :]
         p = tl.exp2(s - lse[:, None])
         if MASK:
             p = tl.where((dist >= 0) & mask_n[None, :], p, 0.0)
