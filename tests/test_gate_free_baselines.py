@@ -80,11 +80,11 @@ def test_a_gated_policy_still_runs_the_gates(name, model_and_calls):
 
 def test_gates_are_needed_without_a_retention_cache_and_for_a_policy_that_keeps_their_scores():
     from retention.eval.oracle import FutureAttention
-    from retention.eval.protocol import _QueryRecorder
+    from retention.policies.recorder import QueryRecorder
 
     assert retention.attach.gates_needed(None)  # a plain cache in score mode: as before
     for policy, needed in ((get_policy("snapkv"), False), (get_policy("global_gates"), True),
-                           (_QueryRecorder(), True), (FutureAttention(window=4), True)):
+                           (QueryRecorder(), True), (FutureAttention(window=4), True)):
         assert retention.attach.gates_needed(type("C", (), {"policy": policy})()) is needed, policy
 
 

@@ -38,12 +38,33 @@ class EvictionMixin:
             dev = self.store.lengths.device
             self.evict(over.to(dev), budgets[over].to(dev))
 
-    def compress(self) -> None:
+    def compress(self, release: bool = True) -> None:
         """Evict every sequence down to its budget now, whatever the policy's mode (e.g. when a context
-        has been prefilled and the question has not arrived yet: the query-agnostic protocol)."""
+        has been prefilled and the question has not arrived yet: the query-agnostic protocol). ``release``: then
+        give the emptied pages back (:meth:`shrink`), so the compressed cache holds about its budget in memory, not
+        its peak; False keeps them for the next appends."""
         if self.budget is None or self.store is None or not self.policy.evicts:
             return
         self._evict_over(self._budgets(self.store.batch), 0)
+        if release:
+            self.shrink()
+
+    def shrink(self, spare_pages: int | None = None) -> None:
+        """Give the page pool's free pages back to the allocator (the pool grows to its peak and keeps it
+        otherwise): after it the cache holds about the bytes of the pages it uses (``memory_report()``'s
+        ``held_bytes`` against ``used_bytes``). ``spare_pages`` stay free for the next appends (default one per
+        stream, what one more token of every stream may need). The entries are untouched, so decoding goes on
+        token for token the same; a :class:`~retention.cache.graph_decode.GraphDecoder` records its graph again on
+        the next step (the pool's addresses change). Not during a planned step, whose slots point into the pool."""
+        if self.planning:
+            raise RuntimeError("shrink() during a planned decode step would move the pages its slots point at: call "
+                               "it between steps (GraphDecoder records its graph again after it)")
+        if self.store is None:
+            return
+        spare = self.store.num_streams if spare_pages is None else spare_pages
+        if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
+            raise ValueError(f"spare_pages must be an integer >= 0, got {spare_pages!r}")
+        self.store.shrink(spare)
 
     def evict(self, seqs: torch.Tensor, budgets: torch.Tensor) -> None:
         """Cut sequences ``seqs`` ``(n,)`` down to ``budgets`` ``(n,)`` entries by the policy's ranking."""

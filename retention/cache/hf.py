@@ -228,9 +228,28 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
 
     def copy_from(self, other: "RetentionCache") -> None:
         """Hold a deep copy of ``other``'s contents (same model), keeping this cache's policy and budget:
-        one prefill scored by several policies (the eval harness's shared prefill)."""
+        one prefill scored by several policies (the eval harness's shared prefill).
+
+        A policy that reads queries (``needs_queries``: SnapKV, H2O, TOVA, ...) must have observed the prefill's
+        queries before it can score. So either ``other`` was prefilled with a
+        :class:`~retention.policies.recorder.QueryRecorder` policy, whose queries are replayed into this cache's
+        policy here as the forward would have shown them, or ``other``'s policy is the same policy with the same
+        options, whose statistics are copied. Otherwise it is an error (the policy would score with no statistics and
+        keep only the newest tokens)."""
+        from ..policies.recorder import QueryRecorder
+
         if other.num_layers != self.num_layers or other.num_kv_heads != self.num_kv_heads:
             raise ValueError("copy_from needs a cache of the same model (layers and KV heads differ)")
+        recorded = other.policy.queries if isinstance(other.policy, QueryRecorder) else None
+        # the same policy with the same options (statistics are no part of a policy's repr) observed the same queries
+        twin = (type(other.policy) is type(self.policy) and repr(other.policy) == repr(self.policy)
+                and hasattr(other.policy, "stats"))
+        if self.policy.needs_queries and other.store is not None and not recorded and not twin:
+            raise ValueError(
+                f"copy_from: this cache's policy {self.policy.name!r} reads the prefill's queries, and the cache "
+                f"copied from (policy {other.policy.name!r}) recorded none, so the policy would score blind: prefill "
+                "that cache with policy=QueryRecorder() (retention.policies.recorder), whose queries copy_from "
+                "replays, or prefill this cache itself")
         self.store = copy.deepcopy(other.store)
         self._seen = list(other._seen)
         self._pad_entries = None if other._pad_entries is None else other._pad_entries.clone()
@@ -239,6 +258,11 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
         self._crop_floor = other._crop_floor
         for layer in self.layers:
             layer.is_initialized = other.store is not None
+        if self.policy.needs_queries and recorded:
+            for layer, (query, qpos) in sorted(recorded.items()):
+                self.policy.observe(layer, query, self.store.gather_layer(layer), qpos)
+        elif self.policy.needs_queries and twin:
+            self.policy.stats = copy.deepcopy(other.policy.stats)
 
     @property
     def is_croppable(self) -> bool:

@@ -246,6 +246,17 @@ class PagedKVStore:
         if self.lengths is not self.host_lengths:
             self.host_lengths.copy_(self.lengths)  # evictions are rare next to appends: a sync is fine here
 
+    def shrink(self, spare_pages: int = 0) -> None:
+        """Give the free pages back to the allocator (see :meth:`PagePool.shrink`; ``spare_pages`` stay free for the
+        next appends) and narrow the block table to the widest stream: afterwards the store holds about what it
+        uses. Entries, their order and every stream's length are unchanged."""
+        new_id = self.pool.shrink(spare_pages)
+        listed = self.block_table >= 0
+        table = self.block_table.clone()
+        table[listed] = new_id[self.block_table[listed]]
+        width = max(int(_cdiv(self.host_lengths, self.page_size).max()) if self.num_streams else 1, 1)
+        self.block_table = table[:, :width].contiguous()
+
     def clear(self) -> None:
         """Free every page (the pool keeps its capacity)."""
         used = self.block_table[self.block_table >= 0]

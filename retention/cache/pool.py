@@ -3,7 +3,8 @@
 Each page holds ``page_size`` entries; an entry is one token in one KV head of one layer: its key and
 value ``(D,)``, its ``log_beta`` (float32) and its true position (int64, the token's index in its
 sequence). Pages are handed out from a free stack and returned to it; the pool grows by reallocating
-its tensors (page ids stay valid), it never shrinks.
+its tensors (page ids stay valid) and shrinks only when asked (:meth:`PagePool.shrink`: the pages in use move to
+the lowest ids, and the caller renumbers its block tables).
 """
 
 from __future__ import annotations
@@ -72,6 +73,34 @@ class PagePool:
         free[:extra] = torch.arange(new - 1, self.capacity - 1, -1, device=self.device)
         free[extra : extra + self._n_free] = self._free[: self._n_free]
         self._free, self._n_free, self.capacity = free, self._n_free + extra, new
+
+    def shrink(self, spare: int = 0) -> torch.Tensor:
+        """Give back every free page but ``spare``: the pages in use move, in id order, to ids ``0..num_used-1`` and
+        the tensors are reallocated to ``num_used + spare`` pages (at least one). Returns ``new_id`` ``(old
+        capacity,)`` int64, the new id of each old page (-1 for a page that was free): the owner of the block tables
+        must renumber them with it."""
+        if spare < 0:
+            raise ValueError(f"spare must be >= 0 pages, got {spare}")
+        used = torch.nonzero(self.owner >= 0).flatten()  # ascending: the pages keep their order
+        n_used = used.numel()
+        new = max(n_used + spare, 1)
+        new_id = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        new_id[used] = torch.arange(n_used, device=self.device)
+        if new == self.capacity and bool((used == new_id[used]).all()):
+            return new_id  # nothing to move and nothing to give back
+
+        def take(t: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+            out = torch.full((new, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[:n_used] = t[used]  # a copy: the old tensor's memory is released with it
+            return out
+
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.log_beta, self.pos, self.owner = take(self.log_beta), take(self.pos, -1), take(self.owner, -1)
+        # the free stack: the lowest free id on top, as a fresh pool hands them out
+        self._free = torch.cat([torch.arange(new - 1, n_used - 1, -1, device=self.device),
+                                torch.full((n_used,), -1, dtype=torch.long, device=self.device)])
+        self._n_free, self.capacity = new - n_used, new
+        return new_id
 
     def alloc(self, owners: torch.Tensor) -> torch.Tensor:
         """One page per element of ``owners`` ``(n,)`` (stream ids); returns page ids ``(n,)``."""

@@ -17,13 +17,16 @@ class ReportMixin:
                 tokens_seen=0, entries_per_head=torch.zeros(0, self.num_layers, self.num_kv_heads, dtype=torch.long),
                 kept_entries=0, full_cache_entries=0, kv_bytes=0, full_cache_bytes=0, kv_fraction=1.0, pages_in_use=0,
                 page_bytes_in_use=0, page_slack_entries=0, metadata_bytes=0, pool_capacity_bytes=0,
-                peak_entries=self.peak_entries, evictions=self.evictions)
+                held_bytes=0, used_bytes=0, peak_entries=self.peak_entries, evictions=self.evictions)
         s = self.store
         elem = s.pool.keys.element_size()
         entry_bytes = 2 * self.head_dim * elem
         kept = int(s.lengths.sum())
         pages = s.pool.num_used
         full_entries = self._seen[0] * self.streams_per_seq * s.batch
+        # a page's keys and values plus its entries' log_beta (float32), position (int64) and its owner (int64)
+        per_page = s.pool.page_bytes() + s.page_size * (4 + 8) + 8
+        table = s.block_table.numel() * s.block_table.element_size() + 2 * s.lengths.numel() * 8
         return MemoryReport({
             "tokens_seen": self._seen[0],
             "entries_per_head": s.entries_per_head(),
@@ -37,6 +40,10 @@ class ReportMixin:
             "page_slack_entries": pages * s.page_size - kept,
             "metadata_bytes": pages * s.page_size * (4 + 8),  # log_beta float32 + position int64
             "pool_capacity_bytes": s.pool.capacity * s.pool.page_bytes(),
+            # what the cache's tensors take (every page of the pool, free ones too, and the block tables) against
+            # the pages its entries fill: RetentionCache.shrink() gives back all but a spare page per stream
+            "held_bytes": s.pool.capacity * per_page + table,
+            "used_bytes": pages * per_page,
             "peak_entries": self.peak_entries,
             "evictions": self.evictions,
         })
@@ -86,4 +93,7 @@ class MemoryReport(dict):
         lines.append(f"  pages: {self['pages_in_use']:,} in use ({mib(self['page_bytes_in_use'])}, "
                      f"{self['page_slack_entries']:,} entries of slack), positions and scores "
                      f"{mib(self['metadata_bytes'])}, pool {mib(self['pool_capacity_bytes'])}")
+        if "held_bytes" in self:
+            lines.append(f"  memory: {mib(self['held_bytes'])} held, {mib(self['used_bytes'])} used "
+                         "(cache.shrink() gives free pages back)")
         return "\n".join(lines)

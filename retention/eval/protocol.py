@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from retention.compat import cache_kwargs
-from retention.policies.base import EvictionPolicy
+from retention.policies.recorder import QueryRecorder
 from retention.tasks.base import Item
 from retention.tasks.prompt import prompt_ids
 
@@ -57,39 +57,21 @@ def context_and_prompt(tokenizer: PreTrainedTokenizerBase, item: Item,
     return (ids[:-1] if protocol == "query_aware" else ctx), ids
 
 
-class _QueryRecorder(EvictionPolicy):
-    """Keeps each layer's prefill queries (what attention-based policies observe); never evicts."""
-
-    name = "recorder"
-    needs_queries = True
-    evicts = False
-    keeps_gate_scores = True  # the methods that copy this prefill include gated ones
-
-    def __init__(self) -> None:
-        self.queries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def observe(self, layer, query, view, query_pos) -> None:
-        self.queries[layer] = (query, query_pos)
-
-    def score(self, entries):  # never called: evicts is False
-        raise RuntimeError("the recorder does not score")
-
-
 class SharedPrefill:
     """One one-shot prefill of an item's context, replayed into any :class:`PolicyCache` method.
 
     In score mode the forward does not depend on the policy: every method's cache receives the same
     keys, values and gate scores, and an attention-based policy sees the same queries. So the context
     is prefilled once into a recording cache (K/V, gate scores and each layer's queries), and
-    :meth:`cache_for` builds a method's cache from copies of it, calling the policy's ``observe`` with
-    the recorded queries exactly as the forward would have. Methods with their own gates (other gate
+    :meth:`cache_for` builds a method's cache from copies of it (``copy_from`` calls the policy's ``observe`` with
+    the recorded queries exactly as the forward would have). Methods with their own gates (other gate
     scores) and streaming prefills cannot share and prefill on their own.
     """
 
     def __init__(self, model: PreTrainedModel, head: list[int]) -> None:
         from retention.cache import RetentionCache
 
-        self.model, self.recorder = model, _QueryRecorder()
+        self.model, self.recorder = model, QueryRecorder()
         attachment = model.retention
         attachment.reset()
         with attachment.use_mode("score"):
@@ -100,9 +82,6 @@ class SharedPrefill:
         """A fresh cache of ``method`` holding the shared prefill (budget unset: see ``set_budget``)."""
         cache = method.new_cache(self.model, None, streaming=False)
         cache.copy_from(self.cache)
-        if cache.policy.needs_queries:
-            for layer, (query, qpos) in sorted(self.recorder.queries.items()):
-                cache.policy.observe(layer, query, cache.store.gather_layer(layer), qpos)
         return cache
 
 
