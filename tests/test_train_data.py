@@ -447,3 +447,17 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     check_hub_source(source)
     assert asked == []
+
+
+def test_a_text_file_that_is_not_utf8_trains_with_a_warning_naming_file_and_line(tmp_path, capsys):
+    """Issue 77: a plain text file in Latin-1 trained on U+FFFD characters without a word."""
+    from retention.train.sources import check_local_source
+
+    (tmp_path / "latin1.txt").write_bytes("first line\nun café crème\n".encode("latin-1"))
+    source = SourceConfig(kind="text", path=str(tmp_path))
+    check_local_source(source)
+    texts = list(iter_source(source))
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'latin1.txt'}, line 2: not UTF-8 text" in out and "2 bad byte(s)" in out
+    assert out.count("not UTF-8") == 1  # once per file, though it is read twice
+    assert "caf\ufffd cr\ufffdme" in str(texts)

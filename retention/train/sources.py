@@ -194,12 +194,32 @@ def source_fingerprint(source: SourceConfig) -> list[Any] | None:
     return [[f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
 
 
+_WARNED_ENCODING: set[str] = set()
+
+
+def _text_file(f: str) -> str:
+    """A plain text file's text; bytes that are not UTF-8 read as U+FFFD, with one warning per file naming its first
+    such line (a file in another encoding would otherwise train on replacement characters unseen)."""
+    data = Path(f).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = data.decode("utf-8", errors="replace")
+        if f not in _WARNED_ENCODING:  # the check before the model loads and the tokenization both read it
+            _WARNED_ENCODING.add(f)
+            line = 1 + data.count(b"\n", 0, e.start)
+            print(f"[retention] warning: {f}, line {line}: not UTF-8 text "
+                  f"({e.reason} {data[e.start:e.end]!r}); its {text.count(chr(0xFFFD))} bad byte(s) are read as "
+                  f"U+FFFD. Save it as UTF-8 (iconv -f latin1 -t utf-8) to train on its real characters")
+        return text
+
+
 def _local_records(path: str, kind: str, field: str | None) -> Iterator[tuple[str, Any]]:
     """A local source's records, each with where it is (``file, line N``); plain text files are read whole (a byte
-    that is not UTF-8 becomes U+FFFD there, as a text's stray byte harms nothing)."""
+    that is not UTF-8 becomes U+FFFD there, as a text's stray byte harms nothing, and a warning names where)."""
     for f in _local_files(path, kind):
         if not f.endswith((".jsonl", ".json")):
-            yield f, Path(f).read_text(encoding="utf-8", errors="replace")
+            yield f, _text_file(f)
             continue
         for where, rec in _json_records(f):
             yield where, _record_content(rec, kind, field, where)
