@@ -1,5 +1,6 @@
 """retention: learned retention gates for global KV-cache eviction in frozen LLMs."""
 
+from . import log as _log  # noqa: F401  (the "retention" logger's handler, before any module logs)
 from .attach import RetentionAttachment, UnsupportedModelError, attach_gates, SUPPORTED_MODEL_TYPES
 from .gates import GateConfig, RetentionGates
 from .hub import export_gates, load_gates, push_to_hub

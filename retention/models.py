@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from torch import nn
 from .architecture import check_supported, is_multimodal, text_config, text_mrope_positions  # noqa: F401
 from .io import atomic_directory
 from .locate import CHECKPOINT_DIRS, looks_like_a_path, shipped_checkpoint  # noqa: F401  (their home is locate)
+
+log = logging.getLogger(__name__)
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what load_model(dtype=...) takes by name (configs check it)
 
@@ -139,7 +142,7 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
             import shutil
 
             if progress:
-                print(f"[retention] the cache in {target} is incomplete; building it again")
+                log.info(f"the cache in {target} is incomplete; building it again")
             if target.is_dir():
                 shutil.rmtree(target)
             else:
@@ -147,7 +150,7 @@ def embedded_model_dir(name: str = DEFAULT_MODEL, progress: bool = True) -> Path
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if progress:
-            print(f"[retention] dequantising {source.name} once (about 20 s); cached in {target}")
+            log.info(f"dequantising {source.name} once (about 20 s); cached in {target}")
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
         # the saved copy is plain fp32 safetensors, no longer a quantised GGUF

@@ -3,3 +3,15 @@ from pathlib import Path
 
 # tests import their shared builders (tiny_models, tiny_vl) as top-level modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """accelerate keeps one AcceleratorState per process: a test that trains in another precision must not meet the
+    state an earlier test left (ValueError: already initialized), whatever order the files run in."""
+    yield
+    mod = sys.modules.get("accelerate.state")
+    if mod is not None and mod.AcceleratorState._shared_state:
+        mod.AcceleratorState._reset_state()

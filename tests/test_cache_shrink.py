@@ -117,7 +117,8 @@ def test_shrink_then_beams_and_an_unused_cache(model):
     nxt = torch.tensor([[7], [7]])
     with torch.no_grad():
         logits = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True).logits[:, -1]
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)  # two rows of one batch: the same up to rounding
+    # two rows of one batch: the same up to rounding
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="spare_pages must be an integer >= 0"):
         cache.shrink(-2)
 

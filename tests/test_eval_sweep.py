@@ -732,7 +732,7 @@ def test_a_damaged_row_is_moved_aside_and_its_item_scored_again(tmp_path, capsys
         load_result_file(results)
     capsys.readouterr()
     run_sweep(cfg, progress=False)
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert f"warning: {results}, lines 3, 4: not a row (damaged or edited); moved to {results}.bad" in err
     assert (tmp_path / "out" / "results.jsonl.bad").read_bytes() == garbled + b"\n[1, 2]\n"
     rows = load_result_file(results)  # report and pool read it again
@@ -740,7 +740,7 @@ def test_a_damaged_row_is_moved_aside_and_its_item_scored_again(tmp_path, capsys
     assert sorted(map(key, rows)) == sorted(key(json.loads(line)) for line in lines)
     assert results.read_bytes().startswith(b"".join(lines[:2] + lines[4:]))  # the good rows kept as they were
     run_sweep(cfg, progress=False)  # nothing left to move or score
-    assert "warning" not in capsys.readouterr().err and load_result_file(results) == rows
+    assert "warning" not in capsys.readouterr().out and load_result_file(results) == rows
 
 
 def test_a_resumed_sweep_rescores_rows_of_gates_that_changed(tmp_path, capsys):

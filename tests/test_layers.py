@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "retention"
 # (gates and losses, train and eval, ...) never import each other. A module belongs to the group with the longest
 # matching prefix.
 LAYERS: list[dict[str, tuple[str, ...]]] = [
-    {"base": ("retention.compat", "retention.io", "retention.images", "retention.templates",
+    {"base": ("retention.compat", "retention.log", "retention.io", "retention.images", "retention.templates",
               "retention.architecture", "retention.padding", "retention.locate", "retention.metadata",
               "retention.budget")},
     {"ops": ("retention.ops",)},

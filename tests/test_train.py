@@ -1137,3 +1137,30 @@ def test_chat_template_kwargs_reach_the_training_data(tiny_setup, tmp_path, monk
         assert (text().count("You are Ada.") == 8) == bool(persona) and text().count("River 3 runs far.") == 6
         model.retention.detach()
     assert tok.chat_template == template  # the caller's tokenizer renders as it did
+
+
+def test_the_tracker_gets_flat_hyperparameters_and_messages_go_through_logging(tiny_setup, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Issue 76: trackers got eight stringified sections (no run could be filtered by train.lr), and every message
+    was a print no user could silence."""
+    import logging
+
+    import accelerate
+
+    import retention.train.loop as loop
+
+    seen = {}
+    monkeypatch.setattr(loop, "make_tracker", lambda cfg: ("tensorboard", None))
+    monkeypatch.setattr(accelerate.Accelerator, "init_trackers",
+                        lambda self, name, config=None, init_kwargs=None: seen.update(config))
+    cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    logger = logging.getLogger("retention")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        train(load_config(cfg_file, over + ["train.steps=2"]))
+    finally:
+        logger.setLevel(level)
+    assert seen["train.lr"] == 0.05 and seen["budget.tokens_per_head"] == 4 and seen["train.steps"] == 2
+    assert seen["data.sources.0.kind"] == "text" and all(isinstance(v, (int, float, str, bool)) for v in seen.values())
+    assert "[retention]" not in capsys.readouterr().out  # silenced: the run's info lines went nowhere

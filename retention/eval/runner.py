@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -29,6 +29,8 @@ from .models import max_positions
 from .multimodal import (IMAGE_TASKS, check_images, is_multimodal_item, run_chat_item_budgets, shared_history,
                          shares_history)
 from .protocol import SharedPrefill, context_and_prompt, reference_logits, run_item_budgets, shareable
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -145,8 +147,8 @@ def _set_aside_bad_lines(path: Path) -> list[int]:
     drop = set(bad)
     atomic_write_bytes(path, b"".join(line for n, line in enumerate(lines, 1) if n not in drop))
     shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-    print(f"[eval] warning: {path}, line{'s' if len(bad) > 1 else ''} {shown}: not a row (damaged or edited); moved "
-          f"to {aside}, and their items are scored again", file=sys.stderr)
+    log.warning(f"{path}, line{'s' if len(bad) > 1 else ''} {shown}: not a row (damaged or edited); moved "
+          f"to {aside}, and their items are scored again")
     return bad
 
 
@@ -205,7 +207,7 @@ def _set_aside_stale(results: Path, gate_ids: dict[str, str | None], settings: d
         rows = [r for i, r in enumerate(rows) if i not in stale]
         atomic_write_bytes(results, jsonl(rows).encode())
         named = sorted({c for cs in stale.values() for c in cs})
-        print(f"[eval] {len(stale)} rows were scored with another setup than this config's: {'; '.join(named)}; "
+        log.info(f"{len(stale)} rows were scored with another setup than this config's: {'; '.join(named)}; "
               f"moved to {aside} and scored again")
     return rows
 
@@ -255,7 +257,7 @@ def prepare_model(
         source = shipped_gates(model) if cfg.gates is None else None if cfg.gates == "untrained" else cfg.gates
         gates = None if source is None else load_gates(source, model=model)
         attach_gates(model, gates, mode="score", seed=None if gates is not None else UNTRAINED_SEED)
-        print(f"[eval] gates: {source or 'untrained (beta ~ 1 with a little seeded noise: nearly recency only)'}")
+        log.info(f"gates: {source or 'untrained (beta ~ 1 with a little seeded noise: nearly recency only)'}")
     for m in cfg.method_list():  # a method's own gates: fail now, not hours into the sweep
         if getattr(m, "gates", None):
             try:

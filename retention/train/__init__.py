@@ -2,8 +2,11 @@
 behind ``train.py`` (also ``python -m retention.train``)."""
 
 import argparse
+import logging
 
 from .config import Config, ConfigError, load_config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Config", "ConfigError", "load_config", "main"]
 
@@ -62,11 +65,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -
 
                 check_push_target(repo)
             dest = export_checkpoint(cfg, args.export, args.to)
-            print(f"[retention] gates exported to {dest}")
+            log.info(f"gates exported to {dest}")
             if repo:
                 from retention.hub import push_to_hub
 
-                print(f"[retention] pushed: {push_to_hub(dest, repo)}")
+                log.info(f"pushed: {push_to_hub(dest, repo)}")
         except (FileNotFoundError, FileExistsError) as e:  # no such checkpoint; --to a folder of other files
             parser.exit(2, f"error: {str(e).replace('--resume', '--export')}\n")
         except HubError as e:  # no token, a repo id that cannot be, no network

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -27,6 +28,8 @@ from retention.io import atomic_directory, exclusive_use, save_state, tensors_sh
 
 from .config import Config
 from .data import PackedStream
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from retention.gates import RetentionGates
@@ -149,7 +152,7 @@ def set_aside_old_checkpoints(output_dir: Path) -> Path | None:
         n += 1
         dest = output_dir / f"checkpoints-before-{stamp}-{n}"
     os.rename(old, dest)
-    print(f"[retention] {output_dir} held checkpoints of an earlier run: moved to {dest} "
+    log.info(f"{output_dir} held checkpoints of an earlier run: moved to {dest} "
           "(use --resume to continue a run)")
     return dest
 
@@ -180,7 +183,7 @@ def hold_run_folders(cfg: Config) -> Iterator[None]:
                                              fix="export this one elsewhere (--set export.dir=DIR)"))
         stale = remove_stale_temp(out_dir, shards=True)
         if stale:
-            print(f"[retention] removed {len(stale)} half-written checkpoint folder(s) an interrupted run left in "
+            log.info(f"removed {len(stale)} half-written checkpoint folder(s) an interrupted run left in "
                   f"{out_dir / 'checkpoints'}")
         try:
             yield
@@ -367,8 +370,8 @@ def intact_checkpoint(output_dir: Path, resume: str) -> Path:
         if damage is None:
             if skipped and os.environ.get("RANK", "0") == "0":  # every rank checks; one says so
                 for old, why in skipped:
-                    print(f"[retention] warning: --resume latest skips {old.name}: {why}")
-                print(f"[retention] warning: resuming from {ckpt}, the newest intact checkpoint (the steps after it "
+                    log.warning(f"--resume latest skips {old.name}: {why}")
+                log.warning(f"resuming from {ckpt}, the newest intact checkpoint (the steps after it "
                       "run again)")
             return ckpt
         skipped.append((ckpt, damage))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -40,7 +41,9 @@ from .export import check_finite_gates, export_checkpoint, init_from_note, run_f
 from .objective_choice import objective_class
 from .objectives import Objective
 from .precision import training_precision
-from .preflight import check_budget, check_positions, checks_before_loading, make_tracker
+from .preflight import check_budget, check_positions, checks_before_loading, make_tracker, tracker_hparams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -206,14 +209,14 @@ def _resume_state(ckpt: Path, accelerator: Accelerator, distiller: nn.Module, op
     elif accelerator.is_main_process:  # the weights are loaded either way
         then = f"a DeepSpeed run of {shards} processes" if shards else "a run without DeepSpeed"
         now = f"DeepSpeed with {accelerator.num_processes}" if plugin is not None else "no DeepSpeed"
-        print(f"[retention] warning: {ckpt.name}'s optimizer state was written by {then} and this run has {now}: "
+        log.warning(f"{ckpt.name}'s optimizer state was written by {then} and this run has {now}: "
               "the Adam moments restart (resume with the run's own launch settings to continue it exactly)")
     scheduler.load_state_dict(state["scheduler"])
     meta = json.loads((ckpt / "state.json").read_text())
     stream.load_state_dict(meta["data"])
     set_rng_state(state["rng"])
     if accelerator.is_main_process:
-        print(f"[retention] resumed from {ckpt} at step {meta['step']}")
+        log.info(f"resumed from {ckpt} at step {meta['step']}")
     return meta["step"], meta["history"], meta.get("before")
 
 
@@ -240,15 +243,15 @@ def _opening_lines(cfg: Config, accelerator: Accelerator, objective: Objective, 
     kind = accelerator.distributed_type.value
     world = (f"{accelerator.num_processes} processes ({kind})" if accelerator.num_processes > 1
              else "1 process" + ("" if kind == "NO" else f" ({kind})"))  # one GPU under DeepSpeed says so
-    print(f"[retention] {cfg.model.name}: {n:,} trainable parameters; {objective.data_text(train_rows, eval_rows)}; "
+    log.info(f"{cfg.model.name}: {n:,} trainable parameters; {objective.data_text(train_rows, eval_rows)}; "
           f"{world}")
     if not eval_rows:  # reported as missing, not as NaN numbers
-        print(f"[retention] no held-out {objective.rows_word}: "
+        log.info(f"no held-out {objective.rows_word}: "
               + ("data.eval_fraction is 0" if cfg.data.eval_fraction == 0 else
                  "the data fills too few to hold any out (more data, or a shorter data.seq_len)")
               + "; the run reports no held-out KL")
     if tracker_note:
-        print(f"[retention] {tracker_note}")
+        log.info(f"{tracker_note}")
 
 
 def _log_step(cfg: Config, accelerator: Accelerator, record: dict[str, Any], bstats: dict[str, list[float]],
@@ -335,13 +338,13 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
     if ckpt is not None:
         step, history, before = _resume_state(ckpt, accelerator, distiller, optimizer, scheduler, stream)
     if tracker:
-        accelerator.init_trackers("retention", config={k: str(v) for k, v in cfg.to_dict().items()})
+        accelerator.init_trackers("retention", config=tracker_hparams(cfg.to_dict()))
     if main:
         _opening_lines(cfg, accelerator, objective, params, train_rows, eval_rows, tracker_note)
     if before is None and cfg.train.report_before and eval_rows:
         before = evaluate(objective, eval_rows)  # the untrained gates on the held-out rows, for the before/after report
         if main:
-            print(f"[retention] before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
+            log.info(f"before training, held-out: KL {before['kl']:.4f}, capacity {before['capacity']:.4f}, "
                   f"soft cache {before['soft_cache_entries']:.0f} entries, mean beta {before['beta_mean']:.4f}")
 
     tokens_per_step = round(cfg.train.batch_size * objective.row_tokens(train_rows) * cfg.train.grad_accum
@@ -411,7 +414,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
                 accelerator.wait_for_everyone()
                 if main:
                     why = "when interrupted" if asked else "as asked"
-                    print(f"[retention] stopped after step {step} {why}, "
+                    log.info(f"stopped after step {step} {why}, "
                           f"checkpoint {out_dir / 'checkpoints' / f'step-{step}'} "
                           "written; continue with --resume")
                 accelerator.end_training()
@@ -472,18 +475,18 @@ def _export(cfg: Config, model: nn.Module, attachment: Any, objective: Objective
     if cfg.lora.enabled:  # the co-trained adapter, loadable with peft
         model.save_pretrained(str(export_dir / "lora"))
     if before is not None and after:
-        print(f"[retention] held-out rows, before -> after training (budget {budget_text}):")
+        table = [f"held-out rows, before -> after training (budget {budget_text}):"]
         for k, name in (("kl", "KL(teacher || student)"), ("capacity", "capacity loss"),
                         ("soft_cache_entries", "peak soft cache (entries)"), ("beta_mean", "mean beta")):
             if k in before and k in after:
-                print(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
-    print((f"[retention] held-out KL {after['kl']:.4f}; " if after else "[retention] ")
-          + f"gates exported to {export_dir}")
+                table.append(f"    {name:<24} {before[k]:>10.4f} -> {after[k]:>10.4f}")
+        log.info("\n".join(table))
+    log.info((f"held-out KL {after['kl']:.4f}; " if after else "") + f"gates exported to {export_dir}")
     if repo:
         from retention.hub import HubError
 
         try:
-            print(f"[retention] pushed: {push_to_hub(export_dir, repo)}")
+            log.info(f"pushed: {push_to_hub(export_dir, repo)}")
         except HubError as e:  # the run itself is done: say where its gates are
             raise SystemExit(f"{e}; the trained gates are exported to {export_dir} (retention push "
                              f"{export_dir} {repo} uploads them later)") from None

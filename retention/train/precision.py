@@ -8,9 +8,12 @@ config is the run's record (its card, ``--resume``'s check), so it must hold wha
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ACCELERATE_ENV = "ACCELERATE_MIXED_PRECISION"
 
@@ -36,7 +39,7 @@ def training_precision(cfg: Any, cuda: bool, env: Mapping[str, str] | None = Non
     env = os.environ if env is None else env
     mp, why = resolve_mixed_precision(cfg.train.mixed_precision, cuda, env)
     if env.get("RANK", "0") == "0":
-        print(f"[retention] {describe_run_device(cfg, mp, cuda, why)}", flush=True)
+        log.info(describe_run_device(cfg, mp, cuda, why))
     return mp
 
 

