@@ -18,7 +18,7 @@ def test_config_errors_before_any_model_loads(tmp_path):
     cases = [
         ("tasks: [niah_single]\nmethods: [{name: snapkvv}]\n", "unknown method 'snapkvv'"),
         ("taskz: [x]\n", r"unknown key\(s\) \['taskz'\]"),
-        ("protocol: sometimes\n", r"choose one of \['query_agnostic', 'query_aware'\]"),
+        ("protocol: sometimes\n", r"choose one of \['query_agnostic', 'compress_once', 'query_aware'\]"),
         ("tasks: [niah_nope]\n", "unknown task 'niah_nope'"),
         ("budgets: [64]\nmethods: [{name: snapkv}]\n", "a bare number must be a fraction"),
         ("methods: [{name: snapkv}, {name: snapkv}]\n", "labels must be distinct"),
@@ -1036,3 +1036,50 @@ def test_rescore_scores_stored_replies_again_under_the_current_metrics(tmp_path,
     assert main(["rescore", str(results), "--config", str(few)]) == 2
     assert "rows name items the config does not generate" in capsys.readouterr().err
     assert read_results(results) == after
+
+
+@pytest.mark.parametrize("policy", ["global_gates", "snapkv"])
+def test_compress_once_evicts_nothing_after_the_context(policy, tmp_path):
+    """Issue 74: the harness kept the budget live after the compression, so the question's tokens evicted context
+    entries (and SnapKV scored again with the question's queries); compress_once freezes the compressed context."""
+    from retention.eval.budgets import parse_budget
+    from retention.eval.config import EvalConfigError, load_eval_config
+    from retention.eval.method_specs import make_method
+    from retention.eval.methods import kv_streams
+    from retention.eval.models import load_eval_model
+    from retention.eval.protocol import context_and_prompt, run_item
+    from retention.eval.runner import run_sweep
+    from retention.tasks import generate
+
+    from retention import GateConfig, RetentionGates, attach_gates
+
+    model, tok = load_eval_model("tiny-llama-random")
+    attach_gates(model, RetentionGates(GateConfig.for_model(model, bias_init=2.0), seed=0), mode="score")
+    method = make_method({"name": policy})
+    caches, new_cache = {}, method.new_cache
+
+    def spy(*a, **k):
+        caches[protocol] = cache = new_cache(*a, **k)
+        return cache
+
+    method.new_cache = spy
+    item = generate("niah_single", tok, 192, 1, seed=1)[0]
+    rows = {}
+    for protocol in ("query_agnostic", "compress_once"):
+        rows[protocol] = run_item(model, tok, item, method, parse_budget(0.25), protocol=protocol, max_new_tokens=4)
+    L, H, _ = kv_streams(model)
+    head, prompt = context_and_prompt(tok, item, "compress_once")  # generate feeds the prompt past the context
+    compressed = rows["compress_once"]["kept_entries"]
+    assert compressed == rows["query_agnostic"]["kept_entries"]  # the same compression of the context
+    frozen = caches["compress_once"].memory_report()["kept_entries"]
+    live = caches["query_agnostic"].memory_report()["kept_entries"]
+    fed = len(prompt) - len(head)  # the question, generation prompt and answer prefix
+    assert frozen >= compressed + L * H * fed > live  # nothing evicted vs evicted back to the budget
+
+    # one output holds one protocol: a second protocol into it is refused before the model loads
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [niah_single]\nlengths: [128]\n"
+                        "budgets: [0.25]\nitems: 1\nmax_new_tokens: 2\nmethods: [{name: streamingllm}]\n")
+    run_sweep(load_eval_config(cfg_file), progress=False)
+    with pytest.raises(EvalConfigError, match="holds rows of protocol query_agnostic and this sweep is compress_once"):
+        run_sweep(load_eval_config(cfg_file, protocol="compress_once"), progress=False)

@@ -13,7 +13,8 @@ def _run(args: argparse.Namespace) -> int:
     from .report import overview, write_report
     from .runner import read_results, run_sweep
 
-    overrides = {k: v for k, v in (("output", args.output), ("seed", args.seed)) if v is not None}
+    overrides = {k: v for k, v in (("output", args.output), ("seed", args.seed), ("protocol", args.protocol))
+                 if v is not None}
     try:
         cfg = load_eval_config(args.config, **overrides)
     except EvalConfigError as e:
@@ -226,11 +227,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_commands(p: argparse.ArgumentParser) -> None:
     """Add ``run``, ``report``, ``pool``, ``rescore`` and ``list`` to ``p``."""
+    from .protocol import PROTOCOLS
+
     # the metavar makes the error name them
     sub = p.add_subparsers(dest="eval_command", required=True, metavar="{run,report,pool,rescore,list}")
     run = sub.add_parser("run", help="run a sweep from a YAML config (resumes an interrupted one)")
     run.add_argument("--config", required=True, help="YAML file, or a name in eval/configs (tiny.yaml)")
     run.add_argument("--output", default=None, help="results folder (overrides the config's output)")
+    run.add_argument("--protocol", default=None, choices=PROTOCOLS,
+                     help="overrides the config's protocol: query_agnostic (the budget stays live while the question "
+                          "and reply are fed), compress_once (the context compressed, then nothing evicted: as kvpress "
+                          "measures) or query_aware (the question prefilled before the compression)")
     run.add_argument("--seed", type=_seed, default=None, metavar="N",
                      help="item set (overrides the config's seed): the same sweep on other items; fills {seed} in the "
                           "output folder (runs/eval/goal-set{seed}). Without {seed} the output stays: item ids carry "

@@ -64,6 +64,12 @@ class Method(ABC):
     def compress(self, cache: Cache) -> None:
         """Evict down to the budget now (the context is prefilled, the question has not arrived)."""
 
+    def freeze(self, cache: Cache) -> None:
+        """Evict nothing more from ``cache`` (the ``compress_once`` protocol: the compressed context stays as it is
+        while the question and the reply are fed). A cache with a budget drops it; others never evict."""
+        if hasattr(cache, "set_budget"):
+            cache.set_budget(None)
+
     @abstractmethod
     def memory(self, cache: Cache, model: PreTrainedModel) -> dict[str, int]:
         """``kept_entries``, ``kv_bytes`` and ``full_cache_bytes`` of what the cache holds now."""

@@ -1,8 +1,13 @@
 """The evaluation protocol for one item under one method and budget.
 
 * ``query_agnostic`` (default): the context is prefilled and compressed before the question arrives,
-  as in a chat where the next user turn is unknown; ``query_aware``: the question is prefilled too
-  (everything but the prompt's last token), then the cache is compressed.
+  as in a chat where the next user turn is unknown; the budget stays live, so the question's and the reply's
+  tokens compete for it too (they evict context entries, and a one-shot policy such as SnapKV scores again with
+  the question's queries when the cache outgrows its slack).
+* ``compress_once``: the same compression of the context, then nothing more is evicted while the question and the
+  reply are fed (the cache grows by their tokens), as kvpress measures; the question cannot touch the choice.
+* ``query_aware``: the question is prefilled too (everything but the prompt's last token), then the cache is
+  compressed.
 * ``one_shot`` prefill feeds the compressed part in one forward; ``streaming`` feeds it in chunks of
   ``chunk`` tokens with the method evicting between chunks under the same budget.
 
@@ -30,7 +35,7 @@ if TYPE_CHECKING:
 
     from retention.cache import RetentionCache
 
-PROTOCOLS = ("query_agnostic", "query_aware")
+PROTOCOLS = ("query_agnostic", "compress_once", "query_aware")
 PREFILLS = ("one_shot", "streaming")
 
 
@@ -147,6 +152,8 @@ def run_item_budgets(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                     cache = snapshot_cache(base, model)
                     cache.set_budget(entries)
                 method.compress(cache)
+                if protocol == "compress_once":
+                    method.freeze(cache)
             except ValueError as e:  # a budget below what the cache's options require: recorded, not fatal
                 if type(e).__name__ != "CacheBudgetError":
                     raise

@@ -22,7 +22,7 @@ from retention.models import is_multimodal
 from retention.tasks import Item, generate
 from retention.tasks.base import count_tokens, render_chat
 
-from .config import EvalConfig, TaskSpec
+from .config import EvalConfig, EvalConfigError, TaskSpec
 from .loaders import HUB_TASKS, hub_task_items
 from .methods import Method, PolicyCache
 from .models import max_positions
@@ -271,6 +271,23 @@ def prepare_model(
     return model, tokenizer
 
 
+def _check_one_protocol(cfg: EvalConfig, results: Path) -> None:
+    """An output holds rows of one protocol: its report's tables would average a live budget with a frozen one."""
+    if not results.is_file():
+        return
+    found = set()
+    for line in results.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            found.add(json.loads(line).get("protocol"))
+        except (ValueError, AttributeError):  # a damaged line: set aside later, with a warning
+            continue
+    other = sorted(str(p) for p in found - {cfg.protocol, None})
+    if other:
+        raise EvalConfigError(f"{results} holds rows of protocol {', '.join(other)} and this sweep is {cfg.protocol}: "
+                              "one output holds one protocol (its tables would mix them); give this sweep another "
+                              "output (--output DIR)")
+
+
 def run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None = None, progress: bool = True) -> Path:
     """Run every job not yet in ``<output>/results.jsonl``; returns that path. A second sweep into the same output
     while this one runs gets :class:`~retention.io.FolderBusyError` (its rows would interleave with these)."""
@@ -302,6 +319,7 @@ def _run_sweep(cfg: EvalConfig, model_and_tokenizer: tuple | None, progress: boo
         check_gates_shape(text_config(config), gates.config)
     _check_shows_images(cfg, config)
     _check_lengths_fit(cfg, config)
+    _check_one_protocol(cfg, results)
     if model_and_tokenizer is None:
         model_and_tokenizer = load_eval_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     model, processor = prepare_model(cfg, *model_and_tokenizer)
