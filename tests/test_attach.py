@@ -378,19 +378,49 @@ def test_student_mode_refuses_a_padded_batch_under_flex_attention():
             model(input_ids=ids, attention_mask=padded)
 
 
-def test_gates_trained_for_another_model_of_the_same_shapes_are_warned_about():
+def _warnings_of(model, config) -> list[str]:
     import warnings
 
     from retention.attach import check_gates_match
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_gates_match(model, config)
+    return [str(w.message) for w in caught if "the shapes match" in str(w.message)]
+
+
+def test_gates_from_before_the_architecture_was_recorded_compare_names_but_not_local_paths(tmp_path):
+    """An old checkpoint (no base_architecture) falls back to the names' stems, as before, but a model loaded from a
+    folder is never warned about: its name says where it is, not which model it is (SmolLM2 from a local copy
+    warned against gates trained on SmolLM2 from the Hub)."""
     model = tiny_llama()
-    model.config._name_or_path = "someone/Tiny-Instruct"
+    old = {**GateConfig.for_model(model).to_dict(), "base_model_type": None, "base_architecture": None}
+    for name, base, warned in (("someone/Tiny-Instruct", "someone/Tiny-Base", True),
+                               ("someone/Tiny-Instruct", "/local/models/tiny-instruct", False),
+                               ("someone/Tiny-Instruct", "", False),
+                               ("/local/models/tiny-base", "someone/Tiny-Instruct", False),
+                               (str(tmp_path), "someone/Tiny-Instruct", False)):  # an existing folder
+        model.config._name_or_path = name
+        said = _warnings_of(model, GateConfig(**{**old, "base_model": base}))
+        assert bool([m for m in said if f"trained for {base}" in m]) == warned, (name, base)
+
+
+def test_gates_warn_only_when_the_base_models_architecture_fingerprint_differs():
+    """New gates record the fingerprint of their base model's config: the same model under another name (a local
+    copy, a fine-tune) is no warning; another architecture of the same gate shapes is, whatever the names say."""
+    from retention.architecture import architecture_fingerprint
+
+    model = tiny_llama()
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg = GateConfig.for_model(model)
-    for base, warned in (("someone/Tiny-Base", True), ("/local/models/tiny-instruct", False), ("", False)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            check_gates_match(model, GateConfig(**{**cfg.to_dict(), "base_model": base}))
-        assert bool([w for w in caught if "trained for someone/Tiny-Base" in str(w.message)]) == warned, base
+    assert cfg.base_model_type == "llama" and cfg.base_architecture == architecture_fingerprint(model.config)
+    for name in ("/home/me/models/SmolLM2-135M-Instruct", "someone/SmolLM2-135M-finetuned", ""):
+        model.config._name_or_path = name
+        assert _warnings_of(model, cfg) == [], name
+    other = tiny_llama(vocab_size=100, rope_theta=500000.0)  # the same layers, KV heads and width: the gates load
+    assert architecture_fingerprint(other.config) != cfg.base_architecture
+    (said,) = _warnings_of(other, cfg)
+    assert f"fingerprint {cfg.base_architecture}" in said and "trained for HuggingFaceTB/SmolLM2-135M-Instruct" in said
 
 
 def test_an_unknown_gate_option_or_a_bias_that_is_no_number_is_named():

@@ -52,9 +52,8 @@ def test_export_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
             write(work / "thesis.txt")
     (tmp_path / "empty").mkdir()
     export_gates(gates, tmp_path / "empty")
-    gates.save_pretrained(path)  # over the export: earlier gates, replaced whole
-    assert sorted(p.name for p in path.iterdir()) == ["gates.safetensors", "retention.json"]
-    export_gates(gates, path, base_model="tiny-llama")
+    (path / "notes.md").write_text("beside the gates")  # over the export: earlier gates, replaced whole
+    gates.save_pretrained(path)
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
 
 
