@@ -20,7 +20,7 @@ from .gates import RetentionGates
 from .locate import (CHECKPOINT_FILES, DOWNLOAD_FILES, HubError, checkpoint_folder,  # noqa: F401  (home: locate)
                      is_gate_folder, local_checkpoint)
 from .metadata import LEGACY_META_FILE, META_FILE, RESULT_KEYS, metadata_file, read_metadata  # noqa: F401
-from .upload import _network_errors, check_card_base_model, check_push_target, push_to_hub  # noqa: F401
+from .upload import _network_errors, check_card_base_model, check_push_target, push_to_hub, set_base_model  # noqa: F401
 
 
 def export_gates(gates: RetentionGates, path: str | Path, **info: Any) -> Path:
@@ -43,7 +43,7 @@ def load_gates(path_or_repo_id: str | Path, model: nn.Module | None = None,
 
 
 def _push_command(args: argparse.Namespace) -> int:
-    print(push_to_hub(args.path, args.repo_id, private=args.private))
+    print(push_to_hub(args.path, args.repo_id, private=args.private, base_model=args.base_model))
     return 0
 
 
@@ -52,4 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("path", help=f"checkpoint folder (gates.safetensors, {META_FILE}, README.md)")
     p.add_argument("repo_id", help="e.g. your-name/smollm2-135m-retention-gates")
     p.add_argument("--private", action="store_true", help="create the repo private (when it does not exist yet)")
+    p.add_argument("--base-model", dest="base_model", default=None, metavar="HUB_ID",
+                   help="the base model's Hub id, recorded in the checkpoint first (for gates trained from a local "
+                        "copy, whose metadata names its folder)")
     p.set_defaults(func=_push_command)

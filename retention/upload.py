@@ -11,9 +11,10 @@ import importlib
 import os
 from pathlib import Path
 
-from .card import recorded_base_model, card_figures, is_hub_model_id
+from .card import card_figures, card_results, is_hub_model_id, model_card, recorded_base_model
+from .io import atomic_write_bytes
 from .locate import CHECKPOINT_FILES, HubError, local_checkpoint
-from .metadata import META_FILE, metadata_file, read_metadata
+from .metadata import META_FILE, metadata_file, read_metadata, write_metadata
 
 
 def check_push_target(repo_id: str, token: str | None = None) -> None:
@@ -31,9 +32,12 @@ def check_push_target(repo_id: str, token: str | None = None) -> None:
                        "(or leave out the upload and run `retention push DIR REPO_ID` later)")
 
 
-def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None,
+                base_model: str | None = None) -> str:
     """Create ``repo_id`` (if needed) and upload the checkpoint (:data:`CHECKPOINT_FILES` and the images its model
-    card shows, :func:`card_figures`); returns the commit URL."""
+    card shows, :func:`card_figures`); returns the commit URL. ``base_model``: the base model's Hub id, written into
+    the checkpoint's metadata and card first (:func:`set_base_model`), for gates whose metadata names a local
+    folder; HubError when the checkpoint names none by Hub id (:func:`check_card_base_model`)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -50,6 +54,8 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
         how = (f"python train.py --config CONFIG --export {path} --to DIR, then push DIR"
                if (path / "state.json").is_file() else "export it first")  # a run's checkpoints/step-N
         raise HubError(f"{path} is not a gate checkpoint: missing {missing} ({how})")
+    if base_model is not None:
+        set_base_model(path, base_model)
     check_card_base_model(path)
     check_push_target(repo_id, token)
     figures = card_figures(path)
@@ -99,7 +105,23 @@ def check_card_base_model(path: str | Path) -> None:
     if is_hub_model_id(base):
         return
     said = f"is the local path {base!r}, not a Hub id" if base else "is missing"
-    raise HubError(f"{metadata_file(path)}: base_model {said}, so the model card names no base model; write the "
-                   "checkpoint again with base_model= the base model's Hub id (export_gates(gates, DIR, "
-                   "base_model='owner/name'), gates.save_pretrained(DIR, base_model='owner/name') or "
-                   "gates.push_to_hub(REPO_ID, base_model='owner/name')), then push it")
+    raise HubError(f"{metadata_file(path)}: base_model {said}, so the model card names no base model; pass "
+                   f"base_model= the base model's Hub id (retention push {path} REPO_ID --base-model owner/name, "
+                   "push_to_hub(DIR, REPO_ID, base_model='owner/name'), gates.push_to_hub(REPO_ID, "
+                   "base_model='owner/name') or export_gates(gates, DIR, base_model='owner/name'))")
+
+
+def set_base_model(path: str | Path, base_model: str) -> None:
+    """Record ``base_model`` (a Hub id) as the base of the checkpoint in ``path``: its metadata (``base_model`` and
+    the gate config's) and its model card, rebuilt with the results it shows. HubError when it is no Hub id."""
+    if not is_hub_model_id(base_model):
+        raise HubError(f"base_model {base_model!r} is not a Hub model id: give it as owner/name (the repo the base "
+                       "model is on)")
+    meta = read_metadata(path)
+    if recorded_base_model(meta) == base_model and meta.get("gate_config", {}).get("base_model") == base_model:
+        return  # as recorded: nothing rewritten
+    main, sections = card_results(path)  # read before the metadata is rewritten (an older config.json holds them)
+    meta["base_model"] = base_model
+    meta["gate_config"] = {**meta["gate_config"], "base_model": base_model}
+    write_metadata(path, meta)
+    atomic_write_bytes(Path(path) / "README.md", model_card(meta, main, sections).encode())

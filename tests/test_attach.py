@@ -7,7 +7,7 @@ import retention.attach as attach_mod
 from retention import GateConfig, UnsupportedModelError, attach_gates
 from retention.ops.retention_attention import retention_attention_naive
 from kernel_checks import student_matches_oracle
-from tiny_models import BUILDERS, tiny_llama, vl_inputs
+from tiny_models import BUILDERS, tiny_llama, tiny_qwen3_vl, vl_inputs
 
 ARCHS = list(BUILDERS)
 
@@ -490,3 +490,24 @@ def test_cached_student_decoding_keeps_the_sink_of_a_prompt_shorter_than_it():
         att.reset()
         full = model(input_ids=out.sequences).logits
     torch.testing.assert_close(torch.stack(out.logits, 1)[0], full[0, 1:-1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_architecture_fingerprint_reads_the_same_config_fields_under_either_rope_layout():
+    """rope_theta is an attribute before transformers 5 and in rope_parameters since: one model, one fingerprint."""
+    from types import SimpleNamespace
+
+    from retention.architecture import architecture_fields, architecture_fingerprint
+
+    fields = dict(model_type="llama", num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                  hidden_size=576, head_dim=64, vocab_size=49152, intermediate_size=1536)
+    old = SimpleNamespace(**fields, rope_theta=100000)
+    new = SimpleNamespace(**fields, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    assert architecture_fields(old) == architecture_fields(new) == {**fields, "rope_theta": 100000.0}
+    assert architecture_fingerprint(old) == architecture_fingerprint(new)
+    assert len(architecture_fingerprint(old)) == 12
+    missing = SimpleNamespace(**{**fields, "head_dim": None})  # a field the config lacks is left out
+    assert "head_dim" not in architecture_fields(missing)
+    assert architecture_fingerprint(missing) != architecture_fingerprint(old)
+    vl = tiny_qwen3_vl()  # the vision-language model's own type; the decoder's fields
+    assert architecture_fields(vl.config)["model_type"] == "qwen3_vl"
+    assert architecture_fields(vl.config)["num_hidden_layers"] == vl.config.text_config.num_hidden_layers

