@@ -414,7 +414,9 @@ def test_gates_warn_only_when_the_base_models_architecture_fingerprint_differs()
     model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg = GateConfig.for_model(model)
     assert cfg.base_model_type == "llama" and cfg.base_architecture == architecture_fingerprint(model.config)
-    for name in ("/home/me/models/SmolLM2-135M-Instruct", "someone/SmolLM2-135M-finetuned", ""):
+    # the embedded cache folder and a fine-tune: both used to warn, their names differing from the Hub id
+    for name in ("/home/me/.cache/retention/models/smollm2-135m-86c4f5238766f35c", "someone/SmolLM2-135M-finetuned",
+                 ""):
         model.config._name_or_path = name
         assert _warnings_of(model, cfg) == [], name
     other = tiny_llama(vocab_size=100, rope_theta=500000.0)  # the same layers, KV heads and width: the gates load
