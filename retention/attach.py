@@ -469,10 +469,10 @@ def check_gates_match(model: nn.Module, config: GateConfig) -> None:
     if config.base_architecture is not None:
         if config.base_architecture == architecture_fingerprint(top):
             return
-        this = model_name or type(unwrap(model)).__name__
+        this, found = model_name or type(unwrap(model)).__name__, architecture_fingerprint(top)
         said = (f"these gates were trained for {config.base_model or 'a base model'} (architecture "
                 f"{config.base_model_type or '?'}, fingerprint {config.base_architecture}), and the model {this} is "
-                f"another architecture ({getattr(top, 'model_type', '?')}, fingerprint {architecture_fingerprint(top)})")
+                f"another architecture ({getattr(top, 'model_type', '?')}, fingerprint {found})")
     else:
         trained_for, this = model_stem(config.base_model), model_stem(model_name)
         if not (trained_for and this and trained_for != this) or _local_path(model_name):

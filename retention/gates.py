@@ -242,7 +242,8 @@ class RetentionGates(nn.Module):
             (tmp / "README.md").write_text(model_card(meta))
         return path
 
-    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None, **info: Any) -> str:
+    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None,
+                    commit_message: str = "Upload retention gates", **info: Any) -> str:
         """Upload these gates to the Hub repo ``repo_id`` (created if needed) as the checkpoint :meth:`save_pretrained`
         writes (``info``: its metadata, ``base_model`` a Hub id above all), through
         :func:`retention.upload.push_to_hub`; returns the commit URL. ``token``: else ``HF_TOKEN`` or a stored
@@ -252,7 +253,7 @@ class RetentionGates(nn.Module):
         check_push_target(repo_id, token)  # before anything is written
         with tempfile.TemporaryDirectory(prefix="retention-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "gates", **info)
-            return push_to_hub(folder, repo_id, private=private, token=token)
+            return push_to_hub(folder, repo_id, private=private, token=token, commit_message=commit_message)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, revision: str | None = None, verify: bool = True,

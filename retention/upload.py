@@ -33,7 +33,7 @@ def check_push_target(repo_id: str, token: str | None = None) -> None:
 
 
 def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: str | None = None,
-                base_model: str | None = None) -> str:
+                base_model: str | None = None, commit_message: str = "Upload retention gates") -> str:
     """Create ``repo_id`` (if needed) and upload the checkpoint (:data:`CHECKPOINT_FILES` and the images its model
     card shows, :func:`card_figures`); returns the commit URL. ``base_model``: the base model's Hub id, written into
     the checkpoint's metadata and card first (:func:`set_base_model`), for gates whose metadata names a local
@@ -70,7 +70,7 @@ def push_to_hub(path: str | Path, repo_id: str, private: bool = False, token: st
         info = api.upload_folder(  # the patterns are fnmatch's: a figure named "fig[1].png" must match itself only
             folder_path=str(path), repo_id=repo_id,
             allow_patterns=[*CHECKPOINT_FILES, metadata_file(path).name, *map(glob.escape, figures)],
-            commit_message="Upload retention gates",
+            commit_message=commit_message,
         )
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
