@@ -1,11 +1,14 @@
 """What the base model is, read off its config: the architectures retention gates support, the text decoder's config
-(layers, KV heads, hidden size) under wrappers and vision-language models, and Qwen3-VL's text positions.
+(layers, KV heads, hidden size) under wrappers and vision-language models, Qwen3-VL's text positions, and the
+architecture fingerprint gate checkpoints record of their base model.
 
 Every layer that needs a model's shapes reads them here (the gates, the attachment, the cache, the loaders).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,3 +107,33 @@ def text_mrope_positions(text: torch.Tensor, delta: torch.Tensor | int) -> torch
     index itself (the masks read it), then M-RoPE's three axes, each at the index plus ``delta`` (the model's
     ``rope_deltas``, ``(B, 1)`` or an int: how far the images so far moved the text positions)."""
     return torch.cat([text[None], (text + delta)[None].expand(3, *text.shape)], dim=0)
+
+
+# the config fields that say which architecture a model is (the decoder's; model_type the top-level config's): models
+# that share them have hidden states of one layout and size, so gates trained on one may score the other
+ARCHITECTURE_FIELDS = ("model_type", "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "hidden_size",
+                       "head_dim", "vocab_size", "rope_theta", "intermediate_size")
+VISION_LANGUAGE_MODEL_TYPES = ("qwen3_vl",)  # top-level model_type of the supported bases that read images
+
+
+def architecture_fields(config: Any) -> dict[str, Any]:
+    """The :data:`ARCHITECTURE_FIELDS` a model's top-level ``config`` has (``model_type`` its own, the rest its text
+    decoder's), those it lacks or holds as None left out. ``rope_theta`` is read from ``rope_parameters`` too, where
+    transformers 5 keeps it, so the fields read the same under either version."""
+    text = text_config(config)
+    found: dict[str, Any] = {"model_type": getattr(config, "model_type", None)}
+    for name in ARCHITECTURE_FIELDS[1:]:
+        found[name] = getattr(text, name, None)
+    if found["rope_theta"] is None:
+        rope = getattr(text, "rope_parameters", None)
+        found["rope_theta"] = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if found["rope_theta"] is not None:  # 10000 and 10000.0 are one model
+        found["rope_theta"] = float(found["rope_theta"])
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def architecture_fingerprint(config: Any) -> str:
+    """12 hex digits of a SHA-256 over the canonical JSON (sorted keys, no spaces) of :func:`architecture_fields`:
+    the same for a model loaded from the Hub or from a local copy, and for a base model and its fine-tunes."""
+    canonical = json.dumps(architecture_fields(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 # model config access lives in architecture (the gates need it too); these names stay importable from here
-from .architecture import (SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_supported,  # noqa: F401
-                           sliding_window_of, text_config, text_config_of, unwrap)
+from .architecture import (SUPPORTED_MODEL_TYPES, UnsupportedModelError, architecture_fingerprint,  # noqa: F401
+                           check_supported, sliding_window_of, text_config, text_config_of, unwrap)
 from .gates import GateConfig, RetentionGates
+from .locate import looks_like_a_path
 from .ops.retention_attention import retention_attention
 from .padding import new_token_valid
 
@@ -455,16 +456,37 @@ def check_gates_shape(text_cfg: Any, config: GateConfig) -> None:
 
 def check_gates_match(model: nn.Module, config: GateConfig) -> None:
     """Raise a clear error when gates were built for a base model of other shapes; warn when they were trained for
-    another model of the same shapes (a base model's gates on its fine-tune, say)."""
+    another architecture of the same shapes.
+
+    The gates' ``base_architecture`` (:func:`architecture_fingerprint` of their base model's config) is compared with
+    the model's: a base model and its fine-tunes, or one model loaded from the Hub and from a local copy, share it, so
+    none of them warns. Gates from before it was recorded fall back to the names' stems (:func:`model_stem`), unless
+    the model's name is a local path, which says nothing about what model it holds."""
     cfg = text_config_of(model)
     check_gates_shape(cfg, config)
-    model_name = (getattr(cfg, "_name_or_path", "")
-                  or getattr(getattr(unwrap(model), "config", None), "_name_or_path", ""))
-    trained_for, this = model_stem(config.base_model), model_stem(model_name)
-    if trained_for and this and trained_for != this:
-        import warnings
+    top = getattr(unwrap(model), "config", cfg)
+    model_name = getattr(cfg, "_name_or_path", "") or getattr(top, "_name_or_path", "")
+    if config.base_architecture is not None:
+        if config.base_architecture == architecture_fingerprint(top):
+            return
+        this, found = model_name or type(unwrap(model)).__name__, architecture_fingerprint(top)
+        said = (f"these gates were trained for {config.base_model or 'a base model'} (architecture "
+                f"{config.base_model_type or '?'}, fingerprint {config.base_architecture}), and the model {this} is "
+                f"another architecture ({getattr(top, 'model_type', '?')}, fingerprint {found})")
+    else:
+        trained_for, this = model_stem(config.base_model), model_stem(model_name)
+        if not (trained_for and this and trained_for != this) or _local_path(model_name):
+            return
+        said = f"these gates were trained for {config.base_model}, and the model is {model_name}"
+    import warnings
 
-        # same shapes, so they load; but a gate scores the hidden states of the model it was trained on
-        warnings.warn(f"these gates were trained for {config.base_model}, and the model is {model_name}: the shapes "
-                      "match, so they load, but their scores were learned on the other model's hidden states; "
-                      "train gates for this model (train.py) for eviction you can trust")
+    # same shapes, so they load; but a gate scores the hidden states of the model it was trained on
+    warnings.warn(f"{said}: the shapes match, so they load, but their scores were learned on the other model's "
+                  "hidden states; train gates for this model (train.py) for eviction you can trust")
+
+
+def _local_path(name: str) -> bool:
+    """Whether a model's ``_name_or_path`` is a folder on this machine (or can only be a path), not a Hub id."""
+    from pathlib import Path
+
+    return looks_like_a_path(name) or Path(name).expanduser().exists()

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .gates import RetentionGates, check_gate_folder_target, nonfinite_tensors
+from .gates import GateConfig, RetentionGates, check_gate_folder_target, nonfinite_tensors
 from .hub import HubError, checkpoint_folder, export_gates, local_checkpoint
 from .metadata import read_metadata
 
@@ -37,22 +37,31 @@ def normalised_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return [w / sum(weights) for w in weights]
 
 
+_ARCHITECTURE_KEYS = ("base_model_type", "base_architecture")  # GateConfig's record of the base's architecture
+
+
 def average_gates(gate_sets: Sequence[RetentionGates], weights: Sequence[float] | None = None) -> RetentionGates:
     """Weighted mean of every parameter of ``gate_sets`` (same config; weights >= 0, normalised to sum 1).
 
     Returns new gates with the first set's config; the inputs are left untouched."""
     weights = normalised_weights(weights, len(gate_sets))
     first = gate_sets[0].config.to_dict()
+    recorded = {k: first[k] for k in _ARCHITECTURE_KEYS}  # the base's architecture, as the sets that record it say
     for i, g in enumerate(gate_sets[1:], 1):
         other = g.config.to_dict()
-        differ = sorted(k for k in first if k not in ("base_model", "bias_init") and first[k] != other[k])
-        if differ:  # bias_init only seeds training; a different base model is checked when loading against it
+        # bias_init only seeds training; a different base model is checked when loading against it; a set from before
+        # the base's architecture was recorded has None there, which differs from nothing
+        seen = {**first, **recorded}
+        differ = sorted(k for k in seen if k not in ("base_model", "bias_init") and seen[k] != other[k]
+                        and not (k in _ARCHITECTURE_KEYS and None in (seen[k], other[k])))
+        if differ:
             raise ValueError(
                 f"gate set {i} differs from gate set 0 in "
-                f"{', '.join(f'{k} ({other[k]!r} vs {first[k]!r})' for k in differ)}: "
-                "only gates of one layout (variant, width, model shape) can be averaged"
+                f"{', '.join(f'{k} ({other[k]!r} vs {seen[k]!r})' for k in differ)}: "
+                "only gates of one layout (variant, width, model shape and architecture) can be averaged"
             )
-    out = RetentionGates(gate_sets[0].config)
+        recorded = {k: recorded[k] if recorded[k] is not None else other[k] for k in _ARCHITECTURE_KEYS}
+    out = RetentionGates(GateConfig.from_dict({**first, **recorded}))
     states = [g.state_dict() for g in gate_sets]
     with torch.no_grad():
         for name, param in out.state_dict().items():

@@ -29,11 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .architecture import text_config_of
+from .architecture import architecture_fingerprint, text_config_of, unwrap
+from .card import model_card
+from .io import atomic_directory, save_state
 from .locate import checkpoint_folder, is_gate_folder
 from .metadata import META_FILE, metadata_file, write_metadata
+from .upload import check_push_target, push_to_hub
 
 VARIANTS = ("global", "seed", "trimkv")
+CHECKPOINT_FORMAT = "retention-gates/1"  # the metadata's "format": one layout, written by save_pretrained alone
 UNTRAINED_SEED = 0  # the initial weights of untrained gates at inference (demo, chat, eval): one set everywhere
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
 
@@ -48,7 +52,9 @@ class GateConfig:
     """Shape and options of a set of retention gates.
 
     ``num_layers``, ``num_kv_heads`` and ``hidden_size`` describe the base model and are filled in by
-    :meth:`for_model`; ``gate_hidden`` is the width of each gate MLP.
+    :meth:`for_model`, as are ``base_model`` (its name), ``base_model_type`` (its top-level ``model_type``) and
+    ``base_architecture`` (:func:`retention.architecture.architecture_fingerprint` of its config, which attaching
+    compares); ``gate_hidden`` is the width of each gate MLP.
     """
 
     num_layers: int
@@ -61,6 +67,9 @@ class GateConfig:
     bias_init: float = 18.0
     base_model: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # None in checkpoints written before they were recorded: attaching then compares the base model's name
+    base_model_type: str | None = None
+    base_architecture: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "hidden_size", "gate_hidden"):
@@ -83,6 +92,8 @@ class GateConfig:
         cfg = text_config_of(model)
         name = getattr(getattr(model, "config", cfg), "_name_or_path", None) or None
         options.setdefault("base_model", name)
+        for key, value in base_architecture_of(model).items():
+            options.setdefault(key, value)
         taken = {f.name for f in fields(cls)} - {"num_layers", "num_kv_heads", "hidden_size"}
         if set(options) - taken:
             raise TypeError(f"unknown gate option(s) {sorted(set(options) - taken)}; the options are {sorted(taken)} "
@@ -104,6 +115,14 @@ class GateConfig:
         if unknown:
             raise ValueError(f"unknown GateConfig keys {unknown}; allowed: {sorted(known)}")
         return cls(**data)
+
+
+def base_architecture_of(model: nn.Module) -> dict[str, str | None]:
+    """What :class:`GateConfig` records of the architecture of ``model`` (a supported HF model, wrapped or not):
+    ``base_model_type`` (its top-level ``model_type``: ``qwen3_vl`` for the vision-language model, not its decoder's)
+    and ``base_architecture`` (:func:`retention.architecture.architecture_fingerprint` of its config)."""
+    top = getattr(unwrap(model), "config", None) or text_config_of(model)
+    return {"base_model_type": getattr(top, "model_type", None), "base_architecture": architecture_fingerprint(top)}
 
 
 class RetentionGates(nn.Module):
@@ -199,24 +218,50 @@ class RetentionGates(nn.Module):
         return tensors_sha256(self.state_dict())[:12]
 
     # -- persistence -------------------------------------------------------------------------
-    def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-        """Write ``gates.safetensors`` and ``retention.json`` (:mod:`retention.metadata`) into ``path`` atomically
-        (temp dir + rename); ``path`` must be new, empty or gates written before (:func:`check_gate_folder_target`)."""
-        from .io import atomic_directory, save_state
+    def save_pretrained(self, path: str | Path, metadata: dict[str, Any] | None = None, **info: Any) -> Path:
+        """Write the gate checkpoint: ``gates.safetensors``, ``retention.json`` (:mod:`retention.metadata`, with the
+        tensors' SHA-256) and ``README.md`` (the model card, :func:`retention.card.model_card`) into ``path``
+        atomically (temp dir + rename); ``path`` must be new, empty or gates written before
+        (:func:`check_gate_folder_target`). Returns ``path`` (``~`` expanded).
 
+        ``info`` (or ``metadata``, a dict of the same keys): what the metadata records beside the gate config:
+        ``base_model`` (the base model's Hub id; it replaces the gate config's, which may name a local folder),
+        ``base_revision``, ``budget``, ``training`` (the card's training record), ``datasets`` (Hub dataset ids)...
+        :func:`retention.hub.export_gates` is this method."""
         path = Path(path).expanduser()  # as from_pretrained reads "~/gates"
-        check_finite_before_writing(self, path)
-        check_gate_folder_target(path)
+        info = {**(metadata or {}), **info}
+        gate_config = self.config.to_dict()
+        if info.get("base_model"):  # one name for the base: the gates' own may be a local folder they were trained from
+            gate_config["base_model"] = info["base_model"]
+        meta = {"gate_config": gate_config, "format": CHECKPOINT_FORMAT, **info}
+        check_finite_before_writing(self, path)  # what loading refuses must not replace what is there
+        check_gate_folder_target(path)  # the folder is replaced whole: never over someone's files
         with atomic_directory(path) as tmp:
-            sha = save_state(self.state_dict(), tmp / "gates.safetensors")
-            write_metadata(tmp, {"gate_config": self.config.to_dict(), **(metadata or {}), GATES_SHA256: sha})
+            meta[GATES_SHA256] = save_state(self.state_dict(), tmp / "gates.safetensors", metadata={"format": "pt"})
+            write_metadata(tmp, meta)  # results tables, if given, go to the card only
+            (tmp / "README.md").write_text(model_card(meta))
         return path
 
+    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None,
+                    commit_message: str = "Upload retention gates", **info: Any) -> str:
+        """Upload these gates to the Hub repo ``repo_id`` (created if needed) as the checkpoint :meth:`save_pretrained`
+        writes (``info``: its metadata, ``base_model`` a Hub id above all), through
+        :func:`retention.upload.push_to_hub`; returns the commit URL. ``token``: else ``HF_TOKEN`` or a stored
+        login. HubError naming the fix before anything is sent: a bad repo id, no token, no Hub id for the base."""
+        import tempfile
+
+        check_push_target(repo_id, token)  # before anything is written
+        with tempfile.TemporaryDirectory(prefix="retention-push-") as tmp:
+            folder = self.save_pretrained(Path(tmp) / "gates", **info)
+            return push_to_hub(folder, repo_id, private=private, token=token, commit_message=commit_message)
+
     @classmethod
-    def from_pretrained(cls, path: str | Path, revision: str | None = None, verify: bool = True) -> "RetentionGates":
+    def from_pretrained(cls, path: str | Path, revision: str | None = None, verify: bool = True,
+                        token: str | None = None) -> "RetentionGates":
         """Load gates written by :meth:`save_pretrained` (safetensors only): a folder, else a shipped checkpoint's
-        name (``smollm2-135m-global``) or a Hub repo id (``owner/name``, at ``revision``), as
-        :func:`retention.hub.load_gates` finds them (which also checks them against a model).
+        name (``smollm2-135m-global``) or a Hub repo id (``owner/name``, at ``revision``; ``token`` for a private
+        repo), downloaded by ``huggingface_hub.snapshot_download`` as :func:`retention.hub.load_gates` finds them
+        (which also checks them against a model).
 
         ``verify``: check the tensors against the SHA-256 the metadata records (:data:`GATES_SHA256`; checkpoints
         written before it have none and load as they are); ``False`` loads gates whose weights were edited on
@@ -224,7 +269,7 @@ class RetentionGates(nn.Module):
         from safetensors.torch import load_file
 
         if not Path(path).expanduser().is_dir():
-            path = checkpoint_folder(path, revision)  # HubError naming the fix when it is none of these
+            path = checkpoint_folder(path, revision, token)  # HubError naming the fix when it is none of these
         path = Path(path).expanduser()
         cfg_file, weights = metadata_file(path), path / "gates.safetensors"
         for f in (cfg_file, weights):

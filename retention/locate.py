@@ -61,10 +61,11 @@ def local_checkpoint(path_or_repo_id: str | Path) -> Path | None:
     return shipped_checkpoint(p)
 
 
-def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
+def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None, token: str | None = None) -> Path:
     """A gate checkpoint's folder: ``path_or_repo_id`` itself when it exists here, else a shipped checkpoint of that
-    name (:func:`shipped_checkpoint`), else the Hub snapshot of its checkpoint files (downloaded
-    once, then read from the local Hub cache). HubError naming the fix otherwise."""
+    name (:func:`shipped_checkpoint`), else the Hub snapshot of its checkpoint files at ``revision`` (downloaded
+    once, then read from the local Hub cache; ``token`` for a private repo, else ``HF_TOKEN`` or a stored login).
+    HubError naming the fix otherwise."""
     local = local_checkpoint(path_or_repo_id)
     if local is not None:
         return local
@@ -79,7 +80,8 @@ def checkpoint_folder(path_or_repo_id: str | Path, revision: str | None = None) 
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(DOWNLOAD_FILES)))
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, token=token,
+                                      allow_patterns=list(DOWNLOAD_FILES)))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         raise HubError(
             f"gate checkpoint {str(path_or_repo_id)!r} is neither a local folder nor reachable on the Hub ({e}); "

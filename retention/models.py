@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .architecture import check_supported, is_multimodal, text_config, text_mrope_positions  # noqa: F401
+from .card import is_hub_model_id
 from .io import atomic_directory
 from .locate import CHECKPOINT_DIRS, looks_like_a_path, shipped_checkpoint  # noqa: F401  (their home is locate)
 
@@ -217,6 +218,31 @@ def shipped_gates(model_or_name: Any) -> Path | None:
         if name in (spec.name, spec.hub_id) and spec.gates:
             found = (d / spec.gates for d in CHECKPOINT_DIRS if (d / spec.gates / "gates.safetensors").is_file())
             return next(found, None)
+    return None
+
+
+def hub_model_id(name_or_path: str | None) -> str | None:
+    """The Hub id of the model ``name_or_path`` names, for a gate checkpoint's ``base_model``: an embedded model's
+    (by name, or by the folder :func:`embedded_model_dir` caches it in), a Hub id itself, or the Hub id a local
+    folder's ``config.json`` records as ``_name_or_path`` (transformers before 5 wrote it); ``None`` for a local
+    copy of unknown origin."""
+    if not name_or_path:
+        return None
+    name = str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[name].hub_id
+    if is_hub_model_id(name):
+        return name
+    folder = Path(name).expanduser()
+    for file, key in (("retention_source.json", "embedded"), ("config.json", "_name_or_path")):
+        try:
+            recorded = json.loads((folder / file).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):  # no such file, not JSON, not an object
+            continue
+        if recorded in EMBEDDED_MODELS:
+            return EMBEDDED_MODELS[recorded].hub_id
+        if isinstance(recorded, str) and is_hub_model_id(recorded):
+            return recorded
     return None
 
 

@@ -7,7 +7,7 @@ import retention.attach as attach_mod
 from retention import GateConfig, UnsupportedModelError, attach_gates
 from retention.ops.retention_attention import retention_attention_naive
 from kernel_checks import student_matches_oracle
-from tiny_models import BUILDERS, tiny_llama, vl_inputs
+from tiny_models import BUILDERS, tiny_llama, tiny_qwen3_vl, vl_inputs
 
 ARCHS = list(BUILDERS)
 
@@ -378,19 +378,51 @@ def test_student_mode_refuses_a_padded_batch_under_flex_attention():
             model(input_ids=ids, attention_mask=padded)
 
 
-def test_gates_trained_for_another_model_of_the_same_shapes_are_warned_about():
+def _warnings_of(model, config) -> list[str]:
     import warnings
 
     from retention.attach import check_gates_match
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_gates_match(model, config)
+    return [str(w.message) for w in caught if "the shapes match" in str(w.message)]
+
+
+def test_gates_from_before_the_architecture_was_recorded_compare_names_but_not_local_paths(tmp_path):
+    """An old checkpoint (no base_architecture) falls back to the names' stems, as before, but a model loaded from a
+    folder is never warned about: its name says where it is, not which model it is (SmolLM2 from a local copy
+    warned against gates trained on SmolLM2 from the Hub)."""
     model = tiny_llama()
-    model.config._name_or_path = "someone/Tiny-Instruct"
+    old = {**GateConfig.for_model(model).to_dict(), "base_model_type": None, "base_architecture": None}
+    for name, base, warned in (("someone/Tiny-Instruct", "someone/Tiny-Base", True),
+                               ("someone/Tiny-Instruct", "/local/models/tiny-instruct", False),
+                               ("someone/Tiny-Instruct", "", False),
+                               ("/local/models/tiny-base", "someone/Tiny-Instruct", False),
+                               (str(tmp_path), "someone/Tiny-Instruct", False)):  # an existing folder
+        model.config._name_or_path = name
+        said = _warnings_of(model, GateConfig(**{**old, "base_model": base}))
+        assert bool([m for m in said if f"trained for {base}" in m]) == warned, (name, base)
+
+
+def test_gates_warn_only_when_the_base_models_architecture_fingerprint_differs():
+    """New gates record the fingerprint of their base model's config: the same model under another name (a local
+    copy, a fine-tune) is no warning; another architecture of the same gate shapes is, whatever the names say."""
+    from retention.architecture import architecture_fingerprint
+
+    model = tiny_llama()
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg = GateConfig.for_model(model)
-    for base, warned in (("someone/Tiny-Base", True), ("/local/models/tiny-instruct", False), ("", False)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            check_gates_match(model, GateConfig(**{**cfg.to_dict(), "base_model": base}))
-        assert bool([w for w in caught if "trained for someone/Tiny-Base" in str(w.message)]) == warned, base
+    assert cfg.base_model_type == "llama" and cfg.base_architecture == architecture_fingerprint(model.config)
+    # the embedded cache folder and a fine-tune: both used to warn, their names differing from the Hub id
+    for name in ("/home/me/.cache/retention/models/smollm2-135m-86c4f5238766f35c", "someone/SmolLM2-135M-finetuned",
+                 ""):
+        model.config._name_or_path = name
+        assert _warnings_of(model, cfg) == [], name
+    other = tiny_llama(vocab_size=100, rope_theta=500000.0)  # the same layers, KV heads and width: the gates load
+    assert architecture_fingerprint(other.config) != cfg.base_architecture
+    (said,) = _warnings_of(other, cfg)
+    assert f"fingerprint {cfg.base_architecture}" in said and "trained for HuggingFaceTB/SmolLM2-135M-Instruct" in said
 
 
 def test_an_unknown_gate_option_or_a_bias_that_is_no_number_is_named():
@@ -460,3 +492,24 @@ def test_cached_student_decoding_keeps_the_sink_of_a_prompt_shorter_than_it():
         att.reset()
         full = model(input_ids=out.sequences).logits
     torch.testing.assert_close(torch.stack(out.logits, 1)[0], full[0, 1:-1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_architecture_fingerprint_reads_the_same_config_fields_under_either_rope_layout():
+    """rope_theta is an attribute before transformers 5 and in rope_parameters since: one model, one fingerprint."""
+    from types import SimpleNamespace
+
+    from retention.architecture import architecture_fields, architecture_fingerprint
+
+    fields = dict(model_type="llama", num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                  hidden_size=576, head_dim=64, vocab_size=49152, intermediate_size=1536)
+    old = SimpleNamespace(**fields, rope_theta=100000)
+    new = SimpleNamespace(**fields, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    assert architecture_fields(old) == architecture_fields(new) == {**fields, "rope_theta": 100000.0}
+    assert architecture_fingerprint(old) == architecture_fingerprint(new)
+    assert len(architecture_fingerprint(old)) == 12
+    missing = SimpleNamespace(**{**fields, "head_dim": None})  # a field the config lacks is left out
+    assert "head_dim" not in architecture_fields(missing)
+    assert architecture_fingerprint(missing) != architecture_fingerprint(old)
+    vl = tiny_qwen3_vl()  # the vision-language model's own type; the decoder's fields
+    assert architecture_fields(vl.config)["model_type"] == "qwen3_vl"
+    assert architecture_fields(vl.config)["num_hidden_layers"] == vl.config.text_config.num_hidden_layers

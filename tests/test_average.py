@@ -237,3 +237,17 @@ def test_average_reads_a_checkpoint_from_before_retention_json(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
     cfg = json.loads((out / "retention.json").read_text())
     assert cfg["training"]["source 1"] == "b.yaml" and cfg["budget"] == "10%" and "results_markdown" not in cfg
+
+
+def test_gates_from_before_the_base_architecture_was_recorded_average_with_newer_ones():
+    """A checkpoint without base_architecture (the shipped ones) and a newer one of that model were "of another
+    layout"; the mean keeps the architecture the newer set records, and two different architectures are refused."""
+    new = _gates(0)
+    old = RetentionGates(GateConfig(**{**new.config.to_dict(), "base_model_type": None, "base_architecture": None}))
+    for sets in ([old, new], [new, old], [old, old, new]):
+        mean = average_gates(sets)
+        assert mean.config.base_architecture == new.config.base_architecture
+        assert mean.config.base_model_type == "llama"
+    other = RetentionGates(GateConfig(**{**new.config.to_dict(), "base_architecture": "0" * 12}))
+    with pytest.raises(ValueError, match=r"base_architecture \('000000000000' vs"):
+        average_gates([old, new, other])

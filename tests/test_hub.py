@@ -52,9 +52,8 @@ def test_export_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
             write(work / "thesis.txt")
     (tmp_path / "empty").mkdir()
     export_gates(gates, tmp_path / "empty")
-    gates.save_pretrained(path)  # over the export: earlier gates, replaced whole
-    assert sorted(p.name for p in path.iterdir()) == ["gates.safetensors", "retention.json"]
-    export_gates(gates, path, base_model="tiny-llama")
+    (path / "notes.md").write_text("beside the gates")  # over the export: earlier gates, replaced whole
+    gates.save_pretrained(path)
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "gates.safetensors", "retention.json"]
 
 
@@ -553,4 +552,138 @@ def test_the_shipped_cards_results_read_back_as_they_are_shown(name):
     remade = model_card(read_metadata(folder), *card_results(folder))
     results = card.index("\n## Results\n") if "\n## Results\n" in card else len(card)
     assert remade[remade.find("\n## Results\n") if "\n## Results\n" in remade else len(remade):] == card[results:]
+    assert remade.split("---\n", 2)[1] == card.split("---\n", 2)[1]  # the Hub metadata, as export_gates writes it
     assert len((folder / "retention.json").read_bytes()) < 4000  # metadata, not tables
+
+
+# -- Hub and PEFT conventions (issue 76) ----------------------------------------------------------------------------
+
+def test_save_pretrained_writes_the_export_format_and_from_pretrained_reads_it_back(checkpoint, tmp_path):
+    """save_pretrained wrote a second layout (no model card, no format key): it is now the one writer, export_gates
+    included, and what it writes loads back as the same tensors and config."""
+    _, gates, _ = checkpoint
+    info = dict(base_model="someone/tiny-llama", budget="64 entries", training={"steps": 3})
+    saved = gates.save_pretrained(tmp_path / "saved", **info)
+    exported = export_gates(gates, tmp_path / "exported", **info)
+    files = sorted(p.name for p in saved.iterdir())
+    assert files == ["README.md", "gates.safetensors", "retention.json"]
+    assert all((saved / f).read_bytes() == (exported / f).read_bytes() for f in files)
+    meta = json.loads((saved / "retention.json").read_text())
+    assert meta["format"] == "retention-gates/1" and len(meta["gates_sha256"]) == 64
+    loaded = RetentionGates.from_pretrained(saved)
+    assert loaded.config == GateConfig(**{**gates.config.to_dict(), "base_model": "someone/tiny-llama"})
+    assert loaded.state_dict().keys() == gates.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in gates.state_dict().items())
+    plain = RetentionGates.from_pretrained(gates.save_pretrained(tmp_path / "plain"))  # no metadata: the same config
+    assert plain.config == gates.config and plain.fingerprint() == gates.fingerprint()
+
+
+def test_from_pretrained_downloads_a_hub_id_at_a_revision_with_a_token(checkpoint, monkeypatch):
+    """A Hub id goes through snapshot_download (only the checkpoint's files), as load_gates goes; revision and token
+    reach it, as PEFT's from_pretrained passes them."""
+    import huggingface_hub
+
+    path, gates, model = checkpoint
+    calls = []
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = RetentionGates.from_pretrained("someone/tiny-gates", revision="v1", token="hf_private")
+    assert loaded.fingerprint() == gates.fingerprint()
+    assert load_gates("someone/tiny-gates", model=model, revision="v2", token="hf_other").config == loaded.config
+    assert [(r, k["revision"], k["token"]) for r, k in calls] == [("someone/tiny-gates", "v1", "hf_private"),
+                                                                   ("someone/tiny-gates", "v2", "hf_other")]
+    assert all(sorted(k["allow_patterns"]) == ["README.md", "config.json", "gates.safetensors", "retention.json"]
+               for _, k in calls)
+
+
+def test_gates_push_to_hub_uploads_what_save_pretrained_writes(checkpoint, fake_hub, tmp_path, monkeypatch):
+    _, gates, _ = checkpoint
+    hub = fake_hub()
+    url = gates.push_to_hub("me/gates", base_model="someone/tiny-llama", budget="64 entries")
+    assert url == "https://huggingface.co/me/gates/commit/abc"
+    sent = hub.committed_files()
+    saved = gates.save_pretrained(tmp_path / "same", base_model="someone/tiny-llama", budget="64 entries")
+    assert sorted(sent) == ["README.md", "gates.safetensors", "retention.json"]
+    assert all(sent[f] == (saved / f).read_bytes() for f in sent)
+    hub = fake_hub()
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored login
+    with pytest.raises(HubError, match="needs a Hub token"):
+        gates.push_to_hub("me/gates", base_model="someone/tiny-llama")
+    assert hub.requests == []
+
+
+def _front_matter(card: str) -> dict:
+    import yaml
+
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n", 2)[1])
+
+
+def test_the_model_card_front_matter_is_hub_metadata(tmp_path):
+    """The card's YAML (parsed as the Hub parses it) names the base as an adapter's, the pipeline, the Hub datasets."""
+    from tiny_models import tiny_qwen3_vl
+
+    gates = RetentionGates(GateConfig.for_model(tiny_llama()))
+    card = (export_gates(gates, tmp_path / "text", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                         datasets=["HuggingFaceFW/fineweb-edu", "HuggingFaceFW/fineweb-edu", "./local.jsonl"])
+            / "README.md").read_text()
+    assert _front_matter(card) == {
+        "library_name": "retention", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "base_model_relation": "adapter", "pipeline_tag": "text-generation", "datasets": ["HuggingFaceFW/fineweb-edu"],
+        "tags": ["kv-cache", "kv-cache-eviction", "retention-gates"], "license": "apache-2.0"}
+    vl = RetentionGates(GateConfig.for_model(tiny_qwen3_vl()))
+    assert vl.config.base_model_type == "qwen3_vl"
+    front = _front_matter((export_gates(vl, tmp_path / "vl", base_model="Qwen/Qwen3-VL-2B-Instruct", datasets=[])
+                           / "README.md").read_text())
+    assert front["pipeline_tag"] == "image-text-to-text" and "datasets" not in front  # none: no key
+
+
+def test_a_local_base_model_is_left_out_of_the_card_and_refused_by_push(tmp_path, fake_hub):
+    """Gates trained from a local copy named its folder as base_model: the Hub would link a repo that does not exist.
+    The card leaves it out, and push says which key to fix and how."""
+    from retention.hub import model_card
+
+    gates = RetentionGates(GateConfig.for_model(tiny_llama()))
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    for base in ("/home/me/models/SmolLM2-135M-Instruct", "./models/tiny", str(tmp_path / "models" / "tiny")):
+        path = export_gates(gates, tmp_path / "g", base_model=base)
+        card = (path / "README.md").read_text()
+        front = _front_matter(card)
+        assert "base_model" not in front and "base_model_relation" not in front and base not in card
+        hub = fake_hub()
+        with pytest.raises(HubError, match=r"base_model is the local path .*not a Hub id.*base_model= the base "
+                                           r"model's Hub id"):
+            push_to_hub(path, "me/gates")
+        with pytest.raises(HubError, match="base_model is the local path"):
+            gates.push_to_hub("me/gates", base_model=base)
+        assert hub.requests == []
+    meta = {"gate_config": gates.config.to_dict()}  # no base model recorded at all
+    assert "base_model" not in _front_matter(model_card({**meta, "base_model": None}))
+
+
+def test_push_with_base_model_names_the_hub_id_in_the_checkpoint_first(tmp_path, fake_hub, capsys):
+    """The fix push names: `retention push DIR REPO --base-model owner/name` (push_to_hub(..., base_model=)) records
+    the Hub id in retention.json and rebuilds the card, results kept, then uploads."""
+    from retention.cli import main
+    from retention.hub import card_results
+
+    gates = RetentionGates(GateConfig.for_model(tiny_llama()))
+    path = export_gates(gates, tmp_path / "g", base_model="/home/me/models/SmolLM2-135M-Instruct", budget="64")
+    card = (path / "README.md").read_text() + "## Results\n\n| method | score |\n|---|---|\n| gates | 90 |\n"
+    (path / "README.md").write_text(card)
+    hub = fake_hub()
+    assert main(["push", str(path), "me/gates", "--base-model", "not/a/hub/id"]) == 2
+    assert "not a Hub model id" in capsys.readouterr().err and hub.requests == []
+    assert main(["push", str(path), "me/gates", "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 0
+    sent = hub.committed_files()
+    meta = json.loads(sent["retention.json"])
+    assert meta["base_model"] == meta["gate_config"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert _front_matter(sent["README.md"].decode())["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert sent["README.md"] == (path / "README.md").read_bytes()  # the folder says what the Hub has
+    assert card_results(path)[0] == "| method | score |\n|---|---|\n| gates | 90 |"
+    assert load_gates(path).fingerprint() == gates.fingerprint()

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "retention"
 LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"base": ("retention.compat", "retention.log", "retention.io", "retention.images", "retention.templates",
               "retention.architecture", "retention.padding", "retention.locate", "retention.metadata",
-              "retention.budget")},
+              "retention.card", "retention.upload", "retention.budget")},
     {"ops": ("retention.ops",)},
     # the cache's page storage: policies read entries through its PaddedView, the cache builds on it
     {"kv storage": ("retention.cache.pool", "retention.cache.paged", "retention.cache.select")},

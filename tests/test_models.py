@@ -349,3 +349,24 @@ def test_a_cache_that_cannot_be_written_names_retention_cache(tmp_path, monkeypa
     monkeypatch.setenv("RETENTION_CACHE", str(tmp_path / "file" / "cache"))
     with pytest.raises(OSError, match="cannot write the embedded model's cache .*set RETENTION_CACHE"):
         embedded_model_dir("smollm2-135m", progress=False)
+
+
+def test_hub_model_id_names_the_base_a_local_copy_came_from(tmp_path, monkeypatch):
+    """A gate checkpoint names its base by Hub id: a model loaded from a folder says only the folder."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert models.hub_model_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded name
+    assert models.hub_model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    cache = tmp_path / "smollm2-135m-86c4f5238766f35c"  # embedded_model_dir's cache of the dequantised GGUF
+    cache.mkdir()
+    (cache / "retention_source.json").write_text(json.dumps({"gguf": "/x.gguf", "embedded": "smollm2-135m"}))
+    (cache / "config.json").write_text(json.dumps({"model_type": "llama"}))  # transformers 5 writes no name
+    assert models.hub_model_id(str(cache)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    older = tmp_path / "older"  # saved by transformers 4, which kept the name in config.json
+    older.mkdir()
+    (older / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen3-0.6B"}))
+    assert models.hub_model_id(str(older)) == "Qwen/Qwen3-0.6B" == models.hub_model_id("older")
+    (tmp_path / "bare").mkdir()
+    for unknown in (str(tmp_path / "bare"), "bare", "/no/such/model", "", None):
+        assert models.hub_model_id(unknown) is None, unknown

@@ -339,7 +339,19 @@ def test_an_upload_without_a_token_fails_before_the_run(tiny_setup, tmp_path, mo
         train(load_config(cfg_file, over), push_to_hub_repo="me/gates")
     with pytest.raises(SystemExit, match="cannot upload to 'not a repo'"):
         train(load_config(cfg_file, over + ["export.push_to_hub=not a repo"]))
+    monkeypatch.setenv("HF_TOKEN", "hf_test")  # a model from a local folder of unknown origin: no Hub id for the card
+    with pytest.raises(SystemExit, match=r"model.name .* is a local folder that records no Hub id.*retention push DIR "
+                                         r"REPO_ID --base-model owner/name"):
+        train(load_config(cfg_file, over), push_to_hub_repo="me/gates")
     assert not (tmp_path / "run").exists()
+
+
+def _model_from(tiny_setup: Path, folder: Path, hub_id: str) -> Path:
+    """A copy of the tiny model whose config.json names the Hub id it came from (as transformers 4 saved it)."""
+    shutil.copytree(tiny_setup / "model", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": hub_id}))
+    return folder
 
 
 def test_an_upload_that_fails_after_the_run_says_where_the_gates_are(tiny_setup, tmp_path, monkeypatch):
@@ -352,10 +364,18 @@ def test_an_upload_that_fails_after_the_run_says_where_the_gates_are(tiny_setup,
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     monkeypatch.setattr(loop, "push_to_hub", offline)
     cfg_file, over = config_for(tiny_setup, tmp_path / "run")
+    model = _model_from(tiny_setup, tmp_path / "model", "someone/tiny-llama")
     with pytest.raises(SystemExit, match=r"no network; the trained gates are exported to .*run/final \(retention push "
                                          r".*run/final me/gates uploads them later\)"):
-        train(load_config(cfg_file, over + ["train.steps=2"]), push_to_hub_repo="me/gates")
-    assert load_gates(tmp_path / "run" / "final").config.variant == "global"
+        train(load_config(cfg_file, over + ["train.steps=2", f"model.name={model}"]), push_to_hub_repo="me/gates")
+    from retention.models import load_model
+
+    gates = load_gates(tmp_path / "run" / "final", model=load_model(str(model))[0])
+    assert gates.config.variant == "global"
+    # the export names the base by the Hub id the local copy records, and the architecture it was trained on
+    meta = json.loads((tmp_path / "run" / "final" / "retention.json").read_text())
+    assert meta["base_model"] == meta["gate_config"]["base_model"] == "someone/tiny-llama" and meta["datasets"] == []
+    assert meta["gate_config"]["base_model_type"] == "llama" and len(meta["gate_config"]["base_architecture"]) == 12
 
 
 def test_a_resume_without_a_checkpoint_fails_before_the_model_loads(tiny_setup, tmp_path, monkeypatch):

@@ -461,3 +461,17 @@ def test_a_text_file_that_is_not_utf8_trains_with_a_warning_naming_file_and_line
     assert f"{tmp_path / 'latin1.txt'}, line 2: not UTF-8 text" in out and "2 bad byte(s)" in out
     assert out.count("not UTF-8") == 1  # once per file, though it is read twice
     assert "caf\ufffd cr\ufffdme" in str(texts)
+
+
+def test_the_hub_datasets_of_a_run_are_its_sources_read_from_the_hub(tmp_path):
+    """What a checkpoint's card lists as datasets: no builtin corpus, local file or synthetic task."""
+    from retention.train.sources import hub_dataset_ids
+
+    local = tmp_path / "docs.jsonl"
+    local.write_text('{"text": "x"}\n')
+    sources = [SourceConfig(kind="text", path="sotu"), SourceConfig(kind="text", path="HuggingFaceFW/fineweb-edu"),
+               SourceConfig(kind="text", path=str(local)), SourceConfig(kind="synthetic", path="niah_single"),
+               SourceConfig(kind="chat", path="HuggingFaceH4/ultrachat_200k", split="train_sft"),
+               SourceConfig(kind="text", path="HuggingFaceFW/fineweb-edu", split="test")]
+    assert hub_dataset_ids(sources) == ["HuggingFaceFW/fineweb-edu", "HuggingFaceH4/ultrachat_200k"]
+    assert hub_dataset_ids([SourceConfig()]) == []

@@ -19,6 +19,7 @@ from retention.metadata import metadata_file, read_metadata
 from .checkpoint import check_resume_fits, find_checkpoint
 from .config import Config
 from .objective_choice import objective_class
+from .sources import hub_dataset_ids
 
 
 def init_from_note(cfg: Config) -> str | None:
@@ -72,7 +73,7 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     a self-describing gate checkpoint, without loading the base model; the card says how far it got."""
     from safetensors.torch import load_file
 
-    from retention.models import EMBEDDED_MODELS
+    from retention.models import hub_model_id
 
     ckpt = find_checkpoint(Path(cfg.train.output_dir), checkpoint)
     check_resume_fits(cfg, ckpt, flag="--export")  # the card's facts (tokens seen, data, budget) come from cfg
@@ -100,10 +101,12 @@ def export_checkpoint(cfg: Config, checkpoint: str = "latest", dest: str | Path 
     if evals:  # the latest held-out evaluation (every train.eval_every steps)
         training["held_out_kl"] = f"{evals[-1]['eval_kl']:.5f} (step {evals[-1]['step']})"
     training.update(run_facts(cfg))
-    spec = EMBEDDED_MODELS.get(cfg.model.name)
     dest = Path(dest or cfg.export_dir())
-    export_gates(gates, dest, base_model=spec.hub_id if spec else cfg.model.name, base_revision=cfg.model.revision,
-                 budget=budget_text, training=training, checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
+    # the base by its Hub id (an embedded model's, or the one a local copy records); a local path is kept as it is,
+    # and the card then names no base model (pushing asks for the id)
+    export_gates(gates, dest, base_model=hub_model_id(cfg.model.name) or cfg.model.name,
+                 base_revision=cfg.model.revision, budget=budget_text, training=training,
+                 datasets=hub_dataset_ids(cfg.data.sources), checkpoint=f"{ckpt.name} of {cfg.train.output_dir}")
     return dest
 
 

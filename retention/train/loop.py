@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -28,10 +29,10 @@ from tqdm.auto import tqdm
 
 from retention.attach import attach_gates, check_gates_match, unwrap
 from retention.compat import enable_activation_checkpointing
-from retention.gates import GateConfig, RetentionGates
+from retention.gates import GateConfig, RetentionGates, base_architecture_of
 from retention.hub import export_gates, push_to_hub
 from retention.losses import beta_stats
-from retention.models import load_model
+from retention.models import hub_model_id, load_model
 from retention.templates import with_template_variables
 
 from .checkpoint import (DEEPSPEED_STATE, StopRequests, deepspeed_processes, hold_run_folders, load_deepspeed_state,
@@ -42,6 +43,7 @@ from .objective_choice import objective_class
 from .objectives import Objective
 from .precision import training_precision
 from .preflight import check_budget, check_positions, checks_before_loading, make_tracker, tracker_hparams
+from .sources import hub_dataset_ids
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +164,8 @@ def _model_with_gates(cfg: Config, model_and_processor: tuple | None,
             )
     if start_gates is not None:
         check_gates_match(model, start_gates.config)
+        # trained on from here on this model: its architecture is theirs now (also for gates from before it was kept)
+        start_gates.config = replace(start_gates.config, **base_architecture_of(model))
         gates = start_gates
     else:
         g = cfg.gates
@@ -466,10 +470,13 @@ def _export(cfg: Config, model: nn.Module, attachment: Any, objective: Objective
     """The trained gates (and a LoRA adapter) exported with their card, the history beside the checkpoints, the
     before -> after report, and the upload when asked (main process)."""
     out_dir, export_dir, budget_text = Path(cfg.train.output_dir), cfg.export_dir(), objective.budget_text
-    base = getattr(unwrap(model).config, "_name_or_path", cfg.model.name)
+    name = getattr(unwrap(model).config, "_name_or_path", "") or cfg.model.name
+    # the card names the base by its Hub id: a model loaded from a local copy says only its folder
+    base = hub_model_id(name) or hub_model_id(cfg.model.name) or name
     export_gates(
         attachment.gates, export_dir, base_model=base, base_revision=cfg.model.revision, budget=budget_text,
         training={k: (round(v, 5) if isinstance(v, float) else v) for k, v in summary.items()},
+        datasets=hub_dataset_ids(cfg.data.sources),
     )
     (out_dir / "history.json").write_text(json.dumps(history, indent=1))
     if cfg.lora.enabled:  # the co-trained adapter, loadable with peft

@@ -13,7 +13,7 @@ import torch
 from retention.budget import entries_for_tokens, streams_of
 from retention.gates import RetentionGates, check_gate_folder_target
 from retention.hub import load_gates, local_checkpoint
-from retention.models import looks_like_a_path
+from retention.models import hub_model_id, looks_like_a_path
 
 from .checkpoint import check_resume_fits, intact_checkpoint
 from .config import Config
@@ -104,6 +104,12 @@ def checks_before_loading(cfg: Config, resume: str | None, repo: str | None,
             check_push_target(repo)
         except HubError as e:
             raise SystemExit(str(e)) from None
+        given = model_and_processor[0] if model_and_processor else None  # a model handed to train(): its own name
+        given = getattr(getattr(given, "config", None), "_name_or_path", "")
+        if hub_model_id(given) is None and hub_model_id(cfg.model.name) is None:  # the push would refuse, at the end
+            raise SystemExit(f"--push_to_hub {repo}: model.name {cfg.model.name!r} is a local folder that records no "
+                             "Hub id, and the checkpoint's card must name its base model by Hub id; train without the "
+                             "upload, then push with `retention push DIR REPO_ID --base-model owner/name`")
     try:  # a missing or damaged checkpoint fails now (or an earlier intact one is taken), not after the model loads
         ckpt = intact_checkpoint(out_dir, resume) if resume else None
     except FileNotFoundError as e:

@@ -298,12 +298,23 @@ def _has_content(record: Any, kind: str, where: str) -> bool:
     return bool(record.strip()) if isinstance(record, str) else bool(record)
 
 
+def is_hub_source(source: SourceConfig) -> bool:
+    """Whether ``source`` is read from the Hub: not synthetic, no builtin corpus, and no file or folder here."""
+    return not (source.kind == "synthetic" or source.path in BUILTIN_CORPORA or Path(source.path).expanduser().exists())
+
+
+def hub_dataset_ids(sources: list[SourceConfig]) -> list[str]:
+    """The Hub dataset ids of the ``sources`` read from the Hub (:func:`is_hub_source`), each once, in order: the
+    ``datasets`` a gate checkpoint's metadata and card name."""
+    return list(dict.fromkeys(s.path for s in sources if is_hub_source(s)))
+
+
 def check_hub_source(source: SourceConfig) -> None:
     """Ask the Hub whether a Hub source exists and can be read (one metadata request), then read its first record
     (streamed), before the model loads: DataError for a dataset the Hub says is missing, private or gated, a split it
     does not have, or a record without the source's field. An unreachable Hub or offline mode passes, since the local
     datasets cache may serve it; the load itself then says what failed."""
-    if source.kind == "synthetic" or source.path in BUILTIN_CORPORA or Path(source.path).expanduser().exists():
+    if not is_hub_source(source):
         return
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
