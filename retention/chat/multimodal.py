@@ -1,5 +1,5 @@
-"""Images in a chat: a turn's content parts and images read as RGB, and a turn with images fed with M-RoPE positions continued from the
-cache (Qwen3-VL), which ``generate`` cannot do across turns."""
+"""Images in a chat: a turn's content parts and images read as RGB, and a turn with images fed with M-RoPE
+positions continued from the cache (Qwen3-VL), which ``generate`` cannot do across turns."""
 
 from __future__ import annotations
 
