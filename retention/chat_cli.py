@@ -24,9 +24,14 @@ CHAT_COMMANDS = ("/image PATH attaches an image to the next message (vision-lang
 
 
 def _memory_line(report: dict[str, Any]) -> str:
-    images = f" ({report['kept_image_entries']:,} of images)" if report.get("kept_image_entries") is not None else ""
+    """The line printed after each turn: KV memory, the entries kept (split as text + image for a vision-language
+    chat, :meth:`RetentionChat.memory`) of a full cache's, and the tokens seen."""
+    if report.get("kept_image_entries") is not None:
+        kept = f"{report['kept_text_entries']:,} text + {report['kept_image_entries']:,} image entries"
+    else:
+        kept = f"{report['kept_entries']:,} entries"
     return (f"[kv {report['kv_bytes'] / 2**20:.2f} MiB of {report['full_cache_bytes'] / 2**20:.2f} MiB full; "
-            f"{report['kept_entries']:,} entries kept{images}; {report['tokens_seen']} tokens seen]")
+            f"kept: {kept} of {report['full_cache_entries']:,}; {report['tokens_seen']} tokens seen]")
 
 
 def _extent(chat: RetentionChat) -> str:

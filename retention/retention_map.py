@@ -88,13 +88,14 @@ def retention_map(model: torch.nn.Module, inputs: dict[str, torch.Tensor], budge
     policy.set_budget(budget, L, H)
     R = L * H
     pos = torch.arange(T).expand(R, T)
-    view = EntryView(log_beta=log_beta.reshape(R, T), pos=pos, valid=torch.ones(R, T, dtype=torch.bool),
-                     step=torch.full((R,), T - 1), seq=torch.zeros(R, dtype=torch.long),
-                     layer=torch.arange(L).repeat_interleave(H), head=torch.arange(H).repeat(L))
-    score = policy.score(view)
-    keep = select_keep(score, pos, view.valid, torch.zeros(R, dtype=torch.long), torch.tensor([budget]))
     image_id = getattr(getattr(unwrap(model), "config", None), "image_token_id", None)
     image = (ids[0] == image_id).cpu() if image_id is not None else torch.zeros(T, dtype=torch.bool)
+    view = EntryView(log_beta=log_beta.reshape(R, T), pos=pos, valid=torch.ones(R, T, dtype=torch.bool),
+                     step=torch.full((R,), T - 1), seq=torch.zeros(R, dtype=torch.long),
+                     layer=torch.arange(L).repeat_interleave(H), head=torch.arange(H).repeat(L),
+                     is_image=image.expand(R, T) if image_id is not None else None)
+    score = policy.score(view)
+    keep = select_keep(score, pos, view.valid, torch.zeros(R, dtype=torch.long), torch.tensor([budget]))
     tokens = tokenizer.convert_ids_to_tokens(ids[0].tolist()) if tokenizer is not None else None
     return RetentionMap(keep=keep.reshape(L, H, T), score=score.reshape(L, H, T), log_beta=log_beta, budget=budget,
                         image=image, tokens=tokens)

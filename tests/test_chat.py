@@ -320,7 +320,8 @@ class _ScriptedChat:
         yield f"re: {text}"
 
     def memory(self):
-        return {"kv_bytes": 2**20, "full_cache_bytes": 2**21, "kept_entries": 1234, "tokens_seen": 7}
+        return {"kv_bytes": 2**20, "full_cache_bytes": 2**21, "kept_entries": 1234, "full_cache_entries": 2468,
+                "tokens_seen": 7}
 
     def reset(self):
         self.resets += 1
@@ -341,7 +342,7 @@ def test_the_chat_loop_keeps_commands_and_messages_apart(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert text_only.sent == [("hello", 0), ("/etc is a folder", 0)] and text_only.resets == 1
     assert "text-only model: /image needs a vision-language model" in err and "unknown command /frob" in err
-    assert "re: hello" in out and "[kv 1.00 MiB of 2.00 MiB full; 1,234 entries kept; 7 tokens seen]" in out
+    assert "re: hello" in out and "[kv 1.00 MiB of 2.00 MiB full; kept: 1,234 entries of 2,468; 7 tokens seen]" in out
 
     vl = _ScriptedChat(multimodal=True, refuse="too long")
     chat_loop(vl, [f"/image {photo}", f"/image {tmp_path / 'missing.png'}", "/image", f"/image {photo}", "too long",

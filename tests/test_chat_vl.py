@@ -222,7 +222,10 @@ def test_the_memory_report_counts_the_image_entries_kept():
             assert want == report["image_tokens"] * streams
         else:
             assert 0 <= want < report["image_tokens"] * streams
-        assert "image entries:" in str(report) and "of images)" in _memory_line(report)
+        assert report["kept_text_entries"] + want == report["kept_entries"]
+        assert "image entries:" in str(report)
+        assert (f"kept: {report['kept_entries'] - want:,} text + {want:,} image entries of "
+                f"{report['full_cache_entries']:,};" in _memory_line(report))
 
 
 def test_two_chats_on_one_model_keep_their_own_image_positions():

@@ -77,7 +77,8 @@ class EvictionMixin:
         head = torch.arange(H, device=dev).repeat(L * len(seqs))
         step = torch.full((len(rows),), self._seen[0] - 1, dtype=torch.long, device=dev)
         entries = EntryView(view.log_beta, view.pos, view.valid, step, seqs[local], layer, head,
-                            self._start[seqs][local], view.keys, view.values)
+                            self._start[seqs][local], view.keys, view.values,
+                            is_image=self._image_flags(seqs[local], view.pos))
         # policies whose scores depend on the budget (AdaKV's safeguard, the SnapKV share) score each row at its own
         score = None
         for b in budgets.unique().tolist():

@@ -123,6 +123,8 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
         self._forward_pads: torch.Tensor | None = None  # (B,) padding tokens of this forward (host), None: none
         self._start: torch.Tensor | None = None  # (B,) left-padding tokens: position of the first real one
         self._crop_floor = 0  # tokens seen at the last eviction or padded forward: crop cannot go below
+        # (B, T) bool over positions: image tokens (mark_image_tokens); None: no modality known
+        self._image: torch.Tensor | None = None
         self.evictions = 0
         self.peak_entries = 0
         # set by GraphDecoder around one decode step: {"slots": (L, B*H), "pos": (B*H,)} device tensors; the step
@@ -196,6 +198,32 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
         self._views[layer_idx] = (view, pos.to(key_states.device, non_blocking=True), held)  # pageable: no wait
         return view.keys, view.values
 
+    def mark_image_tokens(self, marked: torch.Tensor | None) -> None:
+        """Tell the cache which positions hold image tokens, for policies that read the modality
+        (:attr:`EntryView.is_image <retention.policies.base.EntryView>`): ``marked`` ``(B, T)`` or ``(T,)`` (one
+        sequence, or the same for every row) bool over positions 0..T-1 as the cache records them (a left-padded
+        batch's padded positions), e.g. ``input_ids == config.image_token_id``; positions at or past ``T`` (replies
+        still to come) are text. Replaces earlier marks; ``None`` forgets them (no modality known). Call it before
+        the forward that feeds the marked tokens, e.g. with the whole conversation's ids before each turn."""
+        if marked is None:
+            self._image = None
+            return
+        if not torch.is_tensor(marked) or marked.dtype != torch.bool or marked.dim() not in (1, 2):
+            raise TypeError("mark_image_tokens takes a (B, T) or (T,) bool tensor over positions, got "
+                            + (f"{marked.dtype} of shape {tuple(marked.shape)}" if torch.is_tensor(marked)
+                               else type(marked).__name__))
+        self._image = marked[None] if marked.dim() == 1 else marked
+
+    def _image_flags(self, seqs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        """``(R, Lpad)`` bool: whether each entry (rows of sequences ``seqs`` ``(R,)``, positions ``pos`` ``(R, Lpad)``,
+        -1 for padding) is an image token by the marks; ``None`` without marks."""
+        if self._image is None:
+            return None
+        marks = self._image.to(pos.device)
+        rows = seqs.clamp_max(marks.shape[0] - 1) if marks.shape[0] > 1 else torch.zeros_like(seqs)
+        inside = (pos >= 0) & (pos < marks.shape[1])
+        return marks[rows[:, None], pos.clamp(0, marks.shape[1] - 1)] & inside
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (not entries kept): positions after eviction stay true positions. A layer the model does
         not have holds none (0, as transformers' caches answer)."""
@@ -219,6 +247,7 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
         if self._pad_entries is not None:
             self._pad_entries.zero_()
             self._start.zero_()
+        self._image = None
         self.policy.reset()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -254,6 +283,7 @@ class RetentionCache(BudgetMixin, PaddingMixin, EvictionMixin, AttentionMixin, P
         self._seen = list(other._seen)
         self._pad_entries = None if other._pad_entries is None else other._pad_entries.clone()
         self._start = None if other._start is None else other._start.clone()
+        self._image = None if other._image is None else other._image.clone()
         self._last_query_len, self.peak_entries = other._last_query_len, other.peak_entries
         self._crop_floor = other._crop_floor
         for layer in self.layers:

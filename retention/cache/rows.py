@@ -37,6 +37,8 @@ class RowsMixin:
         self.store.select_batch(indices)
         self._pad_entries = self._pad_entries[indices.cpu()]
         self._start = self._start[indices]
+        if self._image is not None and self._image.shape[0] > 1:  # marks per row follow their rows
+            self._image = self._image[indices.to(self._image.device)]
         if self.budget is not None and not isinstance(self.budget, int):
             self.budget = [self.budget[i] for i in indices.tolist()]
         self.policy.select_batch(indices)

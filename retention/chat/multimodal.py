@@ -1,5 +1,5 @@
-"""Images in a chat: a turn's images read as RGB, and a turn with images fed with M-RoPE positions continued from the
-cache (Qwen3-VL), which ``generate`` cannot do across turns."""
+"""Images in a chat: a turn's content parts and images read as RGB, and a turn with images fed with M-RoPE
+positions continued from the cache (Qwen3-VL), which ``generate`` cannot do across turns."""
 
 from __future__ import annotations
 
@@ -12,15 +12,34 @@ from ..attach import unwrap
 from ..compat import cache_kwargs
 from .errors import ChatInputError
 
-def _turn_images(images: Any, read: bool = True) -> list[Any]:
-    """A turn's images as RGB PIL images read now (:func:`retention.images.as_rgb`), so the turn, its saved
-    transcript and a resumed chat show the same pixels whatever later happens to the files: ``images`` a list of PIL
-    images and image paths (``str`` or ``Path``), or one of them alone. :class:`ChatInputError` naming the entry
-    that is neither, or a file that is missing or no image. ``read=False`` (a text-only model, which refuses any
-    image by name) only makes the list."""
-    from PIL import Image, UnidentifiedImageError
+_IMAGE_KEYS = ("image", "url", "path", "base64")  # where transformers' chat templates find an image part's source
 
-    from ..images import as_rgb, open_rgb
+
+def _read_image(source: Any, what: str) -> Any:
+    """``source`` read as :func:`retention.images.load_rgb` reads it; :class:`ChatInputError` naming ``what`` (``image
+    0``, ``part 2``) and the problem otherwise."""
+    from PIL import Image
+
+    from ..images import ImageSourceError, load_rgb
+
+    if not isinstance(source, (str, Path, Image.Image)):  # an array would chat but never save
+        raise ChatInputError(f"{what} is a {type(source).__name__}: give a PIL image, an image file's path, an "
+                             "http(s) URL, a data:image/...;base64, URI or base64 data"
+                             + (" (an array: PIL.Image.fromarray(array))" if hasattr(source, "shape") else ""))
+    try:
+        return load_rgb(source)
+    except ImageSourceError as e:
+        shown = source if not isinstance(source, str) or len(source) <= 60 else f"{source[:60]}..."
+        raise ChatInputError(f"{what} ({shown}) cannot be read as an image: {e}") from None
+
+
+def _turn_images(images: Any, read: bool = True) -> list[Any]:
+    """A turn's images as RGB PIL images read now (:func:`retention.images.load_rgb`), so the turn, its saved
+    transcript and a resumed chat show the same pixels whatever later happens to the files: ``images`` a list of PIL
+    images and image sources (paths as ``str`` or ``Path``, http(s) URLs, data URIs, base64 data), or one of them
+    alone. :class:`ChatInputError` naming the entry that is neither, or one that cannot be read as an image.
+    ``read=False`` (a text-only model, which refuses any image by name) only makes the list."""
+    from PIL import Image
 
     if images is None:
         return []
@@ -30,24 +49,75 @@ def _turn_images(images: Any, read: bool = True) -> list[Any]:
         raise ChatInputError(f"images must be a list of PIL images or image paths, got {type(images).__name__}")
     if not read:
         return list(images)
-    out = []
-    for k, image in enumerate(images):
-        if isinstance(image, Image.Image):
-            out.append(as_rgb(image))
-        elif isinstance(image, (str, Path)):
-            try:
-                out.append(open_rgb(image))
-            except (OSError, UnidentifiedImageError) as e:  # missing, a folder, not an image
-                raise ChatInputError(f"image {k} ({image}) cannot be read as an image: {e}") from None
-        else:  # an array would chat but never save, and None or a number failed deep in the processor
-            raise ChatInputError(f"image {k} is a {type(image).__name__}: give a PIL image or an image file's path "
-                                 "(an array: PIL.Image.fromarray(array))")
-    return out
+    return [_read_image(image, f"image {k}") for k, image in enumerate(images)]
+
+
+def _turn_parts(content: Any, images: Any, read: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A user turn as the chat keeps it: ``(parts, images)``, ``parts`` the message's content in order (``{"type":
+    "text", "text"}`` and ``{"type": "image"}``, one per image, so the chat template puts each image's tokens where
+    its part stands) and ``images`` the images read (:func:`_turn_images`), in the order of their parts.
+
+    ``content`` is the turn's text (its ``images`` go first, as ``images=`` always put them), or a list of content
+    parts as Qwen3-VL and transformers' chat templates take them: ``{"type": "text", "text": ...}`` (or a bare
+    string), ``{"type": "image", "image" | "url" | "path" | "base64": source}``; or a whole user message ``{"role":
+    "user", "content": ...}``. :class:`ChatInputError` naming the part and the problem otherwise (a video part, say),
+    before any model work; ``read=False`` (a text-only model) checks the parts without reading images."""
+    from .options import _check_text
+
+    if isinstance(content, dict) and "content" in content:  # a message, as in transformers' messages list
+        if content.get("role", "user") != "user":
+            raise ChatInputError(f"a turn is the user's: got a message whose role is {content.get('role')!r}")
+        content = content["content"]
+    if isinstance(content, str):
+        _check_text("the message", content)
+        images = _turn_images(images, read)
+        return [{"type": "image"} for _ in images] + [{"type": "text", "text": content}], images
+    if not isinstance(content, (list, tuple)):
+        raise ChatInputError(f"the message must be a str or a list of content parts ({{\"type\": \"text\", "
+                             f"\"text\": ...}}, {{\"type\": \"image\", \"image\": ...}}), got "
+                             f"{type(content).__name__}: {content!r:.60}")
+    if images is not None:
+        raise ChatInputError("images= goes with a text message; a list of content parts gives its images as "
+                             "{\"type\": \"image\", \"image\": ...} parts where they stand: put them there")
+    if not content:
+        raise ChatInputError("the message is an empty list of content parts: give text, images or both")
+    parts, read_images = [], []
+    for k, part in enumerate(content):
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if not isinstance(part, dict):
+            raise ChatInputError(f"part {k} is a {type(part).__name__}: a content part is {{\"type\": \"text\", "
+                                 f"\"text\": ...}} or {{\"type\": \"image\", \"image\": ...}}")
+        kind = part.get("type")
+        if kind == "text":
+            _check_text(f"part {k}'s text", part.get("text"))
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            given = [key for key in _IMAGE_KEYS if part.get(key) is not None]
+            if len(given) != 1:
+                raise ChatInputError(f"part {k} (an image) must give its image under one of "
+                                     f"{', '.join(map(repr, _IMAGE_KEYS))}, got "
+                                     + (f"{', '.join(given)}" if given else f"keys {sorted(part)}"))
+            source = part[given[0]]
+            read_images.append(_read_image(source, f"part {k}") if read else source)
+            parts.append({"type": "image"})
+        elif kind == "video" or (isinstance(kind, str) and "video" in kind):
+            raise ChatInputError(f"part {k} is a video: this chat does not take video; extract frames (e.g. ffmpeg "
+                                 "-i clip.mp4 -vf fps=1 frame%03d.png) and give them as image parts")
+        else:
+            raise ChatInputError(f"part {k} has type {kind!r}: a chat turn takes \"text\" and \"image\" parts")
+    return parts, read_images
 
 
 class MultimodalMixin:
     """M-RoPE positions of :class:`~retention.chat.RetentionChat` (a vision-language model keeps one
     ``rope_deltas``; each chat keeps its own, ``_rope_deltas``, and puts it back before it runs the model)."""
+
+    def _mark_images(self, ids: torch.Tensor) -> None:
+        """Tell the cache which of the conversation's ``ids`` ``(1, T)`` are image tokens, so a policy sees the
+        modality of every entry (``EntryView.is_image``); a text-only chat marks none (the view's flag stays None)."""
+        if self.multimodal:
+            self.cache.mark_image_tokens(ids[0] == unwrap(self.model).config.image_token_id)
 
     def _own_positions(self) -> None:
         """Put this conversation's M-RoPE offset on the model (another chat on the same model may have moved it)."""

@@ -25,7 +25,7 @@ from ..policies.base import EvictionPolicy
 from ..templates import template_variables_problem
 from .errors import ChatInputError, ChatSetupError, PastPositionsWarning
 from .graphs import GraphDecodingMixin
-from .multimodal import MultimodalMixin, _turn_images
+from .multimodal import MultimodalMixin, _turn_parts
 from .options import (_ASSISTED, _check_counts, _check_generation_options, _check_generation_values,
                       _check_one_reply, _check_text)
 from .template import TemplateMixin, _ids
@@ -185,8 +185,8 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
 
     def memory(self) -> dict[str, Any]:
         """The cache's memory report (see :meth:`RetentionCache.memory_report`); a vision-language chat adds
-        ``image_tokens`` (seen so far) and ``kept_image_entries`` (entries of image tokens kept, all layers and
-        heads)."""
+        ``image_tokens`` (seen so far), ``kept_image_entries`` (entries of image tokens kept, all layers and heads) and
+        ``kept_text_entries`` (the other kept entries), so ``kept_entries`` splits as text + image."""
         if stale := self._stale_tokens():
             warnings.warn(f"the report counts the entries of {stale:+,} tokens the conversation does not hold "
                           "(the last turn failed midway); the next turn feeds the conversation again without them",
@@ -196,12 +196,15 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
             from ..cache.hf import kept_where
 
             image = self.ids[0] == unwrap(self.model).config.image_token_id
-            report.update(image_tokens=int(image.sum()), kept_image_entries=kept_where(self.cache, image))
+            kept_image = kept_where(self.cache, image)
+            report.update(image_tokens=int(image.sum()), kept_image_entries=kept_image,
+                          kept_text_entries=report["kept_entries"] - kept_image)
         return report
 
     def _refeed(self, ids: torch.Tensor, turns: list[dict[str, Any]]) -> None:
         """Feed a conversation's ``ids`` ``(1, T)`` and its image ``turns`` through the (empty) cache in chunks, turns
         with images as they were fed live, and make them this chat's (the last token goes with the next turn)."""
+        self._mark_images(ids)
         for t in turns:
             start, length = t["start"], t["length"]
             self._feed(ids, max(start - 1, 0))  # as live: the last reply's last token goes with the turn
@@ -260,20 +263,23 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
                 )
 
     # -- one turn ----------------------------------------------------------------------------------
-    def add_turn(self, text: str, reply: str, images: Sequence[Any] | None = None) -> None:
+    def add_turn(self, text: str | Sequence[Any] | dict[str, Any], reply: str,
+                 images: Sequence[Any] | None = None) -> None:
         """Add a user turn (with images for vision-language models) and a reply given, not generated: a known
         history (a benchmark's earlier turns, another chat's log) fed through this chat's cache as if the model
-        had said ``reply`` and then stopped. Its tokens compete for the budget like any others."""
+        had said ``reply`` and then stopped. Its tokens compete for the budget like any others. ``text`` is what
+        :meth:`send` takes: a string (``images`` before it) or a list of content parts in order."""
         self._refuse_while_streaming("add_turn()")
-        images = _turn_images(images, read=self.multimodal)
+        parts, images = _turn_parts(text, images, read=self.multimodal)
         _check_text("the reply", reply)
-        turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
+        turn = self._encode_turn(parts, images)  # validates; nothing is changed before this returns
         full = torch.cat([self.ids, turn["input_ids"]], dim=1)
         said = self.tokenizer(reply, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
         stop = torch.tensor([self._stop_after(turn["message"], reply)], dtype=torch.long, device=self.device)
         out = torch.cat([full, said, stop.view(1, -1)], dim=1)
         self._warn_past_positions(out.shape[1])
         self._repair()
+        self._mark_images(out)
         self._own_positions()
         if "pixel_values" in turn:
             self._prefill_multimodal(turn)
@@ -281,11 +287,20 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
         self._commit(full, out, turn, {})
         self._last_reply_ended = bool(stop.numel())  # the tokenizer's eos may close turns where generate's names none
 
-    def send(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> str:
-        """Add a user turn (with images for vision-language models), generate and return the reply."""
+    def send(self, text: str | Sequence[Any] | dict[str, Any], images: Sequence[Any] | None = None,
+             **generation_kwargs: Any) -> str:
+        """Add a user turn (with images for vision-language models), generate and return the reply.
+
+        ``text``: the message, with its ``images`` (PIL images, paths, http(s) URLs, data URIs or base64 data) going
+        before it; or its content parts in order as Qwen3-VL's chat template takes them, each image's tokens where its
+        part stands: ``[{"type": "text", "text": "Compare"}, {"type": "image", "image": photo}, {"type": "text",
+        "text": "with"}, {"type": "image", "url": "https://..."}]`` (an image part gives its source under ``image``,
+        ``url``, ``path`` or ``base64``; ``images`` is then left out); or a whole ``{"role": "user", "content": ...}``
+        message. Video parts are refused: give a video's frames as images."""
         return "".join(self.stream(text, images, **generation_kwargs))
 
-    def stream(self, text: str, images: Sequence[Any] | None = None, **generation_kwargs: Any) -> Iterator[str]:
+    def stream(self, text: str | Sequence[Any] | dict[str, Any], images: Sequence[Any] | None = None,
+               **generation_kwargs: Any) -> Iterator[str]:
         """Like :meth:`send`, yielding the reply as it is generated.
 
         Stopping early (``break``, ``close()``, or Ctrl-C while it waits for the next piece) stops generation at the
@@ -296,7 +311,7 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
         from ..cache.hf import is_count
 
         self._refuse_while_streaming("a new turn")
-        images = _turn_images(images, read=self.multimodal)
+        parts, images = _turn_parts(text, images, read=self.multimodal)
         _check_generation_options(self.model, generation_kwargs, ChatInputError)
         kwargs = {**self.generation_kwargs, **generation_kwargs}
         _check_generation_values(kwargs, ChatInputError)
@@ -313,11 +328,12 @@ class RetentionChat(TranscriptMixin, TemplateMixin, MultimodalMixin, GraphDecodi
         if not is_count(kwargs["max_new_tokens"]) or kwargs["max_new_tokens"] < 1:
             raise ChatInputError(f"max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
         kwargs["max_new_tokens"] = int(kwargs["max_new_tokens"])
-        turn = self._encode_turn(text, images)  # validates; nothing is changed before this returns
+        turn = self._encode_turn(parts, images)  # validates; nothing is changed before this returns
         self._streaming = True  # until this turn is committed (or fails): see _refuse_while_streaming
         try:
             self._repair()
             full = torch.cat([self.ids, turn["input_ids"]], dim=1)
+            self._mark_images(full)
             self._own_positions()
             if "pixel_values" in turn:
                 self._prefill_multimodal(turn)

@@ -9,7 +9,6 @@ import torch
 
 from ..attach import unwrap
 from .errors import ChatInputError, ChatSetupError
-from .options import _check_text
 
 def shown_reply(reply: str) -> str:
     """A reply's text as chat templates show it in later turns: without a reasoning part (``...</think>``)."""
@@ -17,20 +16,42 @@ def shown_reply(reply: str) -> str:
 
 
 def text_after_reply(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
-                     message: dict[str, Any], text: str) -> str | None:
-    """What a chat template renders after the last reply of ``messages`` once ``message`` (its text ``text``) follows,
-    generation prompt included: the reply's closer, the new turn and the prompt. ``render(messages)`` renders with
-    the generation prompt. ``None`` when the template does not show the reply before the new turn.
+                     message: dict[str, Any], text: str | None = None) -> str | None:
+    """What a chat template renders after the last reply of ``messages`` once ``message`` follows, generation prompt
+    included: the reply's closer, the new turn and the prompt. ``render(messages)`` renders with the generation
+    prompt. ``None`` when the template does not show the reply before the new turn. ``text``: the text of a
+    ``message`` whose content is a string (default: that string); a content list's text parts are its own.
 
-    Markers stand in for the new turn's text and for the reply (whose shown text may differ from the generated one: a
+    Markers stand in for the new turn's texts and for the reply (whose shown text may differ from the generated one: a
     reasoning part left out; or be empty), so the closer is found wherever the template puts them."""
-    marker = "\x1eretention-turn\x1e"  # stands in for the text, to find where the new turn begins
-    content = marker if isinstance(message["content"], str) else [
-        {**c, "text": marker} if c.get("type") == "text" else c for c in message["content"]]
-    rendered = render(_reply_as_marker(messages) + [{**message, "content": content}])
-    at = rendered.find(marker)
+    content = message["content"]
+    if isinstance(content, str):
+        texts, marked = [content if text is None else text], _marker(0)
+    else:
+        texts, marked = [], []
+        for c in content:
+            if c.get("type") == "text":
+                marked.append({**c, "text": _marker(len(texts))})
+                texts.append(c.get("text", ""))
+            else:
+                marked.append(c)
+        if not texts:  # images only: an empty text part first, which templates render as nothing, marks the turn
+            marked, texts = [{"type": "text", "text": _marker(0)}, *marked], [""]
+    rendered = render(_reply_as_marker(messages) + [{**message, "content": marked}])
+    found = [at for at in (rendered.find(_marker(k)) for k in range(len(texts))) if at >= 0]
+    at = min(found) if found else -1
     start = rendered.rfind(_REPLY, 0, at) if at >= 0 else -1
-    return rendered[start + len(_REPLY) :].replace(marker, text) if start >= 0 else None
+    if start < 0:
+        return None
+    after = rendered[start + len(_REPLY) :]
+    for k, t in enumerate(texts):
+        after = after.replace(_marker(k), t)
+    return after
+
+
+def _marker(k: int) -> str:
+    """Stands in for a new turn's ``k``-th text, to find where the turn begins."""
+    return f"\x1eretention-turn-{k}\x1e"
 
 
 _REPLY = "\x1eretention-reply\x1e"  # stands in for the last reply, to find where the template ends it
@@ -58,17 +79,19 @@ class TemplateMixin:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   **self.chat_template_kwargs)
 
-    def _encode_turn(self, text: str, images: list[Any]) -> dict[str, Any]:
-        _check_text("the message", text)
+    def _encode_turn(self, parts: list[dict[str, Any]], images: list[Any]) -> dict[str, Any]:
+        """A user turn tokenized as the cache needs it: ``parts`` the message content in order (``{"type": "text"}``
+        and ``{"type": "image"}`` parts, :func:`~retention.chat.multimodal._turn_parts`), ``images`` the images of
+        its image parts in their order. Returns the processor's outputs (``input_ids`` ``(1, T)``, with images
+        ``pixel_values`` and ``image_grid_thw`` ``(n_images, 3)``), the ``message`` and the ``images``."""
         if images and not self.multimodal:
             raise ChatInputError(
                 f"{len(images)} image(s) given but {type(unwrap(self.model)).__name__} is a text-only model: "
                 "send text only, or load a vision-language model (e.g. Qwen3-VL)"
             )
-        if self.multimodal:
-            content: Any = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        else:
-            content = text
+        texts = [p["text"] for p in parts if p["type"] == "text"]
+        # a text-only model's template takes a string: its parts' texts, as read_history joins a log's
+        content: Any = parts if self.multimodal else " ".join(texts)
         message = {"role": "user", "content": content}
         new_full = self._render(self.messages + [message], generation_prompt=True)
         if len(self.ids[0]) == 0:
@@ -78,8 +101,8 @@ class TemplateMixin:
             if new_full.startswith(history):  # ChatML, Llama, Qwen3-VL: each turn renders after the last
                 delta = self._closer() + new_full[len(history) :]
             else:  # the template renders the last reply otherwise once a turn follows (Qwen3's think blocks)
-                delta = self._after_reply(message, text)
-        if self.multimodal:
+                delta = self._after_reply(message)
+        if self.multimodal:  # the processor fills the template's image placeholders with the images in order
             enc = self.processor(text=[delta], images=images or None, return_tensors="pt")
         else:
             enc = self.tokenizer(delta, add_special_tokens=False, return_tensors="pt")
@@ -88,11 +111,11 @@ class TemplateMixin:
         return {**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in enc.items()}, "message": message,
                 "images": images}
 
-    def _after_reply(self, message: dict[str, Any], text: str) -> str:
+    def _after_reply(self, message: dict[str, Any]) -> str:
         """What follows the last reply when ``message`` is added, for templates that render a reply differently once
         a turn follows it (Qwen3 drops the empty ``<think>`` block of an answered turn). The cache keeps the reply as
         it was generated; only the turn's own text (the reply's closer, the message, the generation prompt) is fed."""
-        after = text_after_reply(lambda m: self._render(m, generation_prompt=True), self.messages, message, text)
+        after = text_after_reply(lambda m: self._render(m, generation_prompt=True), self.messages, message)
         if after is None:
             raise ChatSetupError("the chat template renders earlier turns without the reply generated, so turns "
                                  "cannot be fed incrementally; give RetentionChat a processor whose chat template "

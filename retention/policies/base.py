@@ -40,7 +40,10 @@ class EntryView:
     ``(R,)`` int64: position of the newest token of the stream's sequence; ``seq``, ``layer``, ``head``
     ``(R,)`` identify each stream; ``start`` ``(R,)`` int64: position of the sequence's first real
     token (its left padding; ``None``: no padding); ``keys``, ``values`` ``(R, Lpad, D)``: the entries'
-    key (after RoPE) and value vectors, given only to policies with ``needs_kv`` (``None`` otherwise).
+    key (after RoPE) and value vectors, given only to policies with ``needs_kv`` (``None`` otherwise);
+    ``is_image`` ``(R, Lpad)`` bool: the entries of image tokens (a vision-language model's image placeholders), set
+    from what the cache was told (:meth:`RetentionCache.mark_image_tokens`, which :class:`RetentionChat` calls);
+    ``None`` when it knows no modality (a text model, or ``generate`` called without marks). False at padding.
     """
 
     log_beta: torch.Tensor
@@ -53,6 +56,7 @@ class EntryView:
     start: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    is_image: torch.Tensor | None = None
 
     def sinks(self, n: int) -> torch.Tensor:
         """``(R, Lpad)`` bool: the entries among each sequence's first ``n`` real tokens (attention sinks)."""
