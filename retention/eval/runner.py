@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from retention.attach import unwrap
 from retention.models import is_multimodal
-from retention.tasks import Item, generate
+from retention.tasks import FIDELITY_TASKS, TASKS, Item, generate
 from retention.tasks.base import count_tokens, render_chat
 
 from .config import EvalConfig, EvalConfigError, TaskSpec
@@ -390,12 +390,10 @@ def _check_shows_images(cfg: EvalConfig, config: Any) -> None:
 def _tokens_after_context(cfg: EvalConfig, spec: Any) -> tuple[int, str]:
     """The fewest tokens a text task's item adds to its ``length`` context, and what they are: a fidelity item's
     continuation, a generated task's reply (``max_new_tokens``); a Hub set's reply length comes with its records."""
-    if spec.name == "fidelity":
+    if spec.name in FIDELITY_TASKS:
         import inspect
 
-        from retention.tasks import TASKS
-
-        n = spec.params.get("continuation", inspect.signature(TASKS["fidelity"]).parameters["continuation"].default)
+        n = spec.params.get("continuation", inspect.signature(TASKS[spec.name]).parameters["continuation"].default)
         return n, f"its continuation of {n} tokens"
     if spec.name in HUB_TASKS:
         return 1, "the question and the reply"
@@ -418,7 +416,7 @@ def _check_lengths_fit(cfg: EvalConfig, config: Any) -> None:
             if length + after > limit:
                 from .config import EvalConfigError
 
-                fix = (f"at most {limit - after}" if spec.name == "fidelity"
+                fix = (f"at most {limit - after}" if spec.name in FIDELITY_TASKS
                        else f"under {limit - after}, leaving room for the question")
                 raise EvalConfigError(
                     f"lengths: {length} context tokens of {spec.name}, with {what} after them, pass {cfg.model}'s "

@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING, Any
 from .base import KEYS, Item
 from .dialogue import dialogue_memory
 from .fidelity import fidelity
+from .heldout.fidelity_genres import fidelity_news, fidelity_wiki
+from .heldout.late_recall import late_recall
+from .heldout.prose_facts import prose_facts
+from .heldout.records import records
+from .heldout.ruler_niah import ruler_niah
+from .heldout.span_cloze import span_cloze
 from .image_memory import image_memory
 from .niah import multi_key_needle, multi_query_needle, multi_value_needle, single_needle
 from .qa import document_qa
@@ -40,7 +46,19 @@ TASKS = {
     "fidelity": fidelity,
     # vision-language models: photos early in a dialogue (retention.eval.multimodal runs it)
     "image_memory": image_memory,
+    # held-out families (retention.tasks.heldout): evaluation only, training refuses them
+    "prose_facts": prose_facts,
+    "records": records,
+    "late_recall": late_recall,
+    "ruler_niah": ruler_niah,
+    "span_cloze": span_cloze,
+    "fidelity_news": fidelity_news,
+    "fidelity_wiki": fidelity_wiki,
 }
+HELD_OUT_TASKS = ("prose_facts", "records", "late_recall", "ruler_niah", "span_cloze", "fidelity_news",
+                  "fidelity_wiki")
+# the fidelity tasks: a continuation scored against the full cache, no question
+FIDELITY_TASKS = ("fidelity", "fidelity_news", "fidelity_wiki")
 
 
 # the counts a task's options may take, (least, most): outside them a generator failed deep inside (rng.sample's
@@ -56,6 +74,10 @@ _COUNTS: dict[str, dict[str, tuple[int, int | None]]] = {
     "document_qa": {"sections": (1, None)},
     "dialogue_memory": {"facts": (1, 4)},
     "fidelity": {"continuation": (1, None)},
+    "fidelity_news": {"continuation": (1, None)},
+    "fidelity_wiki": {"continuation": (1, None)},
+    "prose_facts": {"facts": (1, 5)},
+    "ruler_niah": {"keys": (1, 50)},
 }
 _COMMON = ("tokenizer", "length", "n", "seed", "split", "source")
 
@@ -98,4 +120,4 @@ def generate(task: str, tokenizer: PreTrainedTokenizerBase, length: int, n: int,
         raise ValueError(f"{task}: {e}") from None
 
 
-__all__ = ["Item", "TASKS", "check_params", "generate"]
+__all__ = ["FIDELITY_TASKS", "HELD_OUT_TASKS", "Item", "TASKS", "check_params", "generate"]

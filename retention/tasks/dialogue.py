@@ -5,7 +5,7 @@ documentation) and asks about them; the assistant answers by quoting the passage
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .haystack import passage
 from .base import Item, count_tokens, item_id, render_chat, rng_for
@@ -61,9 +61,11 @@ def dialogue_memory(tokenizer: PreTrainedTokenizerBase, length: int, n: int, see
 
 
 def talk_about_passages(tokenizer: PreTrainedTokenizerBase, rng: random.Random, opening: list[dict[str, Any]],
-                        length: int, split: str, source: str) -> list[dict[str, str]]:
+                        length: int, split: str, source: str, asks: Sequence[str] = ASKS,
+                        replies: Sequence[str] = REPLIES) -> list[dict[str, str]]:
     """Turns after ``opening`` in which the user shares passages of real text and the assistant quotes them: whole
-    exchanges while the rendered conversation fits ``length`` tokens, then a last one cut to fit."""
+    exchanges while the rendered conversation fits ``length`` tokens, then a last one cut to fit. ``asks``: what the
+    user says after a passage; ``replies``: the assistant's, ``{s}`` standing for the sentence it quotes."""
     def fits(msgs: list[dict[str, Any]]) -> bool:
         return count_tokens(tokenizer, render_chat(tokenizer, msgs)) <= length
 
@@ -79,7 +81,7 @@ def talk_about_passages(tokenizer: PreTrainedTokenizerBase, rng: random.Random, 
     turns: list[dict[str, str]] = []
     while True:  # whole exchanges while they fit, then a last one cut to fit
         sents = passage(rng, rng.randint(3, 8), split, source)
-        ask, reply, hash_index = rng.choice(ASKS), rng.choice(REPLIES), rng.randrange(3)
+        ask, reply, hash_index = rng.choice(asks), rng.choice(replies), rng.randrange(3)
         if fits(opening + turns + exchange(sents, ask, reply)):
             turns += exchange(sents, ask, reply)
             continue

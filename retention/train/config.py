@@ -286,10 +286,14 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
 def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str, Any], source: str,
                      evicting: bool = False) -> None:
     """A synthetic source names an eval task, draws from the training haystacks and fits in a row."""
-    from retention.tasks import TASKS, check_params  # light: generators only, no model
+    from retention.tasks import HELD_OUT_TASKS, TASKS, check_params  # light: generators only, no model
 
+    if src.path in HELD_OUT_TASKS:  # training on them would turn the held-out score into an in-distribution one
+        raise ConfigError(f"{key}.path = {src.path!r}{_where(key + '.path', lines, source)}: a held-out task family "
+                          "(retention.tasks.heldout), for evaluation only: its templates and genres must stay unseen "
+                          "by training; train on the other tasks and text or chat sources")
     # fidelity is plain text (use a text source) except for objective evict, which needs its context/continuation split
-    usable = sorted(t for t in TASKS if t != "fidelity" or evicting)
+    usable = sorted(t for t in TASKS if (t != "fidelity" or evicting) and t not in HELD_OUT_TASKS)
     if src.path not in usable:
         raise ConfigError(f"{key}.path = {src.path!r}{_where(key + '.path', lines, source)}: a synthetic source "
                           f"names an eval task, one of {usable}")

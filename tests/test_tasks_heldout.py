@@ -1,0 +1,140 @@
+"""The held-out task families (issue 74): their templates occur in no training generator, their genres have no
+training split, training configs refuse them, and each item is answerable exactly as it is asked."""
+
+import re
+
+import pytest
+
+from retention.tasks import HELD_OUT_TASKS, TASKS, generate
+from retention.tasks.haystack import documents
+from retention.tasks.image_items import IMAGE_TASKS
+from retention.train.config import ConfigError, load_config
+
+QUESTIONED = [t for t in HELD_OUT_TASKS if not t.startswith("fidelity")]
+TRAINABLE = [t for t in TASKS if t not in HELD_OUT_TASKS and t not in IMAGE_TASKS and t != "fidelity"]
+# RULER's intro, which our in-distribution needles were written after ("Some special magic numbers are hidden within
+# the following text. Make sure to memorize them."): the one stretch a held-out family shares with training text
+RULER_SHARED = "hidden within the following text. Make sure to memorize"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from retention.models import ModelNotAvailableError, embedded_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
+    except ModelNotAvailableError as e:
+        pytest.skip(str(e))
+
+
+def _parts(item):
+    """The item's own words (context, turns, question, answer prefix), without the chat template's."""
+    return [item.context, item.question, item.answer_prefix] + [m["content"] for m in item.messages or []]
+
+
+def _grams(texts, n=8):
+    out = set()
+    for text in texts:
+        words = text.split()
+        out |= {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+    return out
+
+
+def test_no_held_out_template_occurs_in_a_training_generator(tok):
+    """No run of 8 words of a held-out item (intro, fact sentences, records, turns, question, answer prefix, genre)
+    occurs in the items of any generator a training config may name, drawn from the training haystacks."""
+    trained = set()
+    for task in TRAINABLE:
+        for source in ("sotu", "pydoc"):
+            for item in generate(task, tok, 768, 2, seed=5, split="train", source=source):
+                trained |= _grams(_parts(item))
+    allowed = _grams([RULER_SHARED])
+    for task in QUESTIONED:
+        shared = set()
+        for item in generate(task, tok, 768, 4, seed=5):
+            shared |= _grams(_parts(item)) & trained
+        if task == "ruler_niah":
+            assert shared <= allowed, (task, sorted(shared)[:5])
+        else:
+            assert not shared, (task, sorted(shared)[:5])
+
+
+@pytest.mark.parametrize("task", QUESTIONED)
+def test_items_ask_what_their_text_states_once(task, tok):
+    """The answer is in the conversation as it is asked (case and all), once where the family promises a unique
+    key: a reply copied from the text is right, and no other place in the text is a second right answer."""
+    for item in generate(task, tok, 1024, 4, seed=7):
+        text = "\n".join(_parts(item)[:1] + _parts(item)[3:])
+        assert item.question and len(item.answers) == 1
+        answer = item.answers[0]
+        assert answer in text, (task, answer)
+        if task in ("ruler_niah", "span_cloze"):  # a record's value may repeat in another row: its key tells them apart
+            assert len(re.findall(rf"(?<![\w-]){re.escape(answer)}(?![\w-])", text)) == 1, (task, answer)
+        assert answer not in item.question
+
+
+def test_items_are_reproducible_and_independent_of_n(tok):
+    for task in HELD_OUT_TASKS:
+        a = generate(task, tok, 768, 3, seed=2)
+        assert [_parts(x) for x in a] == [_parts(x) for x in generate(task, tok, 768, 3, seed=2)]
+        assert _parts(a[0]) == _parts(generate(task, tok, 768, 1, seed=2)[0])
+        assert _parts(a[0]) != _parts(generate(task, tok, 768, 1, seed=3)[0])
+        assert a[0].task == task and a[0].id.startswith(f"{task}-")
+
+
+def test_prose_facts_states_each_fact_and_asks_one(tok):
+    item = generate("prose_facts", tok, 1024, 1, seed=0, facts=4)[0]
+    text = item.messages[0]["content"]
+    assert len(set(item.meta["facts"])) == 4 and all(f in text for f in item.meta["facts"])
+    assert sum(item.answers[0] in f for f in item.meta["facts"]) >= 1
+    assert not any(w in text.lower() for w in ("memorize", "remember", "special magic"))  # no warning line
+    assert item.messages[-1]["role"] == "assistant"  # the question comes in a later turn of its own
+
+
+def test_records_cycle_through_three_formats(tok):
+    items = generate("records", tok, 1024, 3, seed=0)
+    assert [i.meta["format"] for i in items] == ["table", "config", "log"]
+    assert "| SKU |" in items[0].messages[0]["content"] and "[service." in items[1].messages[0]["content"]
+
+
+def test_late_recall_states_the_detail_first_and_asks_it_last(tok):
+    item = generate("late_recall", tok, 2048, 1, seed=1)[0]
+    assert item.meta["said"] in item.messages[0]["content"]
+    assert not any(item.meta["said"] in m["content"] for m in item.messages[1:])
+    assert len(item.messages) >= 8
+
+
+def test_ruler_niah_keys_and_values(tok):
+    uuids = generate("ruler_niah", tok, 1024, 2, seed=0, keys=6, value_type="uuids")
+    for item in uuids:
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", item.answers[0])
+        assert item.context.count("One of the special magic uuids for ") == 6
+    with pytest.raises(ValueError, match="value_type must be one of"):
+        generate("ruler_niah", tok, 1024, 1, value_type="words")
+    with pytest.raises(ValueError, match="keys must be a whole number"):
+        generate("ruler_niah", tok, 1024, 1, keys=0)
+
+
+def test_held_out_genres_have_no_training_split():
+    for genre in ("news", "wiki"):
+        assert len(documents("eval", genre)) > 50
+        with pytest.raises(ValueError, match="held-out genre: it has no training split"):
+            documents("train", genre)
+    assert not {d.text for d in documents("eval", "news")} & {d.text for d in documents("eval", "sotu")}
+
+
+def test_wiki_markup_is_stripped():
+    text = " ".join(d.text for d in documents("eval", "wiki")[:20])
+    for markup in ("{{", "}}", "[[", "]]", "<ref", "'''", "{|"):
+        assert markup not in text, markup
+
+
+@pytest.mark.parametrize("task", HELD_OUT_TASKS)
+def test_training_configs_refuse_held_out_families(task, tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("budget:\n  tokens_per_head: 8\ndata:\n  seq_len: 1024\n  sources:\n"
+                 f"    - {{kind: synthetic, path: {task}, max_docs: 2, length: 512}}\n")
+    with pytest.raises(ConfigError, match=rf"data.sources.0.path = '{task}' \(.*line 6\): a held-out task family"):
+        load_config(p)
