@@ -50,8 +50,8 @@ _EXTERNAL = re.compile(r"\[https?://\S+ ?([^\]]*)\]")
 
 
 def strip_wikitext(text: str) -> str:
-    """Prose lines of a wikitext page: templates, tables, references, formulas, files and tags removed, links as their text,
-    headings, lists and table rows dropped."""
+    """Prose lines of a wikitext page: templates, tables, references, formulas, files and tags removed, links as
+    their text, headings, lists and table rows dropped."""
     text = _BLOCK.sub("", _REF.sub("", html.unescape(text)))
     for _ in range(6):
         text, n = _TEMPLATE.subn("", text)
