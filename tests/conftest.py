@@ -15,3 +15,16 @@ def _fresh_accelerator_state():
     mod = sys.modules.get("accelerate.state")
     if mod is not None and mod.AcceleratorState._shared_state:
         mod.AcceleratorState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The embedded SmolLM2's tokenizer, for the task generators' tests (skipped where the model is not installed)."""
+    from transformers import AutoTokenizer
+
+    from retention.models import ModelNotAvailableError, embedded_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
+    except ModelNotAvailableError as e:
+        pytest.skip(str(e))

@@ -8,18 +8,6 @@ from retention.tasks import FIDELITY_TASKS, TASKS, generate
 from retention.tasks.base import count_tokens, render_chat
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from retention.models import ModelNotAvailableError, embedded_model_dir
-
-    try:
-        return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
-    except ModelNotAvailableError as e:
-        pytest.skip(str(e))
-
-
 def _text(tok, item):
     return item.context if item.messages is None else render_chat(tok, item.messages)
 

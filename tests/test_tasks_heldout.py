@@ -17,17 +17,6 @@ TRAINABLE = [t for t in TASKS if t not in HELD_OUT_TASKS and t not in IMAGE_TASK
 RULER_SHARED = "hidden within the following text. Make sure to memorize"
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from retention.models import ModelNotAvailableError, embedded_model_dir
-
-    try:
-        return AutoTokenizer.from_pretrained(embedded_model_dir(progress=False))
-    except ModelNotAvailableError as e:
-        pytest.skip(str(e))
-
 
 def _parts(item):
     """The item's own words (context, turns, question, answer prefix), without the chat template's."""
