@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .heldout.corpora import HELD_OUT_SOURCES
+from .heldout.corpora import HELD_OUT_SOURCES, genre_documents
 
 SPLITS = ("eval", "train")
 SOURCES = ("auto", "sotu", "pydoc", "news", "wiki")  # news, wiki: held-out genres (heldout/corpora.py), eval only
@@ -110,8 +110,6 @@ def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]
         if split != "eval":
             raise ValueError(f"haystack source {source!r} is a held-out genre: it has no training split (training "
                              "uses sotu or pydoc), so the evaluation measures text the gates never saw")
-        from .heldout.corpora import genre_documents
-
         return tuple(Document(title, text, source) for title, text in genre_documents(source))
     pool = _sotu_documents() if source == "sotu" else _pydoc_documents()
     return tuple(d for d in pool if split_of(d.title) == split)
