@@ -11,6 +11,7 @@ card (export.py).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -99,7 +100,25 @@ def train(
     """
     rank0 = os.environ.get("RANK", "0") == "0"  # before the Accelerator exists: torchrun / accelerate set RANK
     with hold_run_folders(cfg) if rank0 else contextlib.nullcontext():  # output and export folders, stale temp
-        return _train(cfg, resume, push_to_hub_repo, model_and_processor)
+        summary = _train(cfg, resume, push_to_hub_repo, model_and_processor)
+    _end_process_group()
+    return summary
+
+
+def _end_process_group() -> None:
+    """Destroy the process group once the DDP wrapper of ``_train`` is gone.
+
+    Its gradient reducer holds the gloo process group from C++ and is freed with the GIL held; freed after
+    ``destroy_process_group`` it holds the last reference, and the group's destructor (which joins gloo's worker
+    threads) then waits on a worker that waits for the GIL to free a finished all-reduce's tensors: a hang at the end
+    of a multi-process CPU run, about one run in four on two busy cores (pytorch/pytorch#56297). Freed first (the
+    frame of ``_train`` returned, its cycles collected here), the group's last reference is Python's, whose
+    destructor releases the GIL.
+    """
+    from accelerate import PartialState
+
+    gc.collect()
+    PartialState().destroy_process_group()
 
 
 def _accelerator(cfg: Config) -> tuple[Accelerator, str | None, str | None]:
@@ -421,7 +440,7 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
                     log.info(f"stopped after step {step} {why}, "
                           f"checkpoint {out_dir / 'checkpoints' / f'step-{step}'} "
                           "written; continue with --resume")
-                accelerator.end_training()
+                _finish_trackers(accelerator)
                 return {"steps": step, "stopped_early": True, "history": history}
     bar.close()
 
@@ -435,10 +454,17 @@ def _train(cfg: Config, resume: str | None, push_to_hub_repo: str | None,
         check_finite_gates(params, "the trained gates")  # on every rank, as for checkpoints
         if main:
             _export(cfg, model, attachment, objective, summary, history, before, after, repo)
-    accelerator.end_training()
+    _finish_trackers(accelerator)
     summary["export_dir"] = str(export_dir)
     summary["history"] = history
     return summary
+
+
+def _finish_trackers(accelerator: Accelerator) -> None:
+    """``accelerator.end_training()`` less its ``destroy_process_group``, which :func:`train` calls once the DDP
+    wrapper is freed (see :func:`_end_process_group`)."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
 
 
 def _save(cfg: Config, accelerator: Accelerator, distiller: nn.Module, params: list[nn.Parameter], model: nn.Module,
