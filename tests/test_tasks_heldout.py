@@ -82,10 +82,31 @@ def test_prose_facts_states_each_fact_and_asks_one(tok):
     assert item.messages[-1]["role"] == "assistant"  # the question comes in a later turn of its own
 
 
-def test_records_cycle_through_three_formats(tok):
-    items = generate("records", tok, 1024, 3, seed=0)
-    assert [i.meta["format"] for i in items] == ["table", "config", "log"]
-    assert "| SKU |" in items[0].messages[0]["content"] and "[service." in items[1].messages[0]["content"]
+def test_records_cycle_through_three_formats_with_one_record_of_its_kind(tok):
+    """Roster, config file and log in turn; the asked record is the one row with a note, the one section with
+    max_connections, the one ERROR line, and it holds the answer."""
+    items = generate("records", tok, 1024, 6, seed=0)
+    assert [i.meta["format"] for i in items] == ["table", "config", "log"] * 2
+    for item in items:
+        lines = item.messages[0]["content"].splitlines()
+        marker = {"table": lambda x: x.startswith("| ") and not x.endswith("| - |") and "|---|" not in x
+                  and not x.startswith("| name"),
+                  "config": lambda x: x.startswith("max_connections = "),
+                  "log": lambda x: " ERROR " in x}[item.meta["format"]]
+        (record,) = [x for x in lines if marker(x)]
+        assert item.answers[0] in record.split()[-2:] or record.endswith(item.answers[0]), (record, item.answers)
+
+
+def test_quoting_prefixes_lead_up_to_the_answer_once(tok):
+    """late_recall and span_cloze replies start with the words before the answer in the text (RULER's answer
+    prefixes do the same): those words occur once in the document, followed by the answer."""
+    for task, quote in (("late_recall", 'You said: "'), ("span_cloze", 'The article says: "')):
+        for item in generate(task, tok, 1024, 4, seed=3):
+            lead = item.answer_prefix.removeprefix(quote)
+            assert item.answer_prefix.startswith(quote) and lead
+            text = item.messages[0]["content"]
+            assert text.count(lead) == 1 and f"{lead} {item.answers[0]}" in text, (task, lead, item.answers)
+            assert lead not in item.question
 
 
 def test_late_recall_states_the_detail_first_and_asks_it_last(tok):

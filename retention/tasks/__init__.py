@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import KEYS, Item
 from .dialogue import dialogue_memory
+from .facts import varied_facts
 from .fidelity import fidelity
 from .heldout.fidelity_genres import fidelity_news, fidelity_wiki
 from .heldout.late_recall import late_recall
@@ -44,6 +45,7 @@ TASKS = {
     "document_qa": document_qa,
     "dialogue_memory": dialogue_memory,
     "fidelity": fidelity,
+    "varied_facts": varied_facts,  # training's fact source of many phrasings (issue 74)
     # vision-language models: photos early in a dialogue (retention.eval.multimodal runs it)
     "image_memory": image_memory,
     # held-out families (retention.tasks.heldout): evaluation only, training refuses them
@@ -77,6 +79,7 @@ _COUNTS: dict[str, dict[str, tuple[int, int | None]]] = {
     "fidelity_news": {"continuation": (1, None)},
     "fidelity_wiki": {"continuation": (1, None)},
     "prose_facts": {"facts": (1, 5)},
+    "varied_facts": {"facts": (0, 4)},
     "ruler_niah": {"keys": (1, 50)},
 }
 _COMMON = ("tokenizer", "length", "n", "seed", "split", "source")

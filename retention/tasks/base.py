@@ -96,3 +96,24 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
     return text + ("Assistant:" if add_generation_prompt else "")
+
+
+def fit_conversation(tokenizer: PreTrainedTokenizerBase, length: int, opener: str, ack: str,
+                     build: Callable[[int], str], max_units: int) -> list[dict[str, str]]:
+    """``[user: opener + document, assistant: ack]`` with the longest ``build(k)`` whose rendered conversation has
+    at most ``length`` tokens: the question then comes in a turn of its own, after the assistant's reply."""
+    def msgs(k: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": opener + "\n\n" + build(k)}, {"role": "assistant", "content": ack}]
+
+    def size(k: int) -> int:
+        return count_tokens(tokenizer, render_chat(tokenizer, msgs(k)))
+
+    if size(0) > length:
+        raise ValueError(f"length {length} is too short: the conversation without its document is {size(0)} tokens")
+    if size(max_units) <= length:
+        raise ValueError(f"not enough text ({max_units} units) for {length} tokens")
+    lo, hi = 0, max_units
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= length else (lo, mid)
+    return msgs(lo)

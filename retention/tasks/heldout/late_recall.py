@@ -1,5 +1,8 @@
 """Held-out family 3: a detail the user gives in the first turn (a locker number, a flight, a relative's name, a
-parking bay), asked many turns later, after a long talk about news articles (a genre no training dialogue uses)."""
+parking bay), asked many turns later, after a long talk about news articles (a genre no training dialogue uses). The
+reply starts by quoting the user up to the detail (``You said: "my gym locker is number``), as RULER's answer prefixes
+do: a first version without it had the full cache of SmolLM2-135M answer 0 of 10 at 4k, and 1 of 6 with a bare
+prefix."""
 
 from __future__ import annotations
 
@@ -18,22 +21,18 @@ ASKS = ["Summarise this for me in one line.", "What is this one about?", "Next a
 REPLIES = ["In one line: {s}", "The gist is this. {s}", "Mainly that {s}", "It boils down to this: {s}"]
 
 
-def _detail(rng: random.Random) -> tuple[str, str, str]:
-    """(what the user says, the later question, the answer)."""
+def _detail(rng: random.Random) -> tuple[str, str, str, str]:
+    """(the words before the detail, the detail, the words after it, the later question)."""
     kind = rng.randrange(4)
     if kind == 0:
-        n = str(rng.randrange(100, 999))
-        return (f"my gym locker is number {n}", "Which number did I say my gym locker is?", n)
+        return "my gym locker is number", str(rng.randrange(100, 999)), "", "Which number did I say my gym locker is?"
     if kind == 1:
         flight = f"{rng.choice(['QF', 'LH', 'KL', 'AC', 'NZ'])}{rng.randrange(100, 999)}"
-        return (f"I fly home on flight {flight} next week", "What was the flight number I mentioned at the start?",
-                flight)
+        return "I fly home next week on flight", flight, "", "What was the flight number I mentioned at the start?"
     if kind == 2:
-        name = rng.choice(FIRST)
-        return (f"my cousin {name} is coming to stay with me", "What is the name of the cousin who is coming to stay?",
-                name)
-    town = rng.choice(TOWNS)
-    return (f"I grew up near {town}", "Near which town did I tell you I grew up?", town)
+        return ("my cousin", rng.choice(FIRST), " is coming to stay with me",
+                "What is the name of the cousin who is coming to stay?")
+    return "I grew up near the town of", rng.choice(TOWNS), "", "Near which town did I tell you I grew up?"
 
 
 def late_recall(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
@@ -43,11 +42,13 @@ def late_recall(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: i
     items = []
     for i in range(n):
         rng = rng_for("late_recall", "eval", length, seed, i)
-        said, question, answer = _detail(rng)
+        lead, answer, tail, question = _detail(rng)
+        said = f"{lead} {answer}{tail}"
         opening = [{"role": "user", "content": f"Quick note before the articles: {said}. Now, I will paste some "
                     "news stories one by one; keep your summaries short."},
                    {"role": "assistant", "content": "Noted. Paste the first story whenever you are ready."}]
         turns = talk_about_passages(tokenizer, rng, opening, length, "eval", "news", asks=ASKS, replies=REPLIES)
         items.append(Item("late_recall", item_id("late_recall", "eval", length, seed, i), "", question,
-                          [answer], messages=opening + turns, meta={"said": said}))
+                          [answer], messages=opening + turns, answer_prefix=f'You said: "{lead}',
+                          meta={"said": said}))
     return items

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from ..base import Item, item_id, place, rng_for
+from ..base import Item, fit_conversation, item_id, place, rng_for
 from ..haystack import passage
-from .common import MONTHS, ORGS, THINGS, TOWNS, code, fit_conversation, person
+from .common import MONTHS, ORGS, THINGS, TOWNS, code, person
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
