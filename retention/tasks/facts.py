@@ -101,7 +101,8 @@ _ACK = ["Done, I have read it.", "Okay, I have gone through it.", "Read it. What
 def _words(template: str, subject: str, attribute: str, value: str = "") -> str:
     poss = subject + ("'" if subject.endswith("s") else "'s")
     out = template.format(S=subject, S_poss=poss, A=attribute, V=value)
-    return out[0].upper() + out[1:] if out else out
+    # a sentence's first letter capitalised, unless it is the value's (the answer is asked as stated)
+    return out[0].upper() + out[1:] if out and not template.startswith("{V}") else out
 
 
 def varied_facts(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",

@@ -89,8 +89,9 @@ _FORMATS = {"table": _table, "config": _config, "log": _log}
 
 def records(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: int = 0, split: str = "eval",
             source: str = "auto") -> list[Item]:
-    """A structured document (table, config file or log, by turns) of ``length`` tokens of conversation; one
-    record's value is asked by its key. ``split``/``source`` are ignored: generated text, evaluation only."""
+    """A structured document (roster, config file or log, by turns) of ``length`` tokens of conversation; the one
+    record with a field no other has is asked by that field. ``split``/``source`` are ignored: generated text,
+    evaluation only."""
     items = []
     for i in range(n):
         rng = rng_for("records", "eval", length, seed, i)
