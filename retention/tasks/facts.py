@@ -128,16 +128,19 @@ def varied_facts(tokenizer: PreTrainedTokenizerBase, length: int, n: int, seed: 
         prefix = _words(rng.choice(_PREFIXES), subject, attribute)
         intro = rng.choice(_INTROS)
         filler = passage(rng, length // 6 + 16, split, source)
+
+        def text(k: int) -> str:  # the first k filler sentences with the facts placed in them
+            return place(filler[:k], sentences, depths)
+
         item_key = item_id("varied_facts", split, length, seed, i)
         meta = {"facts": sentences, "depths": depths}
         if rng.random() < 0.5:
-            context, _ = fit_length(tokenizer, length, lambda k: intro + place(filler[:k], sentences, depths),
-                                    len(filler))
+            context, _ = fit_length(tokenizer, length, lambda k: intro + text(k), len(filler))
             items.append(Item("varied_facts", item_key, context, question, [value], answer_prefix=prefix, meta=meta))
             continue
         paste, ack = rng.choice(_PASTE), rng.choice(_ACK)
         messages = fit_conversation(tokenizer, length, paste + ("\n" + intro.strip() if intro else ""), ack,
-                                    lambda k: place(filler[:k], sentences, depths), len(filler))
+                                    text, len(filler))
         items.append(Item("varied_facts", item_key, "", question, [value], messages=messages, answer_prefix=prefix,
                           meta=meta))
     return items

@@ -1,5 +1,5 @@
-"""Held-out family 3: a detail the user gives in the first turn (a locker number, a flight, a relative's name, a
-parking bay), asked many turns later, after a long talk about news articles (a genre no training dialogue uses). The
+"""Held-out family 3: a detail the user gives in the first turn (a locker number, a flight, a cousin's name, a home
+town), asked many turns later, after a long talk about news articles (a genre no training dialogue uses). The
 reply starts by quoting the user up to the detail (``You said: "my gym locker is number``), as RULER's answer prefixes
 do: a first version without it had the full cache of SmolLM2-135M answer 0 of 10 at 4k, and 1 of 6 with a bare
 prefix."""
