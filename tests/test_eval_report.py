@@ -614,3 +614,23 @@ def test_publishing_into_a_checkpoint_from_before_retention_json_keeps_its_resul
     assert main == "| old | main |" and [s["title"] for s in sections] == ["Old", "New"]
     text = (card / "README.md").read_text()
     assert text.index("| old | main |") < text.index("### Old") < text.index("### New")
+
+
+def test_held_out_and_in_distribution_families_are_summarised_side_by_side_never_averaged(tmp_path):
+    from retention.eval.publish import summary_text
+    from retention.eval.report import families, family_summaries
+
+    rows = _rows(*FULL, "prose_facts", [100.0] * 5) + _rows(*A, "prose_facts", [20.0] * 5)
+    rows += _rows(*FULL, "niah_single", [100.0] * 5) + _rows(*A, "niah_single", [100.0] * 5)
+    (held_title, held), (in_title, in_dist) = families(rows)
+    assert held_title.startswith("Held-out") and {r["task"] for r in held} == {"prose_facts"}
+    assert in_title.startswith("In-distribution") and {r["task"] for r in in_dist} == {"niah_single"}
+    text = family_summaries(rows)
+    assert text.index("Held-out") < text.index("In-distribution")
+    assert "| global_gates | 10% | 20.0 |" in text and "| global_gates | 10% | 100.0 |" in text
+    assert "60.0" not in text  # the mean over both families is nowhere
+    assert families(held) == [(None, held)] and "Held-out" not in family_summaries(held)
+    for r in rows:
+        r["protocol"] = "compress_once"
+    shown = summary_text(rows, tmp_path / "results.jsonl")
+    assert "protocol compress_once (the context compressed once" in shown and "query_agnostic" not in shown

@@ -209,3 +209,23 @@ def test_the_committed_held_out_item_list_is_what_the_generators_draw(tok):
     committed = [json.loads(line) for line in items.path(0).read_text().splitlines()]
     assert len(committed) == 10 * len(items.KEPT)
     assert items.rows(tok, 0) == committed
+
+
+def test_the_candidates_study_scores_the_general_configs_items_into_its_output():
+    """experiments/generalization/candidates.yaml shares eval/configs/smollm2-general.yaml's rows (its full-cache and
+    shipped-gate rows are scored once for both), so everything a row's key and settings depend on must agree."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    general = yaml.safe_load((root / "eval" / "configs" / "smollm2-general.yaml").read_text())
+    study = yaml.safe_load((root / "experiments" / "generalization" / "candidates.yaml").read_text())
+    assert study["tasks"][:len(HELD_OUT_TASKS)] == list(HELD_OUT_TASKS)  # held-out first: scored first
+    shared = ("model", "gates", "output", "tasks", "lengths", "budgets", "items", "seed", "protocol", "prefill",
+              "max_new_tokens")
+    assert {k: study.get(k) for k in shared} == {k: general.get(k) for k in shared}
+    labels = {m.get("label", m["name"]): m for m in general["methods"]}
+    for m in study["methods"]:  # a label both name is the same method, or one would move the other's rows aside
+        label = m.get("label", m["name"])
+        assert label not in labels or labels[label] == m

@@ -36,6 +36,14 @@ if TYPE_CHECKING:
     from retention.cache import RetentionCache
 
 PROTOCOLS = ("query_agnostic", "compress_once", "query_aware")
+# what each protocol means, in the words a published table names it with
+PROTOCOL_SUMMARY = {
+    "query_agnostic": "the context compressed before the question arrives; the budget stays live while the question "
+                      "and reply are fed",
+    "compress_once": "the context compressed once before the question arrives; nothing evicted while the question "
+                     "and reply are fed",
+    "query_aware": "the question prefilled with the context, then the cache compressed",
+}
 PREFILLS = ("one_shot", "streaming")
 
 

@@ -14,7 +14,8 @@ from retention.hub import card_results, model_card
 from retention.metadata import META_FILE, read_metadata, write_metadata
 
 from .budgets import parse_budget
-from .report import gap_plot, markdown_table, pair_table, summary_plot, summary_table, task_table
+from .protocol import PROTOCOL_SUMMARY
+from .report import family_summaries, gap_plot, markdown_table, summary_plot, task_table
 from .runner import read_results
 
 
@@ -34,10 +35,10 @@ def summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, s
         if sources:  # a run seeded with rows copied from a pooled file: say which rows came from where
             made += (f"; {carried} of its {len(rows)} rows were copied in from runs pooled earlier "
                      f"({', '.join(sources)})")
-    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; query-agnostic "
-            f"(the context is compressed before the question arrives). {made}.\n\n" + summary_table(rows))
-    if pairs:
-        text += "\n\n" + pair_table(rows, list(pairs))
+    protocols = "; ".join(f"{p} ({PROTOCOL_SUMMARY.get(p, 'as its rows record')})"
+                          for p in sorted({str(r.get("protocol", "query_agnostic")) for r in rows}))
+    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; protocol {protocols}. "
+            f"{made}.\n\n" + family_summaries(rows, pairs))
     budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
     if budgets:
         text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from retention.policies.registry import POLICIES
+from retention.tasks import HELD_OUT_TASKS
 
 from .budgets import parse_budget
 from .runner import read_results
@@ -143,7 +144,7 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> Path
             "score: the task's metric in % (fidelity: top-1 agreement with the full cache); "
             "KV kept: entries (token x KV head x layer) when the question arrives.\n\n")
     md = out / "report.md"
-    summary = f"## Summary\n\n{summary_table(rows)}\n\n" if has_budgets(rows) else ""
+    summary = f"## Summary\n\n{family_summaries(rows)}\n\n" if has_budgets(rows) else ""
     md.write_text(head + summary + "## Per task, length, method and budget\n\n" + markdown_table(rows) + "\n\n"
                   + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n")
     return md
@@ -155,9 +156,31 @@ def has_budgets(rows: list[dict[str, Any]]) -> bool:
 
 
 def overview(rows: list[dict[str, Any]]) -> str:
-    """What a command prints when a sweep's rows are in: :func:`summary_table` (the mean over tasks per method and
+    """What a command prints when a sweep's rows are in: :func:`family_summaries` (the mean over tasks per method and
     budget, with the gaps) where budgets ran, else the per-row :func:`markdown_table` (full-cache rows only)."""
-    return summary_table(rows) if has_budgets(rows) else markdown_table(rows)
+    return family_summaries(rows) if has_budgets(rows) else markdown_table(rows)
+
+
+def families(rows: list[dict[str, Any]]) -> list[tuple[str | None, list[dict[str, Any]]]]:
+    """``[(heading, rows)]``: the held-out task families (:data:`retention.tasks.HELD_OUT_TASKS`, templates and genres
+    no training source uses) and the in-distribution ones, in that order, when the rows hold both; else
+    ``[(None, rows)]``. A mean over both would let the templates the gates trained on hide how they do on the others,
+    so every summary reports the two side by side (issue 74)."""
+    held = [r for r in rows if r["task"] in HELD_OUT_TASKS]
+    if not held or len(held) == len(rows):
+        return [(None, rows)]
+    return [("Held-out families (templates and genres no training source uses)", held),
+            ("In-distribution families (the templates the gates trained on)",
+             [r for r in rows if r["task"] not in HELD_OUT_TASKS])]
+
+
+def family_summaries(rows: list[dict[str, Any]], pairs: list[tuple[str, str]] = ()) -> str:
+    """:func:`summary_table` (and :func:`pair_table` for ``pairs``) of each of :func:`families`, under its heading."""
+    parts = []
+    for title, part in families(rows):
+        text = summary_table(part) + ("\n\n" + pair_table(part, list(pairs)) if pairs else "")
+        parts.append(text if title is None else f"**{title}.** {text}")
+    return "\n\n".join(parts)
 
 
 # -- the summary published with a gate checkpoint ------------------------------------------------------

@@ -179,6 +179,8 @@ class Config:
             n = "" if s.max_docs is None else f"{s.max_docs} {'items' if s.kind == 'synthetic' else 'docs'}"
             if s.kind == "synthetic":
                 n += f" of {s.length or self.data.seq_len - 128} tokens"
+                if s.haystack != "auto":  # one task over two genres is two sources: the card tells them apart
+                    n += f" over {s.haystack}"
             else:
                 n = f"{s.split}" + (f", {n}" if n else "")
             if s.weight != 1:
