@@ -55,8 +55,9 @@ def test_source_weights_are_checked_and_described(tmp_path):
     assert [s.weight for s in cfg.data.sources] == [1.0, 10]
     assert (cfg.describe_data()
             == "256-token rows: text sotu (train); synthetic niah_single (2 items of 200 tokens, weight 10)")
-    genres = load_config(write(tmp_path, head + "    - {kind: synthetic, path: niah_single, max_docs: 2, haystack: sotu}\n"
-                                                "    - {kind: synthetic, path: niah_single, max_docs: 2, haystack: pydoc}\n"))
+    two = "".join(f"    - {{kind: synthetic, path: niah_single, max_docs: 2, haystack: {h}}}\n"
+                  for h in ("sotu", "pydoc"))
+    genres = load_config(write(tmp_path, head + two))
     assert genres.describe_data().endswith("niah_single (2 items of 128 tokens over sotu); "
                                            "synthetic niah_single (2 items of 128 tokens over pydoc)")
     # the card says its training-KL rows are weighted (held-out rows are not); an unweighted run says nothing
