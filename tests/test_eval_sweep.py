@@ -1083,3 +1083,34 @@ def test_compress_once_evicts_nothing_after_the_context(policy, tmp_path):
     run_sweep(load_eval_config(cfg_file), progress=False)
     with pytest.raises(EvalConfigError, match="holds rows of protocol query_agnostic and this sweep is compress_once"):
         run_sweep(load_eval_config(cfg_file, protocol="compress_once"), progress=False)
+
+
+def test_a_staged_run_scores_part_of_the_config_and_the_whole_run_fills_in_around_it(tmp_path, capsys, monkeypatch):
+    """``--tasks/--budgets/--methods`` run part of a config into its output; the whole config's run keeps those rows
+    (scored once) and adds the rest. A name the config lacks fails before any model loads, naming what it holds."""
+    import retention.eval.runner
+    from retention.eval.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: tiny-llama-random\noutput: {tmp_path / 'out'}\ntasks: [fidelity, niah_single]\n"
+                 "lengths: [96]\nitems: 1\nbudgets: [0.25, 0.5]\nmethods: [{name: full}, {name: streamingllm}]\n")
+    assert main(["run", "--config", str(p), "--tasks", "fidelity", "--budgets", "50%", "--methods", "streamingllm",
+                 "--quiet"]) == 0
+    staged = read_results(tmp_path / "out" / "results.jsonl")
+    assert [(r["task"], r["method"], r["budget"]) for r in staged] == [("fidelity", "streamingllm", "fraction=0.5")]
+    assert main(["run", "--config", str(p), "--tasks", "in_distribution", "--quiet"]) == 0
+    rows = read_results(tmp_path / "out" / "results.jsonl")
+    assert rows[0] == staged[0]  # kept, not scored again
+    assert sorted((r["task"], r["method"], r["budget"]) for r in rows) == sorted(
+        [("fidelity", "streamingllm", "fraction=0.5")]
+        + [(t, m, b) for t in ("fidelity", "niah_single") for m, b in
+           [("full", "full"), ("streamingllm", "fraction=0.25"), ("streamingllm", "fraction=0.5")]
+           if (t, m, b) != ("fidelity", "streamingllm", "fraction=0.5")])
+    monkeypatch.setattr(retention.eval.runner, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    for flag, value, says in (("--tasks", "prose_facts", r"\['prose_facts'\] not in this config's tasks"),
+                              ("--tasks", "held_out", r"\['held_out'\] not in this config's tasks"),  # none held out
+                              ("--budgets", "0.1", r"not all in this config's budgets \['25%', '50%'\]"),
+                              ("--budgets", "lots", "budget 'lots' is not allowed"),
+                              ("--methods", "h2o", r"\['h2o'\] not in this config's methods \['full', 'streamingllm'\]")):
+        assert main(["run", "--config", str(p), flag, value, "--quiet"]) == 2
+        assert re.search(says, capsys.readouterr().err)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .config import EvalConfigError, load_eval_config
+    from .config import EvalConfigError, load_eval_config, restrict
     from .report import overview, write_report
     from .runner import read_results, run_sweep
 
@@ -17,6 +17,8 @@ def _run(args: argparse.Namespace) -> int:
                  if v is not None}
     try:
         cfg = load_eval_config(args.config, **overrides)
+        cfg = restrict(cfg, *(None if v is None else [x.strip() for x in v.split(",") if x.strip()]
+                              for v in (args.tasks, args.budgets, args.methods)))
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -242,6 +244,11 @@ def add_commands(p: argparse.ArgumentParser) -> None:
                      help="item set (overrides the config's seed): the same sweep on other items; fills {seed} in the "
                           "output folder (runs/eval/goal-set{seed}). Without {seed} the output stays: item ids carry "
                           "their seed, so a second seed into the same output adds to its rows, as a pool does")
+    for flag, what in (("--tasks", "task names, or held_out / in_distribution"),
+                       ("--budgets", "budgets as the config writes them (0.1 or 10%%)"), ("--methods", "method labels")):
+        run.add_argument(flag, default=None, metavar="A,B",
+                         help=f"run only these of the config's {flag[2:]} ({what}): a staged sweep into the same "
+                              "output; the whole config's run later keeps these rows and scores the rest")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     _publish_args(run)
     run.set_defaults(func=_run)

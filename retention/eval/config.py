@@ -240,3 +240,44 @@ def load_eval_config(path: str | Path, **overrides: Any) -> EvalConfig:
                 if {"train", "data", "loss"} & set(unknown) else "")
         raise EvalConfigError(f"unknown key(s) {unknown} in {p}; allowed: {known}{hint}")
     return validate(EvalConfig(**data))
+
+
+def restrict(cfg: EvalConfig, tasks: list[str] | None = None, budgets: list[str] | None = None,
+             methods: list[str] | None = None) -> EvalConfig:
+    """``cfg`` cut to a part of its sweep (``run --tasks/--budgets/--methods``): a staged run into the same output,
+    whose rows the whole config's run keeps and fills in around (rows are keyed by task, item, method and budget).
+    ``tasks``: task names, or ``held_out`` / ``in_distribution`` for those families
+    (:data:`retention.tasks.HELD_OUT_TASKS`); ``budgets``: as a config writes them (``0.1``, ``10%``); ``methods``:
+    labels. A name the config does not hold is an :class:`EvalConfigError` naming what it holds."""
+    from dataclasses import replace
+
+    from retention.tasks import HELD_OUT_TASKS
+
+    changes: dict[str, Any] = {}
+    if tasks is not None:
+        names = [s.name for s in cfg.task_specs()]
+        groups = {"held_out": [n for n in names if n in HELD_OUT_TASKS],
+                  "in_distribution": [n for n in names if n not in HELD_OUT_TASKS]}
+        wanted = {w for t in tasks for w in groups.get(t, [t])}
+        unknown = sorted(wanted - set(names))
+        if unknown or not wanted:
+            _fail("--tasks", f"{unknown or tasks} not in this config's tasks {names} (or held_out, in_distribution)")
+        changes["tasks"] = [t for t, n in zip(cfg.tasks, names) if n in wanted]
+    if budgets is not None:
+        keys = [b.key for b in cfg.budget_list()]
+        wanted_keys = set()
+        for text in budgets:
+            try:
+                wanted_keys.add(parse_budget(yaml.safe_load(text)).key)
+            except (ValueError, yaml.YAMLError) as e:
+                _fail("--budgets", str(e))
+        if wanted_keys - set(keys):
+            shown = [parse_budget(b).label for b in cfg.budgets]
+            _fail("--budgets", f"{budgets} not all in this config's budgets {shown}")
+        changes["budgets"] = [b for b, k in zip(cfg.budgets, keys) if k in wanted_keys]
+    if methods is not None:
+        labels = [m.label for m in cfg.method_list()]
+        if set(methods) - set(labels):
+            _fail("--methods", f"{sorted(set(methods) - set(labels))} not in this config's methods {labels}")
+        changes["methods"] = [spec for spec, label in zip(cfg.methods, labels) if label in methods]
+    return replace(cfg, **changes) if changes else cfg
