@@ -630,6 +630,11 @@ def test_held_out_and_in_distribution_families_are_summarised_side_by_side_never
     assert "| global_gates | 10% | 20.0 |" in text and "| global_gates | 10% | 100.0 |" in text
     assert "60.0" not in text  # the mean over both families is nowhere
     assert families(held) == [(None, held)] and "Held-out" not in family_summaries(held)
+    from retention.eval.report import family_pair_tables
+
+    gaps = family_pair_tables(rows, [("global_gates", "full")])  # what `run --pair` and `report --pair` print
+    assert gaps.index("Held-out") < gaps.index("-80.0") < gaps.index("In-distribution") < gaps.index("+0.0")
+    assert "-40.0" not in gaps  # nor the gap averaged over both
     for r in rows:
         r["protocol"] = "compress_once"
     shown = summary_text(rows, tmp_path / "results.jsonl")

@@ -49,14 +49,14 @@ def _publish(args: argparse.Namespace, results) -> int:
     """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
     those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
     from .publish import check_publish_targets, publish, write_summary
-    from .report import pair_table, parse_pairs
+    from .report import family_pair_tables, parse_pairs
     from .runner import read_results
 
     try:
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         pairs = parse_pairs(args.pair)
         if pairs:
-            print("\n" + pair_table(read_results(results), pairs))
+            print("\n" + family_pair_tables(read_results(results), pairs))
         if not (args.card or args.readme or args.summary or args.card_section):
             return 0
         written = (publish(results, args.card, args.readme, args.card_section, pairs, args.replaces)

@@ -183,6 +183,13 @@ def family_summaries(rows: list[dict[str, Any]], pairs: list[tuple[str, str]] = 
     return "\n\n".join(parts)
 
 
+def family_pair_tables(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> str:
+    """:func:`pair_table` of each of :func:`families` under its heading: a gap averaged over held-out and
+    in-distribution tasks together would let the trained templates hide the others."""
+    return "\n\n".join(pair_table(part, pairs) if title is None else f"**{title}.** {pair_table(part, pairs)}"
+                       for title, part in families(rows))
+
+
 # -- the summary published with a gate checkpoint ------------------------------------------------------
 def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
     """(method, budget key) -> {task: mean score over items and lengths}, plus the mean KV share
