@@ -1111,6 +1111,7 @@ def test_a_staged_run_scores_part_of_the_config_and_the_whole_run_fills_in_aroun
                               ("--tasks", "held_out", r"\['held_out'\] not in this config's tasks"),  # none held out
                               ("--budgets", "0.1", r"not all in this config's budgets \['25%', '50%'\]"),
                               ("--budgets", "lots", "budget 'lots' is not allowed"),
-                              ("--methods", "h2o", r"\['h2o'\] not in this config's methods \['full', 'streamingllm'\]")):
+                              ("--methods", "h2o",
+                               r"\['h2o'\] not in this config's methods \['full', 'streamingllm'\]")):
         assert main(["run", "--config", str(p), flag, value, "--quiet"]) == 2
         assert re.search(says, capsys.readouterr().err)

@@ -245,7 +245,8 @@ def add_commands(p: argparse.ArgumentParser) -> None:
                           "output folder (runs/eval/goal-set{seed}). Without {seed} the output stays: item ids carry "
                           "their seed, so a second seed into the same output adds to its rows, as a pool does")
     for flag, what in (("--tasks", "task names, or held_out / in_distribution"),
-                       ("--budgets", "budgets as the config writes them (0.1 or 10%%)"), ("--methods", "method labels")):
+                       ("--budgets", "budgets as the config writes them (0.1 or 10%%)"),
+                       ("--methods", "method labels")):
         run.add_argument(flag, default=None, metavar="A,B",
                          help=f"run only these of the config's {flag[2:]} ({what}): a staged sweep into the same "
                               "output; the whole config's run later keeps these rows and scores the rest")
