@@ -271,13 +271,13 @@ def restrict(cfg: EvalConfig, tasks: list[str] | None = None, budgets: list[str]
                 wanted_keys.add(parse_budget(yaml.safe_load(text)).key)
             except (ValueError, yaml.YAMLError) as e:
                 _fail("--budgets", str(e))
-        if wanted_keys - set(keys):
+        if wanted_keys - set(keys) or not wanted_keys:
             shown = [parse_budget(b).label for b in cfg.budgets]
             _fail("--budgets", f"{budgets} not all in this config's budgets {shown}")
         changes["budgets"] = [b for b, k in zip(cfg.budgets, keys) if k in wanted_keys]
     if methods is not None:
         labels = [m.label for m in cfg.method_list()]
-        if set(methods) - set(labels):
+        if set(methods) - set(labels) or not methods:
             _fail("--methods", f"{sorted(set(methods) - set(labels))} not in this config's methods {labels}")
         changes["methods"] = [spec for spec, label in zip(cfg.methods, labels) if label in methods]
     return replace(cfg, **changes) if changes else cfg
