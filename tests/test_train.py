@@ -1068,9 +1068,15 @@ def test_init_from_is_checked_before_the_model_loads(tiny_setup, tmp_path):
         train(load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global", "model.name=/nonexistent/model"]))
     cfg = load_config(cfg_file, over + ["gates.init_from=smollm2-135m-global"])
     shipped = json.loads((local_checkpoint("smollm2-135m-global") / "retention.json").read_text())["training"]
-    # the card says how: the shipped gates are a soup of two stages (`retention average`), named with its recipe
-    assert init_from_note(cfg) == f"smollm2-135m-global (a weight-space average: {shipped['averaged_from']})"
-    assert "stage 4 (configs/smollm2-global-4k-evict.yaml)" in shipped["averaged_from"]
+    # the card says how: the shipped gates are a trained run (steps, rows, config, held-out KL)
+    assert init_from_note(cfg) == (f"smollm2-135m-global (150 steps, 4118-token rows, {shipped['config']}, "
+                                   "held-out KL 0.1489 -> 0.1419)")
+    # a soup (`retention average`, the gates shipped before) trained no steps: named with its recipe
+    soup = Path(__file__).resolve().parents[1] / "experiments" / "generalization" / "shipped-2026-12-04"
+    recipe = json.loads((soup / "retention.json").read_text())["training"]["averaged_from"]
+    assert "stage 4 (configs/smollm2-global-4k-evict.yaml)" in recipe
+    cfg = load_config(cfg_file, over + [f"gates.init_from={soup}"])
+    assert init_from_note(cfg) == f"{soup} (a weight-space average: {recipe})"
 
 
 def test_a_run_without_held_out_rows_says_so_and_writes_no_nan(tiny_setup, tmp_path, capsys):
