@@ -74,6 +74,36 @@ def test_h2o_accumulates_attention_and_keeps_recent():
     assert kept(pol, entries_for(view), 3) == [sorted(top2 + [5])]
 
 
+def test_attention_mass_matches_every_querys_softmax_in_any_entry_order():
+    """H2O's chunked sum, brute force per query: entries out of position order, padding and evicted slots, two
+    sequences, a chunk that ends mid-forward and one whose queries see only some entries (causality cut)."""
+    from retention.policies.window import attention_mass
+
+    g = torch.Generator().manual_seed(11)
+    B, H, G, L, Q = 2, 2, 3, 9, 5
+    keys = torch.randn(B, H, L, D, generator=g)
+    pos = torch.stack([torch.randperm(L, generator=g) for _ in range(B * H)]).view(B, H, L)
+    valid = torch.rand(B, H, L, generator=g) > 0.2
+    pos[0, 1, 3] = -1  # a free slot
+    view = SimpleNamespace(keys=keys, pos=pos, valid=valid)
+    q = torch.randn(B, H * G, Q, D, generator=g)
+    qpos = torch.tensor([[2, 3, 6, 7, 8], [4, 5, 6, 7, 8]])
+    want = torch.zeros(B, H, L)
+    for b in range(B):
+        for h in range(H):
+            seen = [i for i in range(L) if bool(valid[b, h, i]) and pos[b, h, i] >= 0]
+            for hq in range(h * G, (h + 1) * G):
+                for t in range(Q):
+                    vis = [i for i in seen if pos[b, h, i] <= qpos[b, t]]
+                    if not vis:  # a query that sees nothing gives no mass (softmax over nothing)
+                        continue
+                    w = attention(q[b, hq, t].tolist(), [keys[b, h, i].tolist() for i in vis], 0, [0] * len(vis))
+                    for i, wi in zip(vis, w):
+                        want[b, h, i] += wi
+    for chunk in (1, 2, 5, 64):
+        torch.testing.assert_close(attention_mass(q, view, qpos, chunk=chunk), want, rtol=1e-5, atol=1e-6)
+
+
 def test_tova_uses_the_last_query_averaged_over_heads():
     view = layer_view(L=6, H=2)
     q = torch.randn(1, 4, 2, D, generator=torch.Generator().manual_seed(7))  # 2 KV heads x G=2

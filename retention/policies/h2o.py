@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import EntryView, EvictionPolicy, protect
-from .window import PositionStats, recent_mask, window_attention
+from .window import PositionStats, attention_mass, recent_mask
 
 if TYPE_CHECKING:
     from ..cache.paged import PaddedView
@@ -38,8 +38,8 @@ class H2OPolicy(EvictionPolicy):
             raise ValueError(f"recent must be >= 0 (newest tokens always kept), got {self.recent}")
 
     def observe(self, layer: int, query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor) -> None:
-        attn = window_attention(query, view, query_pos, window=None)  # every query of this forward
-        self.stats.write(layer, attn.sum(dim=(2, 3)), view, accumulate=True)
+        # every query of this forward, summed over the group's query heads and the queries
+        self.stats.write(layer, attention_mass(query, view, query_pos), view, accumulate=True)
 
     def score(self, entries: EntryView) -> torch.Tensor:
         acc = self.stats.lookup(entries)

@@ -34,6 +34,37 @@ def window_attention(query: torch.Tensor, view: PaddedView, query_pos: torch.Ten
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
+def attention_mass(query: torch.Tensor, view: PaddedView, query_pos: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``window_attention(query, view, query_pos, None).sum(dim=(2, 3))`` without its ``(B, H, G, Q, L)`` tensor: the
+    attention each entry receives from every query of the forward, summed over the group's query heads. Softmax is
+    per query, so the queries are taken ``chunk`` at a time; a 4k one-shot prefill of SmolLM2 needs ~40 MB per chunk
+    instead of ~600 MB per layer, which made H2O the slowest policy of a sweep by far, and the entries no query
+    of a chunk may see are left out.
+
+    ``query`` ``(B, Hq, Q, D)``, ``view`` keys ``(B, H, L, D)`` / pos / valid ``(B, H, L)``, ``query_pos`` ``(B, Q)``.
+    Returns ``(B, H, L)`` float32.
+    """
+    B, Hq, Q, D = query.shape
+    H = view.keys.shape[1]
+    keys = view.keys.float()
+    real = view.valid & (view.pos >= 0)  # (B, H, L)
+    mass = torch.zeros(real.shape, dtype=torch.float32, device=keys.device)
+    for start in range(0, Q, chunk):
+        stop = min(start + chunk, Q)
+        # entries past the last one any of these queries may see get no mass: a prefill's entries are in position
+        # order, so causality halves the work
+        seen = (real & (view.pos <= query_pos[:, start:stop].amax())).flatten(0, 1).any(0).nonzero()
+        if len(seen) == 0:
+            continue
+        n = int(seen[-1]) + 1
+        q = query[:, :, start:stop].float().reshape(B, H, Hq // H, stop - start, D)
+        s = torch.einsum("bhgwd,bhld->bhgwl", q, keys[:, :, :n]) * D**-0.5
+        ok = real[:, :, None, :n] & (view.pos[:, :, None, :n] <= query_pos[:, None, start:stop, None])
+        s.masked_fill_(~ok[:, :, None], float("-inf"))
+        mass[..., :n] += torch.softmax(s, dim=-1).nan_to_num_(0.0).sum(dim=(2, 3))
+    return mass
+
+
 def window_prefix(view: PaddedView, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """``(B, H, L)`` bool: the real entries before the observation window, the only ones the window policies rank.
 
