@@ -3,7 +3,7 @@
 A policy that reads attention sees every layer's queries once after a one-shot prefill (``observe``); that, not
 the forward, is what separates the policies' costs in an evaluation sweep. For each policy this times ``observe``
 over ``--layers`` layers of a ``--context``-token prefill at a model's shapes (random keys and queries: the cost
-does not depend on the values) and prints ms per layer and the ratio to SnapKV (one observation window, the classic case).
+does not depend on the values) and prints ms per layer and the ratio to SnapKV (one observation window).
 It also times H2O's summed attention two ways on the same tensors: from the whole ``(B, H, G, Q, L)`` softmax
 (:func:`~retention.policies.window.window_attention`) and a chunk of queries at a time
 (:func:`~retention.policies.window.attention_mass`, what H2O uses), and prints their ratio and largest difference.
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     H, G, L, D = args.kv_heads, args.group, args.context, args.head_dim
     views = [fake_view(H, L, D, seed=i) for i in range(args.layers)]
-    queries = [torch.randn(1, H * G, L, D, generator=torch.Generator().manual_seed(100 + i)) for i in range(args.layers)]
+    queries = [torch.randn(1, H * G, L, D, generator=torch.Generator().manual_seed(100 + i))
+               for i in range(args.layers)]
     qpos = torch.arange(L)[None]
     print(f"one-shot observe of a {L}-token prefill, {H} KV heads x {G} query heads, head dim {D}, float32 on cpu "
           f"({torch.get_num_threads()} threads); median of {args.repeats} over {args.layers} layers")
