@@ -639,3 +639,41 @@ def test_held_out_and_in_distribution_families_are_summarised_side_by_side_never
         r["protocol"] = "compress_once"
     shown = summary_text(rows, tmp_path / "results.jsonl")
     assert "protocol compress_once (the context compressed once" in shown and "query_agnostic" not in shown
+
+
+def test_the_readme_gets_both_families_in_one_table_with_each_familys_best_training_free(tmp_path):
+    """headline_table: a row per method, held-out and in-distribution columns side by side at every budget, the
+    baselines ordered by their held-out score; the gaps pair each family with its own best training-free method,
+    which differs here (StreamingLLM held out, SnapKV in distribution). A README gets it; a card keeps its tables."""
+    from retention.eval.publish import publish
+    from retention.eval.report import headline_table
+
+    quarter = "fraction=0.25"
+    rows = _rows(*FULL, "prose_facts", [100.0] * 5) + _rows(*FULL, "niah_single", [80.0] * 5)
+    for budget, held, in_dist in ((A[1], 60.0, 80.0), (quarter, 90.0, 80.0)):
+        rows += _rows("global_gates", budget, "prose_facts", [held] * 5)
+        rows += _rows("global_gates", budget, "niah_single", [in_dist] * 5)
+    rows += _rows("snapkv", A[1], "prose_facts", [0.0] * 5) + _rows("snapkv", A[1], "niah_single", [40.0] * 5)
+    rows += _rows("streamingllm", A[1], "prose_facts", [20.0] * 5) + _rows("streamingllm", A[1], "niah_single",
+                                                                           [0.0] * 5)
+    for r in rows:
+        r["policy"] = r["method"]
+    table = headline_table(rows)
+    assert "| method | held-out 10% | held-out 25% | in-distribution 10% | in-distribution 25% |" in table
+    assert "| full cache (4.0 MiB) | 100.0 | 100.0 | 80.0 | 80.0 |" in table
+    assert "| **global_gates** | 60.0 | 90.0 | 80.0 | 80.0 |" in table
+    assert table.index("| streamingllm | 20.0 | - | 0.0 | - |") < table.index("| snapkv | 0.0 | - | 40.0 | - |")
+    assert "| KV kept | 410 KiB | 410 KiB | 410 KiB | 410 KiB |" in table
+    assert ("| global_gates | 10% | -40.0 [-40.0, -40.0] | +40.0 [+40.0, +40.0] (streamingllm) | +0.0 [+0.0, +0.0] "
+            "| +40.0 [+40.0, +40.0] (snapkv) |") in table
+    assert "| global_gates | 25% | -10.0 [-10.0, -10.0] |  | +0.0 [+0.0, +0.0] |  |" in table
+    assert "50.0" not in table  # no mean over both families
+
+    results = _write_rows(tmp_path / "results.jsonl", rows)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+    card = _blank_card(tmp_path / "card")
+    publish(results, card, readme)
+    body, card_text = readme.read_text(), (card / "README.md").read_text()
+    assert "| **global_gates** | 60.0 | 90.0 | 80.0 | 80.0 |" in body and "Held-out families (" not in body
+    assert "**Held-out families (" in card_text and "| global_gates | 10% | 60.0 |" in card_text

@@ -702,6 +702,42 @@ def test_summary_page_names_its_rows_and_holds_every_table(tmp_path):
     assert page.with_suffix(".jsonl").read_text() == results.read_text()
 
 
+def test_report_methods_publishes_only_those_labels_and_run_only_its_configs(tmp_path, capsys, monkeypatch):
+    """``report --methods`` shows the labels named (and the full cache); ``run`` publishes the methods of its config,
+    not every row of an output folder another config shares."""
+    import retention.eval.cli as cli
+    import retention.eval.runner
+
+    def row(method, budget, score):
+        return {"task": "niah_single", "length": 128, "item": "a", "method": method, "budget": budget,
+                "score": score, "kept_entries": 10, "kv_bytes": 2**20, "full_cache_bytes": 2**22, "metric": "recall",
+                "model": "m"}
+
+    rows = [row("full", "full", 90.0), row("snapkv_window8", "fraction=0.25", 30.0),
+            row("streamingllm", "fraction=0.25", 20.0), row("other_configs_gates", "fraction=0.25", 70.0)]
+    results = tmp_path / "run" / "results.jsonl"
+    results.parent.mkdir()
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = tmp_path / "page.md"
+    assert cli.main(["report", str(results), "--methods", "snapkv_window8", "--summary", str(page)]) == 0
+    text = page.read_text()
+    assert "| snapkv_window8 | 30.0" in text and "streamingllm" not in text and "other_configs" not in text
+    kept = [json.loads(x)["method"] for x in page.with_suffix(".jsonl").read_text().splitlines()]
+    assert kept == ["full", "snapkv_window8"]
+    for flag, words in (("nope", "methods ['nope'] have no rows here; the rows hold ['full', 'other_configs_gates'"),
+                        (",", "--methods names no method")):
+        assert cli.main(["report", str(results), "--methods", flag, "--summary", str(page)]) == 2
+        assert words in capsys.readouterr().err
+
+    monkeypatch.setattr(retention.eval.runner, "run_sweep", lambda *a, **k: results)
+    monkeypatch.setattr(retention.eval.report, "write_report", lambda r, *a: tmp_path / "report.md")
+    cfg = Path(__file__).parents[1] / "eval" / "configs" / "tiny.yaml"
+    assert cli.main(["run", "--config", str(cfg), "--summary", str(page)]) == 0
+    text = page.read_text()
+    assert "| snapkv_window8 | 30.0" in text and "| streamingllm | 20.0" in text and "other_configs" not in text
+    assert "other_configs" not in capsys.readouterr().out
+
+
 def test_run_refuses_a_bad_publish_target_before_the_sweep(tmp_path, capsys, monkeypatch):
     import retention.eval.cli as cli
     import retention.eval.runner

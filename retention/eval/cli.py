@@ -40,15 +40,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: {done} rows are in {Path(cfg.output) / 'results.jsonl'}; run the same command to go on "
               "from there", file=sys.stderr)
         return 130
-    print(overview(read_results(results)))
+    from .publish import shown_rows
+
+    # the config's methods only: its output folder may hold rows of another config that shares it
+    rows = read_results(results)
+    held = {r["method"] for r in rows}  # a staged run (--methods) has rows of some methods only
+    own = [m.label for m in load_eval_config(args.config, **overrides).method_list() if m.label in held]
+    print(overview(shown_rows(rows, own)))
     print(f"\nresults: {results}\nreport (per task, length, method and budget; plots): {write_report(results)}")
-    return _publish(args, results)
+    return _publish(args, results, own)
 
 
-def _publish(args: argparse.Namespace, results) -> int:
+def _publish(args: argparse.Namespace, results, methods: list[str] | None = None) -> int:
     """``--pair``: print the paired gaps; ``--card`` / ``--readme`` / ``--summary``: the summary (with
     those gaps) into a checkpoint's model card, a README and a stand-alone results page."""
-    from .publish import check_publish_targets, publish, write_summary
+    from .publish import check_publish_targets, publish, shown_rows, write_summary
     from .report import family_pair_tables, parse_pairs
     from .runner import read_results
 
@@ -56,13 +62,13 @@ def _publish(args: argparse.Namespace, results) -> int:
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         pairs = parse_pairs(args.pair)
         if pairs:
-            print("\n" + family_pair_tables(read_results(results), pairs))
+            print("\n" + family_pair_tables(shown_rows(read_results(results), methods), pairs))
         if not (args.card or args.readme or args.summary or args.card_section):
             return 0
-        written = (publish(results, args.card, args.readme, args.card_section, pairs, args.replaces)
+        written = (publish(results, args.card, args.readme, args.card_section, pairs, args.replaces, methods)
                    if (args.card or args.readme or args.card_section) else [])
         if args.summary:
-            written += write_summary(results, args.summary, args.title, pairs)
+            written += write_summary(results, args.summary, args.title, pairs, methods)
         for path in written:
             print(f"published: {path}")
     except (FileNotFoundError, ValueError) as e:
@@ -72,7 +78,7 @@ def _publish(args: argparse.Namespace, results) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .publish import check_publish_targets, check_rows_scored_by_card
+    from .publish import check_publish_targets, check_rows_scored_by_card, shown_rows
     from .report import check_pairs, overview, parse_pairs, write_report
     from .runner import load_result_file, results_file
 
@@ -81,6 +87,11 @@ def _report(args: argparse.Namespace) -> int:
         rows = load_result_file(args.results)
         if not rows:
             raise ValueError(f"{args.results} holds no results")
+        # --methods "" is a list of no method, not "no filter"
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else None
+        if methods is not None and not methods:
+            raise ValueError("--methods names no method: give labels (A,B) or leave it out to show every one")
+        rows = shown_rows(rows, methods)
         # before report.md and the plots: a refused --card or --readme should leave nothing half done
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         check_pairs(parse_pairs(args.pair), {r["method"] for r in rows})
@@ -92,7 +103,7 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(args.results, args.out)
     print(overview(rows))
     print(f"\nreport (per task, length, method and budget; plots): {path}")
-    return _publish(args, args.results)
+    return _publish(args, args.results, methods)
 
 
 def _pool(args: argparse.Namespace) -> int:
@@ -256,6 +267,9 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     rep = sub.add_parser("report", help="markdown table and PNG plots from a results.jsonl")
     rep.add_argument("results", help="a sweep's output folder or its results.jsonl (or a published copy of one)")
     rep.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: beside RESULTS)")
+    rep.add_argument("--methods", default=None, metavar="A,B",
+                     help="print and publish only these method labels and the full cache (default: every one); "
+                          "report.md keeps every row")
     _publish_args(rep)
     rep.set_defaults(func=_report)
     pool = sub.add_parser("pool", help="pool sweeps of the same tasks on different items (seeds) into one results file")

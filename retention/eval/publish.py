@@ -15,14 +15,16 @@ from retention.metadata import META_FILE, read_metadata, write_metadata
 
 from .budgets import parse_budget
 from .protocol import PROTOCOL_SUMMARY
-from .report import family_summaries, gap_plot, markdown_table, summary_plot, task_table
+from .report import family_summaries, gap_plot, headline_table, markdown_table, summary_plot, task_table
 from .runner import read_results
 
 
-def summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, str]] = ()) -> str:
-    """What a card, a README and a summary file say: the setting, :func:`summary_table`, the paired gaps
+def summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, str]] = (),
+                 headline: bool = False) -> str:
+    """What a card and a summary file say: the setting, :func:`summary_table` of each family, the paired gaps
     asked for (:func:`pair_table`) and the per-task view at the goal budget (10% where it was run, else
-    the smallest budget)."""
+    the smallest budget). ``headline``: what a README says, the setting and :func:`headline_table` (held-out and
+    in-distribution families side by side in one table)."""
     models = sorted({str(r.get("model", "?")) for r in rows})
     lengths = sorted({r["length"] for r in rows})
     sources = sorted({r["pooled_from"] for r in rows if r.get("pooled_from")})
@@ -37,12 +39,28 @@ def summary_text(rows: list[dict[str, Any]], src: Path, pairs: list[tuple[str, s
                      f"({', '.join(sources)})")
     protocols = "; ".join(f"{p} ({PROTOCOL_SUMMARY.get(p, 'as its rows record')})"
                           for p in sorted({str(r.get("protocol", "query_agnostic")) for r in rows}))
-    text = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; protocol {protocols}. "
-            f"{made}.\n\n" + family_summaries(rows, pairs))
+    setting = (f"Model {', '.join(models)}; contexts of {', '.join(map(str, lengths))} tokens; protocol {protocols}. "
+               f"{made}.")
+    if headline:
+        return setting + "\n\n" + headline_table(rows)
+    text = setting + "\n\n" + family_summaries(rows, pairs)
     budgets = sorted({r["budget"] for r in rows if r["budget"] != "full"}, key=lambda b: parse_budget(b).value)
     if budgets:
         text += "\n\n" + task_table(rows, "fraction=0.1" if "fraction=0.1" in budgets else budgets[0])
     return text
+
+
+def shown_rows(rows: list[dict[str, Any]], methods: list[str] | None) -> list[dict[str, Any]]:
+    """The rows of the method labels ``methods`` (all where ``None``; ``full`` is the full cache, always kept);
+    ValueError naming the labels the rows hold when one of ``methods`` is not among them."""
+    if methods is None:
+        return rows
+    labels = {r["method"] for r in rows}
+    missing = sorted(set(methods) - labels - {"full"})
+    if missing:
+        raise ValueError(f"methods {missing} have no rows here; the rows hold {sorted(labels)}")
+    keep = set(methods) | {"full"}
+    return [r for r in rows if r["method"] in keep]
 
 
 def check_publish_targets(card: str | Path | None = None, readme: str | Path | None = None,
@@ -77,22 +95,28 @@ def check_publish_targets(card: str | Path | None = None, readme: str | Path | N
 
 
 def write_summary(results: str | Path, path: str | Path, title: str | None = None,
-                  pairs: list[tuple[str, str]] = ()) -> list[Path]:
+                  pairs: list[tuple[str, str]] = (), methods: list[str] | None = None) -> list[Path]:
     """A stand-alone results page at ``path`` (markdown: the summary of :func:`publish`, then the table
     per task, length, method and budget) and a copy of the rows beside it (``path`` with ``.jsonl``),
-    so the page names the rows it came from; returns both paths. ``pairs``: :func:`pair_table` rows too."""
+    so the page names the rows it came from; returns both paths. ``pairs``: :func:`pair_table` rows too;
+    ``methods``: only these labels (:func:`shown_rows`), and only their rows are copied."""
     import shutil
 
     from retention.io import atomic_write_bytes
 
     check_publish_targets(summary=path)
-    rows = read_results(results)
+    every = read_results(results)
+    rows = shown_rows(every, methods)
     if not rows:
         raise ValueError(f"{results} holds no results")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows_copy = path.with_suffix(".jsonl")
-    if Path(results).resolve() != rows_copy.resolve():
+    if len(rows) < len(every):
+        from .runner import jsonl
+
+        atomic_write_bytes(rows_copy, jsonl(rows).encode())
+    elif Path(results).resolve() != rows_copy.resolve():
         shutil.copyfile(results, rows_copy)
     title = title or f"Results: {Path(results).parent.name}"
     figure = gap_plot(rows, path.with_suffix(".png"))
@@ -150,7 +174,7 @@ def check_sweep_scores_card(cfg: Any, card: str | Path) -> None:
 
 def publish(results: str | Path, card: str | Path | None = None, readme: str | Path | None = None,
             card_section: str | None = None, pairs: list[tuple[str, str]] = (),
-            replaces: str | None = None) -> list[Path]:
+            replaces: str | None = None, methods: list[str] | None = None) -> list[Path]:
     """Put the summary (table + plot) into a gate checkpoint's model card (``card``: its folder) and
     between the ``<!-- results:start/end -->`` markers of a README; returns the files written.
 
@@ -159,13 +183,14 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     With two budgets or more and 5 items a task or more it brings :func:`gap_plot` (``results-<title>.png`` in
     the card folder). ``replaces``: the title of an earlier section the new one takes the place of (a result set
     renamed as it grows, e.g. "... 126 items" -> "... 138 items"); the card keeps its order of sections.
-    ``pairs``: the paired gaps of :func:`pair_table` go in too."""
+    ``pairs``: the paired gaps of :func:`pair_table` go in too. ``methods``: only these labels
+    (:func:`shown_rows`), e.g. a sweep's own methods where its output folder holds another config's rows too."""
     import shutil
 
     from retention.io import atomic_write_bytes
 
     check_publish_targets(card, readme, card_section=card_section, replaces=replaces)
-    rows = read_results(results)
+    rows = shown_rows(read_results(results), methods)
     if card is not None:
         check_rows_scored_by_card(rows, card)
     if not rows:
@@ -215,7 +240,7 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
         readme = Path(readme)
         body = readme.read_text()
         rel = Path(card, "results.png").as_posix() if card is not None else plot_path.as_posix()
-        new = (body[: body.index(README_START) + len(README_START)] + "\n" + text
+        new = (body[: body.index(README_START) + len(README_START)] + "\n" + summary_text(rows, src, headline=True)
                + f"\n\n![quality vs KV budget]({rel})\n" + body[body.index(README_END):])
         atomic_write_bytes(readme, new.encode())
         written.append(readme)

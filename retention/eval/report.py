@@ -299,6 +299,22 @@ def paired_gap_interval(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple
     return float(lo), float(hi)
 
 
+GAP_NOTE = ("Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same items resampled "
+            "for both methods within each task, 4,000 draws). With few items per task one item moves a task's score a "
+            "lot: read the interval before the point.")
+
+
+def gap_cell(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str], tasks: list[str],
+             value: float) -> tuple[str, bool]:
+    """``("+1.2 [-0.3, +2.8]", True)``: the gap ``a - b`` (``value``, the difference of the two means) with its
+    :func:`paired_gap_interval`; where there is one, the point is the gap over the items both scored, as its
+    interval is (failed rows aside). ``False``: no interval (too few items)."""
+    ci = paired_gap_interval(rows, a, b, tasks)
+    if ci is not None:
+        value = paired_gap(rows, a, b, tasks)
+    return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]"), ci is not None
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Mean score over tasks, one row per method and one column per budget (the full cache first),
     each cell with the KV share and bytes actually kept; then the gap to the full cache and to the best
@@ -328,11 +344,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         shown: list[bool] = []  # whether any cell has an interval (then the note under the table says what it is)
 
         def gap(m: str, b: str, other: tuple[str, str], value: float) -> str:
-            ci = paired_gap_interval(rows, (m, b), other, tasks)
-            shown.append(ci is not None)
-            if ci is not None:  # the point over the items both scored, as its interval (failed rows aside)
-                value = paired_gap(rows, (m, b), other, tasks)
-            return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+            text, ci = gap_cell(rows, (m, b), other, tasks, value)
+            shown.append(ci)
+            return text
 
         full_key = next((k for k in avg if k[1] == "full"), None)
         lines += ["", "| learned | budget | score | vs full cache | vs best training-free (which) |",
@@ -346,13 +360,87 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                 vs_best = "" if best is None else f"{gap(m, b, (best[1], b), avg[(m, b)] - best[0])} ({best[1]})"
                 lines.append(f"| {m} | {budget_label(b)} | {avg[(m, b)]:.1f} | {vs_full} | {vs_best} |")
         if any(shown):
-            lines += ["", "Gaps in points; in brackets a 95% interval from a paired bootstrap over items (the same "
-                      "items resampled for both methods within each task, 4,000 draws). With few items per task one "
-                      "item moves a task's score a lot: read the interval before the point."]
+            lines += ["", GAP_NOTE]
         if references:
             lines += ["", f"{', '.join(references)}: references that read the continuation "
                       "(`retention/eval/oracle.py`), so not counted as the best training-free method."]
     return "\n".join(lines)
+
+
+def headline_table(rows: list[dict[str, Any]]) -> str:
+    """The results in one table, for a README: one row per method, the mean over the held-out families and over the
+    in-distribution ones (:func:`families`) at each budget side by side, with a row of the KV kept; then each learned
+    method's gaps to the full cache and to the best training-free method of each family, with paired intervals.
+    Methods in order: the full cache, the learned ones, then the others by their held-out score at 10% (or the
+    smallest budget). Rows of one family only give :func:`summary_table`."""
+    parts = families(rows)
+    if len(parts) == 1 or not has_budgets(rows):
+        return summary_table(rows)
+    stats, part_rows = [], {}  # per family: (short name, tasks, means, avg), and its rows
+    for title, part in parts:
+        means = _task_means(part)
+        tasks = _common_tasks(means)
+        avg = {k: statistics.mean(d[t] for t in tasks) for k, d in means.items()} if tasks else {}
+        name = "held-out" if title.startswith("Held-out") else "in-distribution"
+        stats.append((name, tasks, means, avg))
+        part_rows[name] = part
+    budgets = sorted({b for *_, avg in stats for _, b in avg if b != "full"}, key=lambda b: parse_budget(b).value)
+    goal = "fraction=0.1" if "fraction=0.1" in budgets else budgets[0]
+    methods = sorted({m for *_, avg in stats for m, b in avg if b != "full"})
+    learned = [m for m in methods if m in learned_methods(rows)]
+    references = reference_methods(rows)
+    baselines = [m for m in methods if m not in learned and m not in references]
+    held_avg = stats[0][3]
+    baselines.sort(key=lambda m: (-held_avg.get((m, goal), float("-inf")), m))
+    full = {name: next((k for k in avg if k[1] == "full"), None) for name, _, _, avg in stats}
+
+    def cell(avg: dict, key: tuple[str, str]) -> str:
+        return f"{avg[key]:.1f}" if key in avg else "-"
+
+    head = "| method | " + " | ".join(f"{name} {budget_label(b)}" for name, *_ in stats for b in budgets) + " |"
+    lines = [" ".join(f"{name.capitalize()}: mean over {len(tasks)} famil{'y' if len(tasks) == 1 else 'ies'} "
+                      f"({', '.join(tasks)})."
+                      for name, tasks, _, _ in stats) + " Scores in %, fidelity as top-1 agreement with the full "
+             "cache; KV kept: the cache's size in memory when the question arrives, mean over methods.", "",
+             head, "|---|" + "---|" * (len(budgets) * len(stats))]
+    kv = []
+    for _, _, means, _ in stats:
+        for b in budgets:
+            sizes = [d["__bytes__"] for (m, bb), d in means.items() if bb == b]
+            kv.append(_size(statistics.mean(sizes)) if sizes else "-")
+    lines.append("| KV kept | " + " | ".join(kv) + " |")
+    if all(full.values()):
+        size = _size(stats[0][2][full[stats[0][0]]]["__bytes__"])
+        lines.append(f"| full cache ({size}) | "
+                     + " | ".join(cell(avg, full[name]) for name, _, _, avg in stats for _ in budgets) + " |")
+    for m in learned + sorted(references & set(methods)) + baselines:
+        label = f"**{m}**" if m in learned else m
+        lines.append(f"| {label} | " + " | ".join(cell(avg, (m, b)) for _, _, _, avg in stats for b in budgets) + " |")
+    if not learned:
+        return "\n".join(lines)
+    lines += ["", "| learned | budget | " + " | ".join(f"{name}: vs full cache | vs best training-free (which)"
+                                                        for name, *_ in stats) + " |",
+              "|---|---|" + "---|---|" * len(stats)]
+    shown = False
+    for m in learned:
+        for b in budgets:
+            cells = []
+            for name, tasks, _, avg in stats:
+                if (m, b) not in avg:
+                    cells += ["", ""]
+                    continue
+                vs_full, ci = ("", False) if full[name] is None else gap_cell(part_rows[name], (m, b), full[name],
+                                                                               tasks, avg[(m, b)] - avg[full[name]])
+                shown |= ci
+                best = max(((avg[(x, b)], x) for x in baselines if (x, b) in avg), default=None)
+                vs_best = ""
+                if best is not None:
+                    text, ci = gap_cell(part_rows[name], (m, b), (best[1], b), tasks, avg[(m, b)] - best[0])
+                    vs_best, shown = f"{text} ({best[1]})", shown or ci
+                cells += [vs_full, vs_best]
+            if any(cells):
+                lines.append(f"| {m} | {budget_label(b)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + (["", GAP_NOTE] if shown else []))
 
 
 def parse_pairs(specs: list[str] | None) -> list[tuple[str, str]]:
