@@ -677,3 +677,16 @@ def test_the_readme_gets_both_families_in_one_table_with_each_familys_best_train
     body, card_text = readme.read_text(), (card / "README.md").read_text()
     assert "| **global_gates** | 60.0 | 90.0 | 80.0 | 80.0 |" in body and "Held-out families (" not in body
     assert "**Held-out families (" in card_text and "| global_gates | 10% | 60.0 |" in card_text
+
+
+def test_a_cell_scored_on_some_tasks_only_is_left_out_not_shrinking_the_table():
+    """A staged sweep's 25% cell with one of two tasks: left out with a note (no column while no cell of it is
+    whole); the 10% means stay over both tasks."""
+    rows = _rows(*FULL, "a", [100.0] * 5) + _rows(*FULL, "b", [50.0] * 5)
+    rows += _rows("snapkv", "fraction=0.1", "a", [40.0] * 5) + _rows("snapkv", "fraction=0.1", "b", [20.0] * 5)
+    rows += _rows("snapkv", "fraction=0.25", "a", [90.0] * 5)
+    table = summary_table(rows)
+    assert "Mean score over 2 tasks (a, b)" in table and "| full cache | 75.0" in table
+    assert "| method | 10% |" in table and "| snapkv | 30.0 (10%, 410 KiB) |" in table
+    assert "Not yet scored on every task, so shown as -: 1 cell (snapkv 25%)" in table
+    assert "Not yet scored" not in summary_table(rows[:-5])

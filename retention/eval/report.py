@@ -193,7 +193,26 @@ def family_pair_tables(rows: list[dict[str, Any]], pairs: list[tuple[str, str]])
 # -- the summary published with a gate checkpoint ------------------------------------------------------
 def _task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
     """(method, budget key) -> {task: mean score over items and lengths}, plus the mean KV share
-    kept (``__kv__``) and the mean KV bytes kept (``__bytes__``)."""
+    kept (``__kv__``) and the mean KV bytes kept (``__bytes__``). Only cells scored on every task the full cache
+    was (:func:`partial_cells` are left out): a cell a staged or running sweep has scored on some tasks only would
+    otherwise shrink every mean of the table to the tasks it has."""
+    means = _all_task_means(rows)
+    left_out = set(partial_cells(means))
+    return {k: d for k, d in means.items() if k not in left_out}
+
+
+def partial_cells(means: dict[tuple[str, str], dict[str, float]]) -> list[tuple[str, str]]:
+    """The (method, budget) cells of :func:`_all_task_means` that lack a task the full cache was scored on (none
+    without full-cache rows: then the tables average the tasks every cell has)."""
+    full = next((d for k, d in means.items() if k[1] == "full"), None)
+    if full is None:
+        return []
+    need = set(full) - set(_STATS)
+    return sorted(k for k, d in means.items() if not need <= set(d))
+
+
+def _all_task_means(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """:func:`_task_means` with every cell, complete or not."""
     s = {g: v for g, v in summarise(rows).items() if v["n"]}
     out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (task, _length, method, budget), v in s.items():
@@ -315,6 +334,15 @@ def gap_cell(rows: list[dict[str, Any]], a: tuple[str, str], b: tuple[str, str],
     return f"{value:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]"), ci is not None
 
 
+def _partial_note(rows: list[dict[str, Any]]) -> str:
+    """What the tables say when some cells are left out (:func:`partial_cells`), else nothing."""
+    left = [k for _, part in families(rows) for k in partial_cells(_all_task_means(part))]
+    if not left:
+        return ""
+    return (f" Not yet scored on every task, so shown as -: {len(left)} cell{'s' if len(left) > 1 else ''} "
+            f"({', '.join(f'{m} {budget_label(b)}' for m, b in left[:4])}{', ...' if len(left) > 4 else ''}).")
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Mean score over tasks, one row per method and one column per budget (the full cache first),
     each cell with the KV share and bytes actually kept; then the gap to the full cache and to the best
@@ -328,7 +356,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     full = next((avg[k] for k in avg if k[1] == "full"), None)
     head = "| method | " + " | ".join(budget_label(b) for b in budgets) + " |"
     lines = [f"Mean score over {len(tasks)} tasks ({', '.join(tasks)}); in brackets the KV cache kept (% of the full "
-             "cache, and its size in memory when the question arrives).",
+             "cache, and its size in memory when the question arrives)." + _partial_note(rows),
              "", head, "|---|" + "---|" * len(budgets)]
     if full is not None:
         size = _size(next(d["__bytes__"] for k, d in means.items() if k[1] == "full"))
@@ -401,7 +429,8 @@ def headline_table(rows: list[dict[str, Any]]) -> str:
     lines = [" ".join(f"{name.capitalize()}: mean over {len(tasks)} famil{'y' if len(tasks) == 1 else 'ies'} "
                       f"({', '.join(tasks)})."
                       for name, tasks, _, _ in stats) + " Scores in %, fidelity as top-1 agreement with the full "
-             "cache; KV kept: the cache's size in memory when the question arrives, mean over methods.", "",
+             "cache; KV kept: the cache's size in memory when the question arrives, mean over methods."
+             + _partial_note(rows), "",
              head, "|---|" + "---|" * (len(budgets) * len(stats))]
     kv = []
     for _, _, means, _ in stats:
