@@ -676,6 +676,7 @@ def test_the_readme_gets_both_families_in_one_table_with_each_familys_best_train
     publish(results, card, readme)
     body, card_text = readme.read_text(), (card / "README.md").read_text()
     assert "| **global_gates** | 60.0 | 90.0 | 80.0 | 80.0 |" in body and "Held-out families (" not in body
+    assert "![quality vs KV budget](card/results.png)" in body  # relative to the README's folder
     assert "**Held-out families (" in card_text and "| global_gates | 10% | 60.0 |" in card_text
 
 

@@ -239,7 +239,11 @@ def publish(results: str | Path, card: str | Path | None = None, readme: str | P
     if readme is not None:
         readme = Path(readme)
         body = readme.read_text()
-        rel = Path(card, "results.png").as_posix() if card is not None else plot_path.as_posix()
+        import os
+
+        # relative to the README's own folder, so the image shows wherever the file sits (docs/results.md too)
+        image = Path(card, "results.png") if card is not None else plot_path
+        rel = Path(os.path.relpath(image.resolve(), readme.resolve().parent)).as_posix()
         new = (body[: body.index(README_START) + len(README_START)] + "\n" + summary_text(rows, src, headline=True)
                + f"\n\n![quality vs KV budget]({rel})\n" + body[body.index(README_END):])
         atomic_write_bytes(readme, new.encode())
