@@ -16,8 +16,8 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("output", args.output), ("seed", args.seed), ("protocol", args.protocol))
                  if v is not None}
     try:
-        cfg = load_eval_config(args.config, **overrides)
-        cfg = restrict(cfg, *(None if v is None else [x.strip() for x in v.split(",") if x.strip()]
+        whole = load_eval_config(args.config, **overrides)  # its methods are the ones published
+        cfg = restrict(whole, *(None if v is None else [x.strip() for x in v.split(",") if x.strip()]
                               for v in (args.tasks, args.budgets, args.methods)))
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     # the config's methods only: its output folder may hold rows of another config that shares it
     rows = read_results(results)
     held = {r["method"] for r in rows}  # a staged run (--methods) has rows of some methods only
-    own = [m.label for m in load_eval_config(args.config, **overrides).method_list() if m.label in held]
+    own = [m.label for m in whole.method_list() if m.label in held]
     print(overview(shown_rows(rows, own)))
     print(f"\nresults: {results}\nreport (per task, length, method and budget; plots): {write_report(results)}")
     return _publish(args, results, own)
