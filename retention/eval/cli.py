@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated option (``--tasks``, ``--budgets``, ``--methods``) as its names; ``None`` when not given. An
+    empty value is an empty list (no name), not "no filter": each command refuses it, naming what it holds."""
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _run(args: argparse.Namespace) -> int:
     from .config import EvalConfigError, load_eval_config, restrict
     from .report import overview, write_report
@@ -17,8 +23,7 @@ def _run(args: argparse.Namespace) -> int:
                  if v is not None}
     try:
         whole = load_eval_config(args.config, **overrides)  # its methods are the ones published
-        cfg = restrict(whole, *(None if v is None else [x.strip() for x in v.split(",") if x.strip()]
-                              for v in (args.tasks, args.budgets, args.methods)))
+        cfg = restrict(whole, *(_names(v) for v in (args.tasks, args.budgets, args.methods)))
     except EvalConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -88,7 +93,7 @@ def _report(args: argparse.Namespace) -> int:
         if not rows:
             raise ValueError(f"{args.results} holds no results")
         # --methods "" is a list of no method, not "no filter"
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else None
+        methods = _names(args.methods)
         if methods is not None and not methods:
             raise ValueError("--methods names no method: give labels (A,B) or leave it out to show every one")
         rows = shown_rows(rows, methods)
@@ -114,7 +119,7 @@ def _pool(args: argparse.Namespace) -> int:
 
     args.results = [str(results_file(p)) for p in args.results]
     # --methods "" is a list of no method, not "no filter": pool_rows refuses it
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else None
+    methods = _names(args.methods)
     try:
         check_publish_targets(args.card, args.readme, args.summary, args.card_section, args.replaces)
         inputs = {Path(p).resolve() for p in args.results}
