@@ -3,7 +3,7 @@ tokenizer, and is reproducible from (split, seed); training and evaluation pools
 
 import pytest
 
-from retention.tasks.haystack import documents, sentences, split_of
+from retention.tasks.haystack import debian_available, documents, sentences, split_of
 from retention.tasks import FIDELITY_TASKS, TASKS, generate
 from retention.tasks.base import count_tokens, render_chat
 
@@ -15,6 +15,8 @@ def _text(tok, item):
 @pytest.mark.parametrize("task", sorted(TASKS))
 @pytest.mark.parametrize("length", [512, 2048])
 def test_items_are_answerable_and_hit_the_length(task, length, tok):
+    if task == "package_records" and not debian_available():
+        pytest.skip("no Debian changelog / copyright files under /usr/share/doc on this machine")
     items = generate(task, tok, length, 2, seed=3)
     assert len({i.id for i in items}) == 2
     for it in items:
@@ -24,7 +26,8 @@ def test_items_are_answerable_and_hit_the_length(task, length, tok):
             assert it.continuation and not it.answers
             continue
         n = count_tokens(tok, text)
-        assert 0.85 * length <= n <= length, (task, length, n)
+        # package_records packs whole records (up to some 100 tokens each): within one record of the length
+        assert (0.8 if task == "package_records" else 0.85) * length <= n <= length, (task, length, n)
         if task == "image_memory":  # the answer is written on a photo only: the text must not give it away
             assert it.answers and not any(a in text for a in it.answers) and len(it.meta["images"]) == 2
         else:

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from retention.tasks import HELD_OUT_TASKS, TASKS, generate
-from retention.tasks.haystack import documents
+from retention.tasks.haystack import debian_available, documents
 from retention.tasks.image_items import IMAGE_TASKS
 from retention.train.config import ConfigError, load_config
 
@@ -36,7 +36,9 @@ def test_no_held_out_template_occurs_in_a_training_generator(tok):
     occurs in the items of any generator a training config may name, drawn from the training haystacks."""
     trained = set()
     for task in TRAINABLE:
-        for source in ("sotu", "pydoc"):
+        # package_records reads only the Debian files (where this machine has them); the others, both haystacks
+        sources = ("debian",) * debian_available() if task == "package_records" else ("sotu", "pydoc")
+        for source in sources:
             for item in generate(task, tok, 768, 2, seed=5, split="train", source=source):
                 trained |= _grams(_parts(item))
     allowed = _grams([RULER_SHARED])
@@ -192,6 +194,31 @@ def test_varied_facts_states_its_facts_in_many_frames_and_asks_one(tok):
     assert len(frames) >= 6  # many sentence frames, not one template
     with pytest.raises(ValueError, match="facts must be a whole number from 0 to 4"):
         generate("varied_facts", tok, 768, 1, facts=5)
+
+
+@pytest.mark.skipif(not debian_available(), reason="no Debian changelog / copyright files under /usr/share/doc")
+def test_package_records_ask_one_record_of_real_debian_files_by_its_own_key(tok):
+    """The training records source: whole changelog entries and copyright stanzas under their file paths, in both
+    shapes; the asked record is in the text, its key is nowhere else, and the answer is one of its fields."""
+    items = generate("package_records", tok, 1024, 12, seed=2, split="train")
+    assert {bool(i.messages) for i in items} == {True, False}
+    assert {i.meta["field"] for i in items} >= {"signer", "day", "license"}
+    for item in items:
+        text = item.context or item.messages[0]["content"]
+        record = item.meta["record"]
+        assert text.count(record) == 1 and item.answers[0] in record
+        assert f"==> {item.meta['file']} <==" in text
+        first = record.splitlines()[0]
+        if item.meta["field"] == "license":  # asked by the stanza's file pattern
+            assert first.removeprefix("Files:").strip() in item.question
+        else:  # "<package> (<version>)": the entry's own header, once in the text, asked as "<package> <version>"
+            package, version = first.split(")")[0].split(" (")
+            assert text.count(f"{package} ({version})") == 1 and f"{package} {version}" in item.question
+    assert {i.meta["file"].split("/")[-1] for i in items} == {"changelog.Debian", "copyright"}
+    train = {d.title.split("/")[0] for d in documents("train", "debian")}
+    assert train and not train & {d.title.split("/")[0] for d in documents("eval", "debian")}
+    with pytest.raises(ValueError, match="its haystack is debian"):
+        generate("package_records", tok, 1024, 1, source="sotu")
 
 
 def test_the_committed_held_out_item_list_is_what_the_generators_draw(tok):

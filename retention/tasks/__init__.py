@@ -27,6 +27,7 @@ from .heldout.ruler_niah import ruler_niah
 from .heldout.span_cloze import span_cloze
 from .image_memory import image_memory
 from .niah import multi_key_needle, multi_query_needle, multi_value_needle, single_needle
+from .package_records import package_records
 from .qa import document_qa
 from .variable_tracking import variable_tracking
 from .words import common_words, frequent_words
@@ -46,6 +47,7 @@ TASKS = {
     "dialogue_memory": dialogue_memory,
     "fidelity": fidelity,
     "varied_facts": varied_facts,  # training's fact source of many phrasings (issue 74)
+    "package_records": package_records,  # training's records: Debian changelogs and copyright files (issue 74)
     # vision-language models: photos early in a dialogue (retention.eval.multimodal runs it)
     "image_memory": image_memory,
     # held-out families (retention.tasks.heldout): evaluation only, training refuses them

@@ -55,20 +55,24 @@ def fit_length(tokenizer: PreTrainedTokenizerBase, target: int, build: Callable[
     Binary search on ``k``: the whole text is tokenised each time, so seams between sentences and
     inserted needles are counted exactly as the model will see them.
     """
-    lo, hi = 0, max_units
     least = count_tokens(tokenizer, build(0))
     if least > target:  # was returned as it was: a context past its length, under that length's name
         raise ValueError(f"length {target} is too short: the task's text without filler (instructions, needles) is "
                          f"{least} tokens; raise the length")
-    if count_tokens(tokenizer, build(hi)) <= target:
+    if count_tokens(tokenizer, build(max_units)) <= target:
         raise ValueError(f"not enough filler ({max_units} units) for {target} tokens")
+    k = longest(lambda k: count_tokens(tokenizer, build(k)) <= target, max_units)
+    return build(k), k
+
+
+def longest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest ``k`` in ``[0, hi)`` with ``fits(k)``, for ``fits`` true at 0, false at ``hi`` and monotone: a
+    binary search, since each call tokenises a whole text."""
+    lo = 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if count_tokens(tokenizer, build(mid)) <= target:
-            lo = mid
-        else:
-            hi = mid
-    return build(lo), lo
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def place(filler: list[str], inserts: list[str], depths: list[float]) -> str:
@@ -112,8 +116,4 @@ def fit_conversation(tokenizer: PreTrainedTokenizerBase, length: int, opener: st
         raise ValueError(f"length {length} is too short: the conversation without its document is {size(0)} tokens")
     if size(max_units) <= length:
         raise ValueError(f"not enough text ({max_units} units) for {length} tokens")
-    lo, hi = 0, max_units
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= length else (lo, mid)
-    return msgs(lo)
+    return msgs(longest(lambda k: size(k) <= length, max_units))

